@@ -1,0 +1,1 @@
+"""omni_operator: the kopf operator that reconciles OmniPipeline resources."""

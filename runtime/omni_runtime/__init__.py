@@ -1,0 +1,1 @@
+"""omni_runtime: the data plane of omni-operator (stage processes, clients, pool, router)."""

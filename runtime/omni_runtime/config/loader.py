@@ -1,0 +1,156 @@
+"""Reading a pipeline config from a file or mapping, and writing its normalised form."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from .errors import PipelineConfigError, join_path
+from .models import PipelineConfig
+
+# A file may hold the pipeline at its root (the engine's deploy YAML) or under this key.
+WRAPPER_KEY = "pipeline"
+_STAGE_TYPE = re.compile(r"stages\[[0-9]+\]\.type")
+
+
+def load_pipeline(
+    source: str | os.PathLike[str] | Mapping[str, Any], *, model: str | None = None
+) -> PipelineConfig:
+    """Load and validate a pipeline from a YAML/JSON file path or an already-parsed mapping.
+
+    ``model`` (given apart, like ``vllm serve MODEL --deploy-config FILE``) overrides or
+    fills the config's ``model``. Raises PipelineConfigError listing every problem found.
+    """
+    origin: str | None
+    if isinstance(source, Mapping):
+        origin, data = None, source
+    else:
+        origin = os.fspath(source)
+        data = _read(Path(origin))
+    data, prefix = _unwrap(data, origin)
+    if model is not None:
+        data = {**data, "model": model}
+    try:
+        return PipelineConfig.model_validate(data)
+    except ValidationError as error:
+        # `from None`: pydantic's own dump is what this error exists to replace.
+        found = PipelineConfigError.from_validation_error(error, PipelineConfig, source=origin)
+        issues = [
+            (join_path(prefix, path), message)
+            for path, message in found.issues
+            if not _follows_from_missing_model(path, message, found.issues)
+        ]
+        raise PipelineConfigError(issues, source=origin) from None
+
+
+def dump_pipeline(config: PipelineConfig) -> dict[str, Any]:
+    """The normalised camelCase form: JSON-able, and ``load_pipeline`` of it equals ``config``.
+
+    Unset optional fields are left out rather than written as null.
+    """
+    return config.model_dump(mode="json", by_alias=True, exclude_none=True)
+
+
+def _follows_from_missing_model(path: str, message: str, issues: list[tuple[str, str]]) -> bool:
+    # Without a model no topology can give stage types, so "type: required" would only
+    # repeat, once per stage, what the missing model already says.
+    return (
+        _STAGE_TYPE.fullmatch(path) is not None
+        and message.startswith("required")
+        and any(other == "model" for other, _ in issues)
+    )
+
+
+def _read(path: Path) -> Any:
+    where = str(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as error:
+        raise PipelineConfigError(
+            [(where, f"cannot read the file: {error.strerror or error}")], source=where
+        ) from None
+    except UnicodeDecodeError as error:
+        raise PipelineConfigError(
+            [(where, f"not UTF-8 text: {error.reason} at byte {error.start}")], source=where
+        ) from None
+    if path.suffix.lower() == ".json":
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as error:
+            message = f"invalid JSON at line {error.lineno}, column {error.colno}: {error.msg}"
+            raise PipelineConfigError([(where, message)], source=where) from None
+    try:
+        return yaml.load(text, Loader=_StrictSafeLoader)
+    except yaml.YAMLError as error:
+        raise PipelineConfigError([(where, _describe_yaml_error(error))], source=where) from None
+
+
+def _unwrap(data: Any, origin: str | None) -> tuple[dict[str, Any], str]:
+    """The pipeline mapping in ``data``, and the path prefix under which it was found."""
+    where = origin or "<input>"
+    if data is None:
+        raise PipelineConfigError([(where, "empty; expected a pipeline mapping")], source=origin)
+    if not isinstance(data, Mapping):
+        raise PipelineConfigError(
+            [
+                (
+                    where,
+                    f"expected a mapping (stages, connectors, ...) at the top level, "
+                    f"got {_kind(data)}",
+                )
+            ],
+            source=origin,
+        )
+    if WRAPPER_KEY in data and set(data) <= {WRAPPER_KEY, "model"}:
+        inner = data[WRAPPER_KEY]
+        if not isinstance(inner, Mapping):
+            raise PipelineConfigError(
+                [(WRAPPER_KEY, f"expected a pipeline mapping, got {_kind(inner)}")], source=origin
+            )
+        if "model" in data:
+            inner = {"model": data["model"], **inner}
+        return dict(inner), WRAPPER_KEY
+    return dict(data), ""
+
+
+def _kind(value: object) -> str:
+    if isinstance(value, list):
+        return "a list"
+    if isinstance(value, str):
+        return "a string"
+    return f"a {type(value).__name__}"
+
+
+def _describe_yaml_error(error: yaml.YAMLError) -> str:
+    if isinstance(error, yaml.MarkedYAMLError):
+        mark = error.problem_mark or error.context_mark
+        problem = error.problem or error.context or "invalid YAML"
+        if mark is not None:
+            return f"invalid YAML at line {mark.line + 1}, column {mark.column + 1}: {problem}"
+        return f"invalid YAML: {problem}"
+    return f"invalid YAML: {error}"
+
+
+class _StrictSafeLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key given twice, which PyYAML would let the last one win."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if isinstance(key, str | int | float | bool) and key in seen:
+                raise yaml.constructor.ConstructorError(
+                    "while reading a mapping",
+                    node.start_mark,
+                    f"key {key!r} is given twice",
+                    key_node.start_mark,
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)

@@ -1,0 +1,341 @@
+"""Pydantic models of a pipeline: what the runtime runs and the operator deploys.
+
+Fields are snake_case in Python and camelCase on the wire (the Kubernetes spelling, and what
+``dump_pipeline`` writes); input may use either spelling, so the engine's snake_case deploy
+YAML loads as it is. Free-form dicts (sampling params, engine args, connector extras) keep
+their keys exactly as written.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Annotated, Any, ClassVar, Literal, Self
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+from pydantic.alias_generators import to_camel
+
+from .errors import PipelineConfigError
+from .topologies import STAGE_TYPES, StageType, find_topology
+
+LLMOutput = Literal["text", "hidden_states"]
+Dtype = Literal["auto", "float32", "float16", "bfloat16", "half", "float"]
+RouterPolicy = Literal["round-robin", "least-outstanding-requests", "sticky"]
+
+# Strict, so that YAML's `true` is not taken for the count 1.
+PositiveInt = Annotated[StrictInt, Field(gt=0)]
+NonNegativeInt = Annotated[StrictInt, Field(ge=0)]
+
+CPU = "cpu"
+_GPU_ID = re.compile(r"[0-9]+")
+_FROM_STAGE = re.compile(r"from_stage_(0|[1-9][0-9]*)")
+# Stage names end up in Kubernetes object names and labels.
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+_DEVICES_ALLOWED = "'cpu', '' (same as cpu), or comma-separated GPU ids such as '0' or '0,1'"
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        validate_by_name=True,
+        validate_by_alias=True,
+        serialize_by_alias=True,
+        extra="forbid",
+    )
+
+    # Per-field text for "required" errors: what to set, and why it could not be defaulted.
+    missing_hints: ClassVar[dict[str, str]] = {}
+
+
+class ConnectorConfig(_Model):
+    """A connector that carries one stage's output to a later stage."""
+
+    name: str = Field(min_length=1, description="Connector class, e.g. SharedMemoryConnector.")
+    extra: dict[str, Any] = Field(default_factory=dict, description="Connector-specific options.")
+
+    missing_hints = {"name": "the connector class, e.g. SharedMemoryConnector"}
+
+
+class RouterConfig(_Model):
+    """The HTTP router in front of the stages."""
+
+    port: Annotated[StrictInt, Field(ge=1, le=65535)] = 8000
+    policy: RouterPolicy = "round-robin"
+
+    @field_validator("policy", mode="before")
+    @classmethod
+    def _accept_underscores(cls, value: object) -> object:
+        # The rest of the deploy YAML is snake_case, so round_robin is an easy slip.
+        return value.replace("_", "-") if isinstance(value, str) else value
+
+
+# Engine settings with their own stage field; engineArgs must not set them a second way.
+_ENGINE_FIELDS = (
+    "tensor_parallel_size",
+    "data_parallel_size",
+    "max_num_batched_tokens",
+    "max_num_seqs",
+    "max_model_len",
+    "gpu_memory_utilization",
+    "dtype",
+    "trust_remote_code",
+    "enable_prefix_caching",
+    "enforce_eager",
+)
+
+
+class StageConfig(_Model):
+    """One stage of a pipeline: an LLM on vLLM or a diffusion transformer on diffusers."""
+
+    stage_id: NonNegativeInt
+    name: str = Field(description="Defaults to the topology's name, else stage-<stageId>.")
+    type: StageType = Field(description="Defaults to the model's known topology, if any.")
+    output: LLMOutput | None = Field(
+        default=None,
+        validate_default=True,
+        description="LLM stages only: generate text, or encode hidden states for the next "
+        "stage. Defaults to text.",
+    )
+    replicas: NonNegativeInt = 1
+    devices: str = Field(
+        default=CPU,
+        description="'cpu' or comma-separated GPU ids ('0', '0,1'); normalised, '' -> 'cpu'.",
+    )
+    tensor_parallel_size: PositiveInt = 1
+    data_parallel_size: PositiveInt = 1
+    max_num_batched_tokens: PositiveInt | None = None
+    max_num_seqs: PositiveInt | None = None
+    max_model_len: PositiveInt | None = None
+    gpu_memory_utilization: float | None = None
+    dtype: Dtype | None = None
+    trust_remote_code: bool = False
+    enable_prefix_caching: bool | None = None
+    enforce_eager: bool | None = None
+    default_sampling_params: dict[str, Any] = Field(default_factory=dict)
+    input_connectors: dict[str, str] = Field(
+        default_factory=dict, description="from_stage_<id> -> name of a connector."
+    )
+    engine_args: dict[str, Any] = Field(
+        default_factory=dict, description="Further engine arguments, passed through as given."
+    )
+
+    missing_hints = {
+        "stage_id": "a non-negative integer, unique in the pipeline",
+        "name": "a name (it defaults to stage-<stageId> once stageId is set)",
+        "type": "no known topology for this model gives this stage a type; set type to one of: "
+        + ", ".join(STAGE_TYPES),
+    }
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_name(cls, data: Any) -> Any:
+        if not isinstance(data, Mapping) or "name" in data:
+            return data
+        stage_id = data.get("stageId", data.get("stage_id"))
+        if stage_id is None:
+            return data
+        if type(stage_id) is int:
+            return {**data, "name": f"stage-{stage_id}"}
+        # stageId will be refused; a placeholder keeps that the only error reported.
+        return {**data, "name": "stage"}
+
+    @field_validator("name")
+    @classmethod
+    def _check_name(cls, value: str) -> str:
+        if not _DNS_LABEL.fullmatch(value):
+            raise ValueError(
+                f"{value!r} is not a valid name: use at most 63 lower-case letters, digits "
+                "and '-', starting and ending with a letter or digit (e.g. thinker, stage-0)"
+            )
+        return value
+
+    @field_validator("output")
+    @classmethod
+    def _check_output(cls, value: LLMOutput | None, info: ValidationInfo) -> LLMOutput | None:
+        stage_type = info.data.get("type")
+        if stage_type == "llm":
+            return value or "text"
+        if stage_type == "diffusion" and value is not None:
+            raise ValueError(
+                "only llm stages have an output kind (text or hidden_states); "
+                "remove output from this diffusion stage"
+            )
+        return value
+
+    @field_validator("devices", mode="before")
+    @classmethod
+    def _normalise_devices(cls, value: object) -> str:
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            value = str(value)
+        if not isinstance(value, str):
+            raise ValueError(f"expected {_DEVICES_ALLOWED}; got {value!r}")
+        text = value.strip().lower()
+        if text in ("", CPU):
+            return CPU
+        parts = [part.strip() for part in text.split(",")]
+        if not all(_GPU_ID.fullmatch(part) for part in parts):
+            raise ValueError(f"expected {_DEVICES_ALLOWED}; got {value!r}")
+        ids = [int(part) for part in parts]
+        repeated = sorted({gpu for gpu in ids if ids.count(gpu) > 1})
+        if repeated:
+            raise ValueError(
+                f"GPU id {', '.join(map(str, repeated))} listed more than once in {value!r}; "
+                "list each GPU once"
+            )
+        return ",".join(map(str, ids))
+
+    @field_validator("gpu_memory_utilization", mode="before")
+    @classmethod
+    def _check_gpu_memory_utilization(cls, value: object) -> object:
+        allowed = "a fraction of GPU memory in (0, 1], e.g. 0.9"
+        if value is None:
+            return value
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ValueError(f"expected {allowed}; got {value!r}")
+        if not 0 < value <= 1:
+            raise ValueError(f"expected {allowed}; got {value!r}")
+        return float(value)
+
+    @field_validator("input_connectors")
+    @classmethod
+    def _check_input_connectors(cls, value: dict[str, str], info: ValidationInfo) -> dict[str, str]:
+        own_id = info.data.get("stage_id")
+        issues: list[tuple[str, str]] = []
+        for key in value:
+            match = _FROM_STAGE.fullmatch(key)
+            if match is None:
+                issues.append((key, "keys must have the form from_stage_<id>, e.g. from_stage_0"))
+            elif own_id is not None and int(match.group(1)) >= own_id:
+                which = "itself" if int(match.group(1)) == own_id else "a later stage"
+                issues.append(
+                    (
+                        key,
+                        f"stage {own_id} can only take input from a stage with a lower id, "
+                        f"not from {which}",
+                    )
+                )
+        if issues:
+            raise PipelineConfigError(issues)
+        return value
+
+    @field_validator("engine_args")
+    @classmethod
+    def _check_engine_args(cls, value: dict[str, Any]) -> dict[str, Any]:
+        issues: list[tuple[str, str]] = []
+        for name in _ENGINE_FIELDS:
+            alias = to_camel(name)
+            for key in (name, alias):
+                if key in value:
+                    issues.append((key, f"set {alias} on the stage itself, not in engineArgs"))
+        if issues:
+            raise PipelineConfigError(issues)
+        return value
+
+    @property
+    def gpu_ids(self) -> tuple[int, ...]:
+        """The GPU ids in ``devices``, in order; empty for a CPU stage."""
+        if self.devices == CPU:
+            return ()
+        return tuple(int(part) for part in self.devices.split(","))
+
+    @property
+    def input_stages(self) -> dict[int, str]:
+        """Upstream stage id -> connector name, from ``input_connectors``."""
+        return {
+            int(key.removeprefix("from_stage_")): connector
+            for key, connector in self.input_connectors.items()
+        }
+
+
+class PipelineConfig(_Model):
+    """A multi-stage pipeline: its model, stages, the connectors between them, the router."""
+
+    model: str = Field(min_length=1, description="Model path or hub id, e.g. a BAGEL checkpoint.")
+    async_chunk: bool = False
+    stages: list[StageConfig] = Field(min_length=1)
+    connectors: dict[str, ConnectorConfig] = Field(default_factory=dict)
+    router: RouterConfig = Field(default_factory=RouterConfig)
+
+    missing_hints = {
+        "model": "the model path or hub id (set model, or pass it apart from the file)",
+        "stages": "a list of stages, each with at least stageId",
+    }
+
+    @model_validator(mode="before")
+    @classmethod
+    def _apply_topology(cls, data: Any) -> Any:
+        # Runs before the stages are validated, so a known model's stages need no type.
+        if not isinstance(data, Mapping):
+            return data
+        model, stages = data.get("model"), data.get("stages")
+        topology = find_topology(model) if isinstance(model, str) else None
+        if topology is None or not isinstance(stages, list):
+            return data
+        filled: list[Any] = []
+        for stage in stages:
+            stage_id = (
+                stage.get("stageId", stage.get("stage_id")) if isinstance(stage, Mapping) else None
+            )
+            known = topology.stage(stage_id) if type(stage_id) is int else None
+            if known is not None:
+                stage = {"type": known.type, "name": known.name, **stage}
+            filled.append(stage)
+        return {**data, "stages": filled}
+
+    @model_validator(mode="after")
+    def _check_stage_graph(self) -> Self:
+        issues: list[tuple[str, str]] = []
+        index_of_id: dict[int, int] = {}
+        index_of_name: dict[str, int] = {}
+        for index, stage in enumerate(self.stages):
+            if stage.stage_id in index_of_id:
+                issues.append(
+                    (
+                        f"stages[{index}].stageId",
+                        f"stage id {stage.stage_id} is already used by "
+                        f"stages[{index_of_id[stage.stage_id]}]; stage ids must be unique",
+                    )
+                )
+            else:
+                index_of_id[stage.stage_id] = index
+            if stage.name in index_of_name:
+                issues.append(
+                    (
+                        f"stages[{index}].name",
+                        f"name {stage.name!r} is already used by "
+                        f"stages[{index_of_name[stage.name]}]; stage names must be unique",
+                    )
+                )
+            else:
+                index_of_name[stage.name] = index
+
+        stage_ids = ", ".join(map(str, sorted(index_of_id)))
+        connectors = ", ".join(self.connectors) or "none (define them under connectors)"
+        for index, stage in enumerate(self.stages):
+            for key, connector in stage.input_connectors.items():
+                path = f"stages[{index}].inputConnectors.{key}"
+                upstream = int(key.removeprefix("from_stage_"))
+                if upstream not in index_of_id:
+                    issues.append((path, f"no stage has id {upstream}; stage ids: {stage_ids}"))
+                if connector not in self.connectors:
+                    issues.append(
+                        (path, f"unknown connector {connector!r}; defined connectors: {connectors}")
+                    )
+        if issues:
+            raise PipelineConfigError(issues)
+        return self
+
+    def stage(self, stage_id: int) -> StageConfig:
+        """The stage with ``stage_id``; KeyError if there is none."""
+        for stage in self.stages:
+            if stage.stage_id == stage_id:
+                return stage
+        raise KeyError(stage_id)

@@ -1,0 +1,1 @@
+"""The diffusion side of the runtime: a diffusers engine and the stage that serves it."""

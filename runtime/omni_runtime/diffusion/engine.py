@@ -1,0 +1,286 @@
+"""DiffusionEngine: one local diffusers text-to-image pipeline, served request by request.
+
+The engine owns validation: a request is checked against the loaded pipeline (sizes it can
+make, whether it takes an input image, its conditioning width) before any compute, and a
+bad one becomes an error output naming the field. Both the out-of-process core and the
+inline client run requests through :meth:`DiffusionEngine.execute`, so they answer alike.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from collections.abc import Callable
+from typing import Annotated, Any
+
+import msgspec
+import numpy as np
+
+from omni_runtime.engine.stage.stage_core_types import (
+    StageDiffusionCoreOutput,
+    StageDiffusionCoreRequest,
+)
+
+logger = logging.getLogger(__name__)
+
+MAX_SIDE = 4096
+MAX_IMAGES = 16
+_DTYPES = {
+    "float32": "float32",
+    "float": "float32",
+    "auto": "float32",
+    "float16": "float16",
+    "half": "float16",
+    "bfloat16": "bfloat16",
+}
+
+
+class DiffusionEngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """What a diffusion engine is built from (sent to a core proc as JSON)."""
+
+    model: str
+    dtype: str = "float32"
+    # Merged under each request's own params (the pipeline's defaultSamplingParams).
+    default_params: dict[str, Any] = {}
+    # torch intra-op threads; None keeps torch's default.
+    num_threads: int | None = None
+
+
+class DiffusionParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """The sampling parameters a diffusion request may carry (``params`` on the wire)."""
+
+    height: Annotated[int, msgspec.Meta(ge=1, le=MAX_SIDE)] | None = None
+    width: Annotated[int, msgspec.Meta(ge=1, le=MAX_SIDE)] | None = None
+    num_inference_steps: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 20
+    guidance_scale: Annotated[float, msgspec.Meta(ge=0.0)] = 7.5
+    seed: Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)] | None = None
+    negative_prompt: str | None = None
+    num_images: Annotated[int, msgspec.Meta(ge=1, le=MAX_IMAGES)] = 1
+    # Image-to-image only: how far from the input image to go (1.0 ignores it).
+    strength: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.8
+
+
+PARAM_NAMES = DiffusionParams.__struct_fields__
+
+
+class InvalidRequestError(ValueError):
+    """A request the engine refuses; the message starts with the offending field."""
+
+
+class RequestAbortedError(Exception):
+    """Raised inside the pipeline's step callback to stop an aborted request."""
+
+
+class DiffusionEngine:
+    """A diffusers pipeline loaded from a local directory, run one request at a time."""
+
+    def __init__(self, config: DiffusionEngineConfig) -> None:
+        import torch
+        from diffusers import AutoPipelineForImage2Image, DiffusionPipeline
+
+        if config.dtype not in _DTYPES:
+            raise InvalidRequestError(f"dtype: {config.dtype!r} is not one of {sorted(_DTYPES)}")
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        self.config = config
+        _parse_params(config.default_params, "defaultSamplingParams")
+        self._torch_dtype = getattr(torch, _DTYPES[config.dtype])
+        self.pipeline = DiffusionPipeline.from_pretrained(
+            config.model, local_files_only=True, torch_dtype=self._torch_dtype
+        )
+        self.pipeline.set_progress_bar_config(disable=True)
+        try:
+            self._img2img = AutoPipelineForImage2Image.from_pipe(self.pipeline)
+            self._img2img.set_progress_bar_config(disable=True)
+        except ValueError:
+            self._img2img = None  # this pipeline family has no image-to-image variant
+        self.size_multiple = _size_multiple(self.pipeline)
+        self.default_size = _default_size(self.pipeline)
+        self.conditioning_width = _conditioning_width(self.pipeline)
+        # Schedulers index a table of their training timesteps: more steps than that fail
+        # deep inside the pipeline.
+        train_steps = getattr(self.pipeline.scheduler.config, "num_train_timesteps", None)
+        self.max_steps = int(train_steps) - 1 if train_steps else None
+
+    def describe(self) -> dict[str, Any]:
+        """Plain facts about the loaded pipeline (answered over collective_rpc)."""
+        return {
+            "model": self.config.model,
+            "pipeline": type(self.pipeline).__name__,
+            "size_multiple": self.size_multiple,
+            "default_size": list(self.default_size),
+            "conditioning_width": self.conditioning_width,
+            "image_to_image": self._img2img is not None,
+        }
+
+    def validate(self, request: StageDiffusionCoreRequest) -> DiffusionParams:
+        """The request's effective parameters; InvalidRequestError naming the field if bad."""
+        # The request's own params alone first, so an error names what the caller sent.
+        _parse_params(request.params, "params")
+        params = _parse_params({**self.config.default_params, **request.params}, "params")
+        if self.max_steps is not None and params.num_inference_steps > self.max_steps:
+            raise InvalidRequestError(
+                f"num_inference_steps: at most {self.max_steps} for this pipeline's scheduler "
+                f"(got {params.num_inference_steps})"
+            )
+        if request.prompt is None and request.prompt_embeds is None:
+            raise InvalidRequestError("prompt: required (or prompt_embeds from an upstream stage)")
+        if request.prompt_embeds is not None:
+            shape = tuple(request.prompt_embeds.shape)
+            if len(shape) != 2 or shape[0] < 1 or shape[1] != self.conditioning_width:
+                raise InvalidRequestError(
+                    f"prompt_embeds: expected shape [tokens, {self.conditioning_width}], "
+                    f"got {list(shape)}"
+                )
+        if request.image is not None:
+            if self._img2img is None:
+                raise InvalidRequestError("image: this pipeline does not take an input image")
+            image = request.image
+            if image.ndim != 3 or image.shape[2] != 3 or image.dtype != np.uint8:
+                raise InvalidRequestError(
+                    f"image: expected uint8 RGB [height, width, 3], got {image.dtype} "
+                    f"{list(image.shape)}"
+                )
+            if params.height is None:
+                params.height = int(image.shape[0])
+            if params.width is None:
+                params.width = int(image.shape[1])
+        if params.height is None:
+            params.height = self.default_size[0]
+        if params.width is None:
+            params.width = self.default_size[1]
+        for name in ("height", "width"):
+            value = getattr(params, name)
+            if value % self.size_multiple:
+                raise InvalidRequestError(
+                    f"{name}: must be a multiple of {self.size_multiple} for this pipeline "
+                    f"(got {value})"
+                )
+        return params
+
+    def execute(
+        self, request: StageDiffusionCoreRequest, should_abort: Callable[[], bool]
+    ) -> StageDiffusionCoreOutput:
+        """Run one request to completion. Never raises for a request's own problems: a
+        refused, failed or aborted request becomes an output saying so."""
+        request_id = request.request_id
+        try:
+            params = self.validate(request)
+        except (InvalidRequestError, msgspec.ValidationError) as e:
+            return StageDiffusionCoreOutput(request_id=request_id, error=str(e))
+        if should_abort():
+            return StageDiffusionCoreOutput(request_id=request_id, aborted=True)
+        start = time.perf_counter()
+        try:
+            images = self._run(request, params, should_abort)
+        except RequestAbortedError:
+            return StageDiffusionCoreOutput(request_id=request_id, aborted=True)
+        except ValueError as e:
+            # diffusers' own input checks (check_inputs) raise ValueError.
+            return StageDiffusionCoreOutput(request_id=request_id, error=f"pipeline: {e}")
+        except Exception as e:  # a request that breaks the pipeline must not kill the stage
+            logger.exception("request %s failed", request_id)
+            return StageDiffusionCoreOutput(
+                request_id=request_id, error=f"internal: {type(e).__name__}: {e}"
+            )
+        return StageDiffusionCoreOutput(
+            request_id=request_id, images=images, execute_time=time.perf_counter() - start
+        )
+
+    def _run(
+        self,
+        request: StageDiffusionCoreRequest,
+        params: DiffusionParams,
+        should_abort: Callable[[], bool],
+    ) -> np.ndarray:
+        import torch
+        from PIL import Image
+
+        def on_step_end(
+            pipe: Any, step: int, timestep: Any, tensors: dict[str, Any]
+        ) -> dict[str, Any]:
+            if should_abort():
+                raise RequestAbortedError
+            return tensors
+
+        kwargs: dict[str, Any] = {
+            "num_inference_steps": params.num_inference_steps,
+            "guidance_scale": params.guidance_scale,
+            "num_images_per_prompt": params.num_images,
+            "output_type": "np",
+            "callback_on_step_end": on_step_end,
+        }
+        if params.seed is not None:
+            kwargs["generator"] = torch.Generator("cpu").manual_seed(params.seed)
+        if request.prompt_embeds is not None:
+            embeds = torch.as_tensor(np.array(request.prompt_embeds), dtype=self._torch_dtype)
+            kwargs["prompt_embeds"] = embeds.unsqueeze(0)
+            # Classifier-free guidance needs an unconditional branch of the same shape.
+            kwargs["negative_prompt_embeds"] = torch.zeros_like(kwargs["prompt_embeds"])
+        else:
+            kwargs["prompt"] = request.prompt
+            kwargs["negative_prompt"] = params.negative_prompt
+        with torch.inference_mode():
+            if request.image is not None:
+                assert self._img2img is not None
+                image = Image.fromarray(np.asarray(request.image), mode="RGB")
+                if image.size != (params.width, params.height):
+                    image = image.resize((params.width, params.height), Image.Resampling.BICUBIC)
+                result = self._img2img(image=image, strength=params.strength, **kwargs)
+            else:
+                result = self.pipeline(height=params.height, width=params.width, **kwargs)
+        images = np.asarray(result.images)
+        return np.clip(np.round(images * 255.0), 0, 255).astype(np.uint8)
+
+
+def _parse_params(params: dict[str, Any], where: str) -> DiffusionParams:
+    try:
+        return msgspec.convert(params, DiffusionParams)
+    except msgspec.ValidationError as e:
+        raise InvalidRequestError(_describe_validation_error(e, where)) from None
+
+
+def _describe_validation_error(error: msgspec.ValidationError, where: str) -> str:
+    # msgspec says e.g. "Expected `int` >= 1 - at `$.height`" or
+    # "Object contains unknown field `foo`"; turn both into "field: what is wrong".
+    message = str(error)
+    unknown = re.fullmatch(r"Object contains unknown field `(.+)`", message)
+    if unknown:
+        return f"{where}.{unknown.group(1)}: unknown parameter (allowed: {', '.join(PARAM_NAMES)})"
+    located = re.fullmatch(r"(.*) - at `\$\.?(.*)`", message)
+    if located:
+        return f"{where}.{located.group(2)}: {located.group(1)}"
+    return f"{where}: {message}"
+
+
+def _size_multiple(pipeline: Any) -> int:
+    """Heights and widths must be multiples of this for the pipeline to run."""
+    vae_scale = int(getattr(pipeline, "vae_scale_factor", 8))
+    unet = getattr(pipeline, "unet", None)
+    if unet is not None:
+        # Each down block but the last halves the latent.
+        downsamples: int = len(unet.config.block_out_channels) - 1
+        return int(vae_scale * 2**downsamples)
+    transformer = getattr(pipeline, "transformer", None)
+    patch = int(getattr(getattr(transformer, "config", None), "patch_size", 1) or 1)
+    return vae_scale * patch
+
+
+def _default_size(pipeline: Any) -> tuple[int, int]:
+    vae_scale = int(getattr(pipeline, "vae_scale_factor", 8))
+    denoiser = getattr(pipeline, "unet", None) or getattr(pipeline, "transformer", None)
+    sample = getattr(getattr(denoiser, "config", None), "sample_size", 64) or 64
+    if isinstance(sample, int):
+        return sample * vae_scale, sample * vae_scale
+    return int(sample[0]) * vae_scale, int(sample[1]) * vae_scale
+
+
+def _conditioning_width(pipeline: Any) -> int:
+    """The width of the prompt embeddings the denoiser attends to."""
+    unet = getattr(pipeline, "unet", None)
+    if unet is not None:
+        return int(unet.config.cross_attention_dim)
+    transformer = getattr(pipeline, "transformer", None)
+    config = getattr(transformer, "config", None)
+    return int(getattr(config, "joint_attention_dim", 0) or 0)

@@ -1,0 +1,24 @@
+"""Conversions between the wire's image arrays (uint8 RGB, [H, W, 3]) and image files."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+from PIL import Image
+
+
+def encode_png(image: np.ndarray) -> bytes:
+    """PNG bytes of one uint8 RGB image; the same pixels always give the same bytes."""
+    buffer = io.BytesIO()
+    Image.fromarray(np.asarray(image, dtype=np.uint8), mode="RGB").save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def decode_image(data: bytes) -> np.ndarray:
+    """A uint8 RGB array from PNG/JPEG/... bytes; ValueError if they are not an image."""
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            return np.asarray(image.convert("RGB"), dtype=np.uint8)
+    except (OSError, Image.DecompressionBombError) as e:
+        raise ValueError(f"not a readable image: {e}") from e

@@ -1,0 +1,285 @@
+"""StageDiffusionCoreProc: a diffusion engine in its own process, served over ZMQ.
+
+Shaped like vLLM's ``EngineCoreProc``: an input I/O thread decodes requests into a queue,
+an output I/O thread encodes outputs off a queue, and the busy loop in the main thread only
+runs the engine, one request at a time. Aborts are applied by the input thread as they
+arrive, so a running request sees them at its next denoising step.
+
+The process is started by StageDiffusionCoreProcManager as
+``python -m omni_runtime.diffusion.stage.stage_diffusion_core_proc ...`` (plain arguments,
+no pickled state). It reports READY, or why it could not start, on the handshake socket;
+it says why it is going away (``engine_dead``) on the output socket before it exits on a
+fatal error; SIGTERM/SIGINT stop it cleanly, and it exits by itself if its parent dies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import queue
+import select
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+import msgspec
+import zmq
+
+from omni_runtime.diffusion.engine import DiffusionEngine, DiffusionEngineConfig
+from omni_runtime.engine.stage.stage_core_types import (
+    StageCoreRequestType,
+    StageDiffusionCoreOutputs,
+    StageDiffusionCoreRequest,
+    StageUtilityCall,
+    StageUtilityOutput,
+)
+from omni_runtime.wire import Frame, WireDecoder, WireEncoder, WireError
+
+logger = logging.getLogger(__name__)
+
+# How long the last messages (an engine_dead notice above all) may take to leave on exit.
+_LINGER_MS = 2000
+
+
+class StageProcHandshake(msgspec.Struct, gc=False):
+    """Sent once by a starting core proc: ready (with facts about its engine), or not."""
+
+    pid: int
+    ready: bool
+    error: str | None = None
+    info: dict[str, Any] = {}
+
+
+class _Shutdown(BaseException):
+    """Raised in the main thread by SIGTERM/SIGINT. A BaseException, so that the engine's
+    per-request error handling cannot swallow it."""
+
+
+class StageDiffusionCoreProc:
+    """Owns the engine, the sockets and the I/O threads of one diffusion core process."""
+
+    def __init__(
+        self,
+        config: DiffusionEngineConfig,
+        *,
+        input_address: str,
+        output_address: str,
+        handshake_address: str,
+    ) -> None:
+        self._ctx = zmq.Context()
+        self._handshake_address = handshake_address
+        try:
+            self.engine = DiffusionEngine(config)
+        except BaseException as e:
+            self._send_handshake(StageProcHandshake(os.getpid(), False, error=_describe(e)))
+            self._ctx.term()
+            raise
+        self._input_queue: queue.Queue[tuple[StageCoreRequestType, Any]] = queue.Queue()
+        self._output_queue: queue.Queue[StageDiffusionCoreOutputs | None] = queue.Queue()
+        # Requests received and not yet answered, and those of them aborted. The input
+        # thread adds, the busy loop removes; both under the lock.
+        self._lock = threading.Lock()
+        self._pending: set[str] = set()
+        self._aborted: set[str] = set()
+
+        input_socket = self._ctx.socket(zmq.PULL)
+        input_socket.connect(input_address)
+        output_socket = self._ctx.socket(zmq.PUSH)
+        output_socket.setsockopt(zmq.LINGER, _LINGER_MS)
+        output_socket.connect(output_address)
+        self._input_thread = threading.Thread(
+            target=self._process_input_socket,
+            args=(input_socket,),
+            daemon=True,
+            name="diffusion-core-input",
+        )
+        self._output_thread = threading.Thread(
+            target=self._process_output_socket,
+            args=(output_socket,),
+            daemon=True,
+            name="diffusion-core-output",
+        )
+        self._input_thread.start()
+        self._output_thread.start()
+        self._send_handshake(StageProcHandshake(os.getpid(), True, info=self.engine.describe()))
+
+    def run_busy_loop(self) -> None:
+        while True:
+            kind, payload = self._input_queue.get()
+            if kind is StageCoreRequestType.ADD:
+                self._execute(payload)
+            elif kind is StageCoreRequestType.UTILITY:
+                self._output_queue.put(
+                    StageDiffusionCoreOutputs(
+                        utility_output=self._run_utility(payload), timestamp=time.time()
+                    )
+                )
+
+    def send_engine_dead(self, reason: str) -> None:
+        """Tell the client this core is going away, then let the message leave."""
+        self._output_queue.put(StageDiffusionCoreOutputs(engine_dead=reason, timestamp=time.time()))
+        self.close()
+
+    def close(self) -> None:
+        # Each socket is closed by the thread that uses it (ZMQ sockets are not
+        # thread-safe): the output thread after the sentinel, the input thread when term()
+        # interrupts its recv.
+        self._output_queue.put(None)
+        self._output_thread.join(timeout=_LINGER_MS / 1000)
+        self._ctx.term()
+
+    def _execute(self, request: StageDiffusionCoreRequest) -> None:
+        request_id = request.request_id
+
+        def should_abort() -> bool:
+            return request_id in self._aborted
+
+        output = self.engine.execute(request, should_abort)
+        with self._lock:
+            self._pending.discard(request_id)
+            self._aborted.discard(request_id)
+        self._output_queue.put(StageDiffusionCoreOutputs(outputs=[output], timestamp=time.time()))
+
+    def _run_utility(self, call: StageUtilityCall) -> StageUtilityOutput:
+        # Only the engine's public methods: collective_rpc is an operator's tool, not a way
+        # into the process's internals.
+        method = (
+            getattr(self.engine, call.method, None) if not call.method.startswith("_") else None
+        )
+        if not callable(method):
+            return StageUtilityOutput(
+                call.call_id, failure_message=f"unknown method {call.method!r}"
+            )
+        try:
+            return StageUtilityOutput(call.call_id, result=method(*call.args, **call.kwargs))
+        except Exception as e:
+            return StageUtilityOutput(call.call_id, failure_message=_describe(e))
+
+    def _process_input_socket(self, socket: zmq.Socket[Any]) -> None:
+        decoders = {
+            StageCoreRequestType.ADD: WireDecoder(StageDiffusionCoreRequest),
+            StageCoreRequestType.ABORT: WireDecoder(list[str]),
+            StageCoreRequestType.UTILITY: WireDecoder(StageUtilityCall),
+        }
+        try:
+            while True:
+                frames: list[zmq.Frame] = socket.recv_multipart(copy=False)
+                try:
+                    kind = StageCoreRequestType(frames[0].bytes)
+                    payload = decoders[kind].decode(frames[1:])
+                except (ValueError, WireError) as e:
+                    # A peer speaking another protocol must not take the core down.
+                    logger.warning("dropping undecodable message: %s", e)
+                    continue
+                if kind is StageCoreRequestType.ABORT:
+                    with self._lock:
+                        self._aborted.update(i for i in payload if i in self._pending)
+                    continue
+                if kind is StageCoreRequestType.ADD:
+                    with self._lock:
+                        self._pending.add(payload.request_id)
+                self._input_queue.put((kind, payload))
+        except zmq.ContextTerminated:
+            socket.close(linger=0)
+
+    def _process_output_socket(self, socket: zmq.Socket[Any]) -> None:
+        encoder = WireEncoder()
+        while (outputs := self._output_queue.get()) is not None:
+            frames: list[Frame] = encoder.encode(outputs)
+            socket.send_multipart(frames, copy=False)
+        socket.close(linger=_LINGER_MS)
+
+    def _send_handshake(self, message: StageProcHandshake) -> None:
+        socket = self._ctx.socket(zmq.PUSH)
+        socket.setsockopt(zmq.LINGER, _LINGER_MS)
+        socket.connect(self._handshake_address)
+        socket.send(msgspec.msgpack.encode(message))
+        socket.close()
+
+
+def run_stage_core(
+    config: DiffusionEngineConfig,
+    *,
+    input_address: str,
+    output_address: str,
+    handshake_address: str,
+) -> int:
+    """The core process's body; returns its exit code."""
+    _exit_with_parent()
+    shutdown_requested = False
+
+    def on_signal(signum: int, frame: Any) -> None:
+        nonlocal shutdown_requested
+        if not shutdown_requested:  # a second signal must not interrupt the clean exit
+            shutdown_requested = True
+            raise _Shutdown
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    proc: StageDiffusionCoreProc | None = None
+    try:
+        proc = StageDiffusionCoreProc(
+            config,
+            input_address=input_address,
+            output_address=output_address,
+            handshake_address=handshake_address,
+        )
+        proc.run_busy_loop()
+    except _Shutdown:
+        logger.info("diffusion core shutting down on signal")
+        if proc is not None:
+            proc.close()
+        return 0
+    except BaseException as e:
+        logger.exception("diffusion core failed")
+        if proc is not None:
+            proc.send_engine_dead(f"diffusion core failed: {_describe(e)}")
+        return 1
+    return 0
+
+
+def _exit_with_parent() -> None:
+    """SIGTERM ourselves when the parent (the proc manager's process) goes away, so that a
+    killed manager never leaves this process behind."""
+    parent = os.getppid()
+    try:
+        pidfd = os.pidfd_open(parent)
+    except OSError:
+        return  # no pidfd support: the manager's shutdown remains the only way out
+
+    def watch() -> None:
+        select.select([pidfd], [], [])
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, daemon=True, name="parent-watch").start()
+
+
+def _describe(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Run one diffusion stage core process.")
+    parser.add_argument("--config", required=True, help="DiffusionEngineConfig as JSON")
+    parser.add_argument("--input-address", required=True)
+    parser.add_argument("--output-address", required=True)
+    parser.add_argument("--handshake-address", required=True)
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=os.environ.get("OMNI_LOG_LEVEL", "INFO"),
+        format="%(asctime)s %(levelname)s [diffusion-core %(process)d] %(name)s: %(message)s",
+    )
+    config = msgspec.json.decode(args.config, type=DiffusionEngineConfig)
+    return run_stage_core(
+        config,
+        input_address=args.input_address,
+        output_address=args.output_address,
+        handshake_address=args.handshake_address,
+    )
+
+
+if __name__ == "__main__":
+    sys.exit(main())

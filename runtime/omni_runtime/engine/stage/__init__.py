@@ -1,0 +1,1 @@
+"""Stage runtime: wire types, the client contract, the LLM stage, the replica pool."""

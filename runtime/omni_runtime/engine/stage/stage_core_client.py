@@ -1,0 +1,58 @@
+"""StageCoreClientBase: the one contract every stage client meets.
+
+The router, the replica pool and the tests talk to a stage only through this contract,
+whatever runs behind it: a vLLM engine core in a child process (the LLM clients), a
+diffusers pipeline in a child process (StageDiffusionCoreClient), the same pipeline in the
+caller's process (InlineStageDiffusionClient), or a stage replica in another pod.
+Method names and signatures follow vLLM's ``EngineCoreClient`` so that the LLM clients get
+most of them from vLLM's ``AsyncMPClient``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+from omni_runtime.engine.stage.stage_core_types import StageCoreOutputs, StageCoreRequest
+
+
+class StageCoreDeadError(RuntimeError):
+    """The stage core behind a client is gone; no request on it will complete."""
+
+
+class StageCoreClientBase(ABC):
+    """What the rest of the system may ask of a stage."""
+
+    @abstractmethod
+    async def add_request_async(self, request: StageCoreRequest) -> None:
+        """Queue ``request``; its output arrives through :meth:`get_outputs_async`."""
+
+    @abstractmethod
+    async def get_outputs_async(self) -> StageCoreOutputs:
+        """Wait for the next outputs message. Raises StageCoreDeadError once the core dies."""
+
+    @abstractmethod
+    def get_outputs_nowait(self) -> StageCoreOutputs | None:
+        """The next outputs message if one is ready, else None (never blocks)."""
+
+    @abstractmethod
+    async def abort_requests_async(self, request_ids: list[str]) -> None:
+        """Stop the given requests; each still yields an output (marked aborted)."""
+
+    @abstractmethod
+    async def collective_rpc_async(
+        self,
+        method: str,
+        timeout: float | None = None,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        """Run ``method`` on the stage's engine and return its (plain-data) result."""
+
+    @abstractmethod
+    def check_health(self) -> None:
+        """Return if the stage core is alive; raise StageCoreDeadError if not."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Stop the stage core and release every socket, thread and process. Idempotent."""

@@ -1,0 +1,132 @@
+"""Wire types of every stage core, as the seed's third inheritance diagram draws them.
+
+``StageCoreRequest``/``Output``/``Outputs`` are field-less markers: code that handles any
+stage (the replica pool, the router) types against them. The LLM types are vLLM's own
+engine-core messages *and* markers, so a vLLM engine core accepts them unchanged; the
+diffusion types carry what a diffusers pipeline needs. All are msgspec structs encoded by
+``omni_runtime.wire`` (arrays as raw frames, never pickle).
+
+The three LLM types are defined in ``_stage_llm_core_types`` and resolved here on first
+use (PEP 562): subclassing vLLM's structs means importing vLLM, about 7 s, which a
+diffusion core proc would otherwise pay at every start for types it never uses.
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+import numpy as np
+
+if TYPE_CHECKING:
+    from omni_runtime.engine.stage._stage_llm_core_types import (
+        StageLLMCoreOutput,
+        StageLLMCoreOutputs,
+        StageLLMCoreRequest,
+    )
+
+__all__ = [
+    "StageCoreOutput",
+    "StageCoreOutputs",
+    "StageCoreRequest",
+    "StageCoreRequestType",
+    "StageDiffusionCoreOutput",
+    "StageDiffusionCoreOutputs",
+    "StageDiffusionCoreRequest",
+    "StageLLMCoreOutput",
+    "StageLLMCoreOutputs",
+    "StageLLMCoreRequest",
+    "StageUtilityCall",
+    "StageUtilityOutput",
+]
+_LLM_TYPES = frozenset({"StageLLMCoreRequest", "StageLLMCoreOutput", "StageLLMCoreOutputs"})
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LLM_TYPES:
+        module = importlib.import_module("omni_runtime.engine.stage._stage_llm_core_types")
+        return getattr(module, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+class StageCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Marker: a request to a stage core of any kind."""
+
+
+class StageCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Marker: one request's output from a stage core of any kind."""
+
+
+class StageCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Marker: one message of outputs from a stage core of any kind."""
+
+
+class StageDiffusionCoreRequest(StageCoreRequest):
+    """A generation request to a diffusion stage.
+
+    ``params`` is the request's free-form sampling map (height, width, num_inference_steps,
+    guidance_scale, seed, negative_prompt, num_images, strength). It stays a map on the wire
+    so that the engine, not every client, validates it against the loaded pipeline and
+    answers a bad field with an error output naming it.
+    """
+
+    request_id: str
+    prompt: str | None = None
+    params: dict[str, Any] = {}
+    # Image-to-image input: uint8 RGB, [height, width, 3].
+    image: np.ndarray | None = None
+    # Text conditioning computed upstream (an LLM stage's hidden states), [tokens, width];
+    # replaces the pipeline's own text encoder for this request.
+    prompt_embeds: np.ndarray | None = None
+    arrival_time: float = 0.0
+
+
+class StageDiffusionCoreOutput(StageCoreOutput):
+    """A finished diffusion request: images, or why there are none."""
+
+    request_id: str
+    # uint8 RGB, [num_images, height, width, 3].
+    images: np.ndarray | None = None
+    # "field: what is wrong" for a refused request; the failure for one that broke.
+    error: str | None = None
+    aborted: bool = False
+    # Seconds spent in the pipeline (0 for refused requests).
+    execute_time: float = 0.0
+
+
+class StageUtilityOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """The answer to a collective_rpc call: its result or why it failed."""
+
+    call_id: int
+    result: Any = None
+    failure_message: str | None = None
+
+
+class StageDiffusionCoreOutputs(StageCoreOutputs):
+    """One message from a diffusion stage core."""
+
+    outputs: list[StageDiffusionCoreOutput] = []
+    utility_output: StageUtilityOutput | None = None
+    # Set on the last message of a core that is going away, with the reason. The client
+    # fails every outstanding request with it.
+    engine_dead: str | None = None
+    timestamp: float = 0.0
+
+
+class StageUtilityCall(msgspec.Struct, array_like=True, gc=False):
+    """A collective_rpc call: run ``method`` on the stage's engine."""
+
+    call_id: int
+    method: str
+    args: list[Any] = []
+    kwargs: dict[str, Any] = {}
+
+
+class StageCoreRequestType(enum.Enum):
+    """First frame of a client-to-core message: what the rest of the frames hold."""
+
+    ADD = b"\x00"
+    ABORT = b"\x01"
+    UTILITY = b"\x03"

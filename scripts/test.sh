@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Sets up the environment (scripts/setup.sh) and runs every check of the project: lint,
+# formatting, types, the import-layer contracts, then the whole test suite (unit,
+# integration with real processes, and cluster where a control plane can be had).
+# Extra arguments go to pytest, e.g. scripts/test.sh -m "not integration".
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+scripts/setup.sh >/dev/null
+py=.venv/bin/python
+
+echo "== ruff"; "$py" -m ruff check . && "$py" -m ruff format --check .
+echo "== mypy"; "$py" -m mypy
+echo "== import contracts"
+"$py" -c 'import sys; from importlinter.cli import lint_imports_command; sys.exit(lint_imports_command())'
+echo "== pytest"; "$py" -m pytest "$@"

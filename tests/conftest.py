@@ -1,0 +1,44 @@
+"""Fixtures shared by every suite, and the session's no-orphan-process check."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+# vLLM/torch/transformers log noise is not test output.
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """The tiny LLM and diffusion pipeline, built once per test session from configs."""
+    from omni_runtime.tiny_models import ensure_tiny_models
+
+    return ensure_tiny_models(tmp_path_factory.mktemp("tiny-models"))
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    # Runs after every fixture is torn down: whatever child process is still here was
+    # leaked by the code under test (or a test). Report it, fail the run, and clean up.
+    leftovers = psutil.Process().children(recursive=True)
+    if not leftovers:
+        return
+    described = ", ".join(f"pid {p.pid} ({' '.join(_cmdline(p))[:120]})" for p in leftovers)
+    session.config.get_terminal_writer().line(
+        f"FAILED: child processes survived the test session: {described}", red=True
+    )
+    for proc in leftovers:
+        proc.kill()
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def _cmdline(proc: psutil.Process) -> list[str]:
+    try:
+        return proc.cmdline()
+    except psutil.Error:
+        return ["?"]

@@ -1,0 +1,239 @@
+"""The diffusion stage for real: diffusers in a StageDiffusionCoreProc on a tiny pipeline,
+reached through StageDiffusionCoreClient over ZMQ, and the same engine inline."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+
+from omni_runtime.diffusion.engine import DiffusionEngineConfig
+from omni_runtime.diffusion.images import decode_image, encode_png
+from omni_runtime.diffusion.stage.generate import generate
+from omni_runtime.diffusion.stage.inline_stage_diffusion_client import InlineStageDiffusionClient
+from omni_runtime.diffusion.stage.stage_diffusion_core_client import StageDiffusionCoreClient
+from omni_runtime.diffusion.stage.stage_diffusion_core_proc_manager import StageCoreStartupError
+from omni_runtime.engine.stage.stage_core_client import StageCoreDeadError
+from omni_runtime.engine.stage.stage_core_types import (
+    StageDiffusionCoreOutput,
+    StageDiffusionCoreRequest,
+)
+
+pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="module")]
+
+FAST = {"num_inference_steps": 2}
+
+
+def request(
+    request_id: str, prompt: str | None = "a red cat", **params: object
+) -> StageDiffusionCoreRequest:
+    return StageDiffusionCoreRequest(
+        request_id=request_id, prompt=prompt, params={**FAST, **params}
+    )
+
+
+async def run_one(client: object, req: StageDiffusionCoreRequest) -> StageDiffusionCoreOutput:
+    outputs = await generate(client, [req], timeout=120)  # type: ignore[arg-type]
+    return outputs[req.request_id]
+
+
+@pytest.fixture(scope="module")
+def engine_config(tiny_models: Path) -> DiffusionEngineConfig:
+    return DiffusionEngineConfig(model=str(tiny_models / "diffusion"))
+
+
+@pytest.fixture(scope="module")
+def proc_client(engine_config: DiffusionEngineConfig) -> Iterator[StageDiffusionCoreClient]:
+    client = StageDiffusionCoreClient(engine_config)
+    yield client
+    client.shutdown()
+
+
+@pytest.fixture(scope="module")
+def inline_client(engine_config: DiffusionEngineConfig) -> Iterator[InlineStageDiffusionClient]:
+    client = InlineStageDiffusionClient(engine_config)
+    yield client
+    client.shutdown()
+
+
+async def test_concurrent_requests_give_pngs_of_requested_sizes(
+    proc_client: StageDiffusionCoreClient,
+) -> None:
+    sizes = [(64, 64), (96, 64), (64, 128)]  # (width, height)
+    reqs = [request(f"size-{i}", width=w, height=h, seed=i) for i, (w, h) in enumerate(sizes)]
+    outputs = await generate(proc_client, reqs, timeout=120)
+    for req, (width, height) in zip(reqs, sizes, strict=True):
+        output = outputs[req.request_id]
+        assert output.error is None
+        assert output.images is not None
+        assert output.images.shape == (1, height, width, 3)
+        png = encode_png(output.images[0])
+        assert png.startswith(b"\x89PNG")
+        assert decode_image(png).shape == (height, width, 3)
+
+
+async def test_same_seed_same_bytes_and_inline_matches_proc(
+    proc_client: StageDiffusionCoreClient, inline_client: InlineStageDiffusionClient
+) -> None:
+    first = await run_one(proc_client, request("seed-a", seed=7))
+    again = await run_one(proc_client, request("seed-b", seed=7))
+    other = await run_one(proc_client, request("seed-c", seed=8))
+    inline = await run_one(inline_client, request("seed-d", seed=7))
+    assert first.images is not None
+    assert again.images is not None
+    assert other.images is not None
+    assert inline.images is not None
+    assert encode_png(first.images[0]) == encode_png(again.images[0])
+    assert encode_png(first.images[0]) == encode_png(inline.images[0])
+    assert not np.array_equal(first.images, other.images)
+
+
+async def test_several_images_per_request(proc_client: StageDiffusionCoreClient) -> None:
+    output = await run_one(proc_client, request("many", seed=3, num_images=2))
+    assert output.images is not None
+    assert output.images.shape == (2, 64, 64, 3)
+
+
+@pytest.mark.parametrize(
+    ("params", "prompt", "field"),
+    [
+        ({"height": 0}, "x", "params.height"),
+        ({"num_inference_steps": 0}, "x", "params.num_inference_steps"),
+        ({"width": 70}, "x", "width: must be a multiple of 4"),
+        ({"sharpness": 3}, "x", "params.sharpness: unknown parameter"),
+        ({"seed": -1}, "x", "params.seed"),
+        ({"num_images": "two"}, "x", "params.num_images"),
+        ({}, None, "prompt: required"),
+    ],
+)
+@pytest.mark.parametrize("kind", ["proc", "inline"])
+async def test_bad_request_errors_and_next_succeeds(
+    proc_client: StageDiffusionCoreClient,
+    inline_client: InlineStageDiffusionClient,
+    kind: str,
+    params: dict[str, object],
+    prompt: str | None,
+    field: str,
+) -> None:
+    client = proc_client if kind == "proc" else inline_client
+    bad = await run_one(
+        client, StageDiffusionCoreRequest(request_id="bad", prompt=prompt, params=params)
+    )
+    assert bad.images is None
+    assert bad.error is not None
+    assert field in bad.error
+    good = await run_one(client, request("good", seed=1))
+    assert good.error is None
+    assert good.images is not None
+
+
+async def test_image_to_image_keeps_input_size(proc_client: StageDiffusionCoreClient) -> None:
+    source = np.random.default_rng(0).integers(0, 256, size=(96, 64, 3), dtype=np.uint8)
+    req = StageDiffusionCoreRequest(
+        request_id="i2i", prompt="gold", image=source, params={**FAST, "seed": 1, "strength": 0.5}
+    )
+    output = await run_one(proc_client, req)
+    assert output.error is None
+    assert output.images is not None
+    assert output.images.shape == (1, 96, 64, 3)
+
+
+async def test_prompt_embeds_condition_the_pipeline(proc_client: StageDiffusionCoreClient) -> None:
+    width = proc_client.info["conditioning_width"]
+    embeds = np.random.default_rng(0).standard_normal((5, width)).astype(np.float32)
+    ok = await run_one(
+        proc_client,
+        StageDiffusionCoreRequest(
+            request_id="emb", prompt_embeds=embeds, params={**FAST, "seed": 1}
+        ),
+    )
+    assert ok.error is None
+    assert ok.images is not None
+    bad = await run_one(
+        proc_client,
+        StageDiffusionCoreRequest(request_id="emb-bad", prompt_embeds=embeds[:, :7], params=FAST),
+    )
+    assert bad.error is not None
+    assert bad.error.startswith("prompt_embeds:")
+
+
+@pytest.mark.parametrize("kind", ["proc", "inline"])
+async def test_abort_stops_running_and_queued_requests(
+    proc_client: StageDiffusionCoreClient, inline_client: InlineStageDiffusionClient, kind: str
+) -> None:
+    client = proc_client if kind == "proc" else inline_client
+    # Long enough that finishing it instead of aborting would blow the deadline below.
+    await client.add_request_async(request("long", num_inference_steps=500))
+    await client.add_request_async(request("queued", num_inference_steps=500))
+    await client.abort_requests_async(["long", "queued"])
+    seen: dict[str, StageDiffusionCoreOutput] = {}
+    async with asyncio.timeout(30):
+        while len(seen) < 2:
+            for output in (await client.get_outputs_async()).outputs:
+                seen[output.request_id] = output
+    assert seen["long"].aborted
+    assert seen["queued"].aborted
+    assert seen["long"].images is None
+    after = await run_one(client, request("after-abort", seed=2))
+    assert after.images is not None
+
+
+async def test_collective_rpc(proc_client: StageDiffusionCoreClient) -> None:
+    info = await proc_client.collective_rpc_async("describe", timeout=10)
+    assert info["pipeline"] == "StableDiffusionPipeline"
+    assert info["image_to_image"] is True
+    with pytest.raises(RuntimeError, match="unknown method"):
+        await proc_client.collective_rpc_async("_run", timeout=10)
+
+
+@pytest.fixture
+async def doomed_client(
+    engine_config: DiffusionEngineConfig,
+) -> AsyncIterator[StageDiffusionCoreClient]:
+    """A client of its own, for tests that kill its proc."""
+    client = StageDiffusionCoreClient(engine_config)
+    yield client
+    client.shutdown()
+    assert not psutil.pid_exists(client.proc_manager.pid) or (
+        psutil.Process(client.proc_manager.pid).status() == psutil.STATUS_ZOMBIE
+    )
+
+
+@pytest.mark.asyncio(loop_scope="function")
+async def test_killed_proc_fails_outstanding_requests_fast(
+    doomed_client: StageDiffusionCoreClient,
+) -> None:
+    await doomed_client.add_request_async(request("in-flight", num_inference_steps=500))
+    os.kill(doomed_client.proc_manager.pid, signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises(StageCoreDeadError, match="SIGKILL"):
+        async with asyncio.timeout(10):
+            await doomed_client.get_outputs_async()
+    assert time.monotonic() - start < 5
+    with pytest.raises(StageCoreDeadError):
+        await doomed_client.add_request_async(request("after-death"))
+    with pytest.raises(StageCoreDeadError):
+        doomed_client.check_health()
+
+
+@pytest.mark.asyncio(loop_scope="function")
+async def test_sigterm_stops_proc_cleanly(doomed_client: StageDiffusionCoreClient) -> None:
+    os.kill(doomed_client.proc_manager.pid, signal.SIGTERM)
+    with pytest.raises(StageCoreDeadError, match="exit code 0"):
+        async with asyncio.timeout(10):
+            await doomed_client.get_outputs_async()
+
+
+async def test_startup_failure_is_reported_not_hung(tmp_path: Path) -> None:
+    start = time.monotonic()
+    with pytest.raises(StageCoreStartupError, match="failed to start") as info:
+        StageDiffusionCoreClient(DiffusionEngineConfig(model=str(tmp_path / "missing")))
+    assert str(tmp_path / "missing") in str(info.value)
+    assert time.monotonic() - start < 60

@@ -1,0 +1,57 @@
+"""The omni-runtime command as a user runs it: exit codes and messages, never tracebacks."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def omni_runtime(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "omni_runtime.entrypoints.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_validate_prints_the_normalised_seed_pipeline() -> None:
+    result = omni_runtime(
+        "validate",
+        "-f",
+        str(REPO / "examples/bagel.yaml"),
+        "--model",
+        "ByteDance-Seed/BAGEL-7B-MoT",
+    )
+    assert result.returncode == 0, result.stderr
+    pipeline = yaml.safe_load(result.stdout)
+    assert [s["type"] for s in pipeline["stages"]] == ["llm", "diffusion"]
+    assert pipeline["stages"][1]["inputConnectors"] == {"from_stage_0": "shared_memory_connector"}
+
+
+def test_validate_reports_errors_by_field(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("stages:\n  - stage_id: 0\n    type: llm\n    replicas: -1\n")
+    result = omni_runtime("validate", "-f", str(bad), "--model", "m")
+    assert result.returncode == 1
+    assert "stages[0].replicas" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_validate_missing_file_is_a_message(tmp_path: Path) -> None:
+    result = omni_runtime("validate", "-f", str(tmp_path / "nope.yaml"))
+    assert result.returncode == 1
+    assert "No such file" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_generate_rejects_a_bad_size_before_starting_anything() -> None:
+    result = omni_runtime("generate", "--size", "big")
+    assert result.returncode == 1
+    assert "--size: expected WIDTHxHEIGHT" in result.stderr
+    assert "Traceback" not in result.stderr
