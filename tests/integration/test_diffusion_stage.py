@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -42,6 +44,18 @@ def request(
 async def run_one(client: object, req: StageDiffusionCoreRequest) -> StageDiffusionCoreOutput:
     outputs = await generate(client, [req], timeout=120)  # type: ignore[arg-type]
     return outputs[req.request_id]
+
+
+async def outputs_until_dead(
+    client: StageDiffusionCoreClient,
+) -> tuple[list[StageDiffusionCoreOutput], StageCoreDeadError]:
+    outputs: list[StageDiffusionCoreOutput] = []
+    async with asyncio.timeout(10):
+        while True:
+            try:
+                outputs.extend((await client.get_outputs_async()).outputs)
+            except StageCoreDeadError as death:
+                return outputs, death
 
 
 @pytest.fixture(scope="module")
@@ -237,3 +251,50 @@ async def test_startup_failure_is_reported_not_hung(tmp_path: Path) -> None:
         StageDiffusionCoreClient(DiffusionEngineConfig(model=str(tmp_path / "missing")))
     assert str(tmp_path / "missing") in str(info.value)
     assert time.monotonic() - start < 60
+
+
+@pytest.mark.asyncio(loop_scope="function")
+async def test_sigterm_aborts_a_running_request_and_exits(
+    doomed_client: StageDiffusionCoreClient,
+) -> None:
+    core = psutil.Process(doomed_client.proc_manager.pid)
+    idle_cpu = sum(core.cpu_times()[:2])
+    await doomed_client.add_request_async(request("long", num_inference_steps=500))
+    # An idle core burns no CPU: half a second of it means the request is running.
+    deadline = time.monotonic() + 30
+    while sum(core.cpu_times()[:2]) - idle_cpu < 0.5:
+        assert time.monotonic() < deadline, "the request never started"
+        await asyncio.sleep(0.05)
+    start = time.monotonic()
+    os.kill(doomed_client.proc_manager.pid, signal.SIGTERM)
+    outputs, death = await outputs_until_dead(doomed_client)
+    assert "exit code 0" in str(death)
+    assert [o.request_id for o in outputs] == ["long"]
+    assert outputs[0].aborted
+    assert time.monotonic() - start < 5
+
+
+async def test_core_exits_when_its_manager_process_is_killed(
+    engine_config: DiffusionEngineConfig,
+) -> None:
+    script = (
+        "import sys\n"
+        "from omni_runtime.diffusion.engine import DiffusionEngineConfig\n"
+        "from omni_runtime.diffusion.stage.stage_diffusion_core_client import "
+        "StageDiffusionCoreClient\n"
+        f"client = StageDiffusionCoreClient(DiffusionEngineConfig(model={engine_config.model!r}))\n"
+        "print(client.proc_manager.pid, flush=True)\n"
+        "sys.stdin.read()\n"
+    )
+    manager = subprocess.Popen(
+        [sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert manager.stdout is not None
+        core = psutil.Process(int(manager.stdout.readline()))
+        manager.kill()
+        manager.wait(timeout=10)
+        core.wait(timeout=10)  # raises psutil.TimeoutExpired if the core outlives its manager
+    finally:
+        manager.kill()
+        manager.wait()

@@ -9,7 +9,8 @@ The process is started by StageDiffusionCoreProcManager as
 ``python -m omni_runtime.diffusion.stage.stage_diffusion_core_proc ...`` (plain arguments,
 no pickled state). It reports READY, or why it could not start, on the handshake socket;
 it says why it is going away (``engine_dead``) on the output socket before it exits on a
-fatal error; SIGTERM/SIGINT stop it cleanly, and it exits by itself if its parent dies.
+fatal error; SIGTERM/SIGINT stop it cleanly (a running request is aborted, not finished),
+and it stops by itself if its parent dies.
 """
 
 from __future__ import annotations
@@ -20,9 +21,11 @@ import os
 import queue
 import select
 import signal
+import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -40,6 +43,7 @@ from omni_runtime.wire import Frame, WireDecoder, WireEncoder, WireError
 
 logger = logging.getLogger(__name__)
 
+_STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
 # How long the last messages (an engine_dead notice above all) may take to leave on exit.
 _LINGER_MS = 2000
 
@@ -51,11 +55,6 @@ class StageProcHandshake(msgspec.Struct, gc=False):
     ready: bool
     error: str | None = None
     info: dict[str, Any] = {}
-
-
-class _Shutdown(BaseException):
-    """Raised in the main thread by SIGTERM/SIGINT. A BaseException, so that the engine's
-    per-request error handling cannot swallow it."""
 
 
 class StageDiffusionCoreProc:
@@ -77,7 +76,8 @@ class StageDiffusionCoreProc:
             self._send_handshake(StageProcHandshake(os.getpid(), False, error=_describe(e)))
             self._ctx.term()
             raise
-        self._input_queue: queue.Queue[tuple[StageCoreRequestType, Any]] = queue.Queue()
+        # (None, None) asks the busy loop to return.
+        self._input_queue: queue.Queue[tuple[StageCoreRequestType | None, Any]] = queue.Queue()
         self._output_queue: queue.Queue[StageDiffusionCoreOutputs | None] = queue.Queue()
         # Requests received and not yet answered, and those of them aborted. The input
         # thread adds, the busy loop removes; both under the lock.
@@ -107,8 +107,11 @@ class StageDiffusionCoreProc:
         self._send_handshake(StageProcHandshake(os.getpid(), True, info=self.engine.describe()))
 
     def run_busy_loop(self) -> None:
+        """Serve until request_shutdown()."""
         while True:
             kind, payload = self._input_queue.get()
+            if kind is None:
+                return
             if kind is StageCoreRequestType.ADD:
                 self._execute(payload)
             elif kind is StageCoreRequestType.UTILITY:
@@ -117,6 +120,13 @@ class StageDiffusionCoreProc:
                         utility_output=self._run_utility(payload), timestamp=time.time()
                     )
                 )
+
+    def request_shutdown(self) -> None:
+        """Make the busy loop return soon; safe from any thread. A running request is
+        aborted at its next step, so that stopping never waits for a long generation."""
+        with self._lock:
+            self._aborted.update(self._pending)
+        self._input_queue.put((None, None))
 
     def send_engine_dead(self, reason: str) -> None:
         """Tell the client this core is going away, then let the message leave."""
@@ -200,6 +210,30 @@ class StageDiffusionCoreProc:
         socket.close()
 
 
+def spawn_stage_core(
+    config: DiffusionEngineConfig,
+    *,
+    input_address: str,
+    output_address: str,
+    handshake_address: str,
+) -> subprocess.Popen[bytes]:
+    """Start a core process running this module (see run_stage_core for the signal mask)."""
+    command = [
+        sys.executable, "-m", __spec__.name if __spec__ else __name__,
+        "--config", msgspec.json.encode(config).decode(),
+        "--input-address", input_address,
+        "--output-address", output_address,
+        "--handshake-address", handshake_address,
+    ]  # fmt: skip
+    # The child inherits this thread's mask across exec; this thread's is restored at once
+    # (a signal arriving meanwhile is delivered then, not lost).
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+    try:
+        return subprocess.Popen(command, stdin=subprocess.DEVNULL)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
 def run_stage_core(
     config: DiffusionEngineConfig,
     *,
@@ -207,19 +241,27 @@ def run_stage_core(
     output_address: str,
     handshake_address: str,
 ) -> int:
-    """The core process's body; returns its exit code."""
-    _exit_with_parent()
-    shutdown_requested = False
+    """The core process's body; returns its exit code.
 
-    def on_signal(signum: int, frame: Any) -> None:
-        nonlocal shutdown_requested
-        if not shutdown_requested:  # a second signal must not interrupt the clean exit
-            shutdown_requested = True
-            raise _Shutdown
+    SIGTERM/SIGINT are blocked in every thread and taken by one thread with sigwait. A
+    Python signal handler runs only when the main thread wakes, and the kernel may deliver
+    the signal to any thread (numpy's and torch's pools among them), leaving a main thread
+    idle on its queue deaf to it. spawn_stage_core starts the process with the signals
+    already blocked, so that threads made by imports inherit the mask too.
+    """
+    signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+    serving: list[StageDiffusionCoreProc] = []
+    stop_requested = threading.Event()
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    proc: StageDiffusionCoreProc | None = None
+    def stop(reason: str) -> None:
+        logger.info("diffusion core stopping: %s", reason)
+        stop_requested.set()
+        if serving:
+            serving[0].request_shutdown()
+        else:
+            os._exit(0)  # still loading: nothing to hand back, nobody waiting on outputs
+
+    _start_stop_watchers(stop)
     try:
         proc = StageDiffusionCoreProc(
             config,
@@ -227,34 +269,42 @@ def run_stage_core(
             output_address=output_address,
             handshake_address=handshake_address,
         )
+    except Exception:
+        logger.exception("diffusion core failed to start")
+        return 1
+    serving.append(proc)
+    if stop_requested.is_set():  # a stop that arrived as loading finished
+        proc.request_shutdown()
+    try:
         proc.run_busy_loop()
-    except _Shutdown:
-        logger.info("diffusion core shutting down on signal")
-        if proc is not None:
-            proc.close()
-        return 0
     except BaseException as e:
         logger.exception("diffusion core failed")
-        if proc is not None:
-            proc.send_engine_dead(f"diffusion core failed: {_describe(e)}")
+        proc.send_engine_dead(f"diffusion core failed: {_describe(e)}")
         return 1
+    proc.close()
     return 0
 
 
-def _exit_with_parent() -> None:
-    """SIGTERM ourselves when the parent (the proc manager's process) goes away, so that a
-    killed manager never leaves this process behind."""
+def _start_stop_watchers(stop: Callable[[str], None]) -> None:
+    """Call ``stop`` on SIGTERM/SIGINT, or when the parent (the proc manager's process)
+    goes away, so that a killed manager never leaves this process behind."""
+
+    def watch_signals() -> None:
+        signum = signal.sigwait(_STOP_SIGNALS)
+        stop(signal.Signals(signum).name)
+
+    threading.Thread(target=watch_signals, daemon=True, name="signal-watch").start()
     parent = os.getppid()
     try:
         pidfd = os.pidfd_open(parent)
     except OSError:
         return  # no pidfd support: the manager's shutdown remains the only way out
 
-    def watch() -> None:
+    def watch_parent() -> None:
         select.select([pidfd], [], [])
-        os.kill(os.getpid(), signal.SIGTERM)
+        stop(f"parent process {parent} exited")
 
-    threading.Thread(target=watch, daemon=True, name="parent-watch").start()
+    threading.Thread(target=watch_parent, daemon=True, name="parent-watch").start()
 
 
 def _describe(error: BaseException) -> str:

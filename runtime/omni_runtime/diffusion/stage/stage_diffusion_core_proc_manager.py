@@ -14,7 +14,6 @@ import logging
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 import weakref
@@ -23,7 +22,10 @@ import msgspec
 import zmq
 
 from omni_runtime.diffusion.engine import DiffusionEngineConfig
-from omni_runtime.diffusion.stage.stage_diffusion_core_proc import StageProcHandshake
+from omni_runtime.diffusion.stage.stage_diffusion_core_proc import (
+    StageProcHandshake,
+    spawn_stage_core,
+)
 from omni_runtime.engine.stage.stage_core_types import StageDiffusionCoreOutputs
 from omni_runtime.wire import WireEncoder
 
@@ -53,21 +55,11 @@ class StageDiffusionCoreProcManager:
         ctx = zmq.Context()
         handshake = ctx.socket(zmq.PULL)
         handshake.bind(handshake_address)
-        self._proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "omni_runtime.diffusion.stage.stage_diffusion_core_proc",
-                "--config",
-                msgspec.json.encode(config).decode(),
-                "--input-address",
-                input_address,
-                "--output-address",
-                output_address,
-                "--handshake-address",
-                handshake_address,
-            ],
-            stdin=subprocess.DEVNULL,
+        self._proc = spawn_stage_core(
+            config,
+            input_address=input_address,
+            output_address=output_address,
+            handshake_address=handshake_address,
         )
         self._shutting_down = threading.Event()
         self._monitor: threading.Thread | None = None
