@@ -1,0 +1,202 @@
+"""Fixtures for tests that need a real Kubernetes API.
+
+`kube` (session): the cluster named by $KUBECONFIG when that is set, else a
+local control plane from controlplane/ (built on first use), private to the
+session in a pytest temp dir and stopped after it; $OMNI_CONTROLPLANE_DIR
+names a shared one to use instead (left running if it was already up).
+`namespace` (function): a fresh namespace, deleted after the test.
+`eventually` polls a check until a deadline.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+CONTROLPLANE = HERE / "controlplane"
+
+T = TypeVar("T")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # This hook sees every collected item, not just this directory's.
+    for item in items:
+        if HERE in Path(str(item.path)).resolve().parents:
+            item.add_marker(pytest.mark.cluster)
+
+
+class KubectlError(AssertionError):
+    pass
+
+
+@dataclass(frozen=True)
+class Kube:
+    kubeconfig: Path
+    kubectl_path: str
+    # True when the control plane is ours (kwok nodes exist, nothing else runs).
+    local: bool
+    cache_dir: Path
+
+    def kubectl(
+        self,
+        *args: str,
+        input: str | None = None,
+        check: bool = True,
+        namespace: str | None = None,
+        timeout: float = 60,
+    ) -> subprocess.CompletedProcess[str]:
+        """Run kubectl against this cluster; with check, a non-zero exit raises."""
+        cmd = [
+            self.kubectl_path,
+            f"--kubeconfig={self.kubeconfig}",
+            f"--cache-dir={self.cache_dir}",
+        ]
+        if namespace is not None:
+            cmd.append(f"--namespace={namespace}")
+        cmd.extend(args)
+        res = subprocess.run(cmd, input=input, capture_output=True, text=True, timeout=timeout)
+        if check and res.returncode != 0:
+            raise KubectlError(
+                f"kubectl {' '.join(args)} exited {res.returncode}:\n{res.stderr.strip()}"
+            )
+        return res
+
+    def get_json(self, *args: str, namespace: str | None = None) -> Any:
+        return json.loads(self.kubectl("get", *args, "-o", "json", namespace=namespace).stdout)
+
+    def apply(self, manifest: dict[str, Any] | str, namespace: str | None = None) -> None:
+        text = manifest if isinstance(manifest, str) else json.dumps(manifest)
+        self.kubectl("apply", "-f", "-", input=text, namespace=namespace)
+
+    def env(self) -> dict[str, str]:
+        """Environment for a subprocess (e.g. an operator) that should use this cluster."""
+        return {**os.environ, "KUBECONFIG": str(self.kubeconfig)}
+
+
+def eventually(
+    fn: Callable[[], T], timeout: float = 30.0, interval: float = 0.2, what: str | None = None
+) -> T:
+    """Call fn until it returns a truthy value and raises no AssertionError/KubectlError.
+
+    Returns that value; after `timeout` seconds fails with the last result or
+    error, so a check that never passes reports why.
+    """
+    deadline = time.monotonic() + timeout
+    last: str = "never called"
+    while True:
+        try:
+            value = fn()
+            if value:
+                return value
+            last = f"returned {value!r}"
+        except AssertionError as exc:  # KubectlError is one
+            last = f"raised {exc}"
+        if time.monotonic() >= deadline:
+            raise AssertionError(
+                f"{what or getattr(fn, '__name__', 'check')} not true after "
+                f"{timeout:.0f}s: last {last}"
+            )
+        time.sleep(interval)
+
+
+@pytest.fixture(name="eventually")
+def eventually_fixture() -> Callable[..., Any]:
+    return eventually
+
+
+def _run_script(args: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(args, capture_output=True, text=True, timeout=timeout)
+
+
+def _last_line(text: str) -> str:
+    lines = text.strip().splitlines()
+    return lines[-1] if lines else ""
+
+
+@pytest.fixture(scope="session")
+def kube(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Kube]:
+    cache_dir = tmp_path_factory.mktemp("kubectl-cache")
+    external = os.environ.get("KUBECONFIG")
+    if external:
+        built = _run_script(["bash", str(CONTROLPLANE / "build.sh"), "--print-bin-dir"], 60)
+        built_kubectl = Path(_last_line(built.stdout)) / "kubectl"
+        kubectl = shutil.which("kubectl") or (
+            str(built_kubectl) if built.returncode == 0 and built_kubectl.exists() else None
+        )
+        if kubectl is None:
+            pytest.skip(f"KUBECONFIG={external} is set but no kubectl is on PATH or built")
+        yield Kube(Path(external.split(os.pathsep)[0]), kubectl, local=False, cache_dir=cache_dir)
+        return
+
+    # A cold build takes tens of minutes; a warm one returns in about a second.
+    build = _run_script(["bash", str(CONTROLPLANE / "build.sh")], timeout=3 * 3600)
+    if build.returncode != 0:
+        pytest.skip(
+            "local control plane binaries are missing and could not be built: "
+            f"build.sh exited {build.returncode}:\n{build.stderr[-3000:]}"
+        )
+    bin_dir = Path(_last_line(build.stdout))
+
+    script = [sys.executable, str(CONTROLPLANE / "controlplane.py")]
+    shared = os.environ.get("OMNI_CONTROLPLANE_DIR")
+    # By default each session runs a control plane of its own (it starts in
+    # seconds): sessions running at once on one machine must not stop or
+    # restart each other's. OMNI_CONTROLPLANE_DIR names one to share instead.
+    state_dir = Path(shared) if shared else tmp_path_factory.mktemp("controlplane")
+    state = ["--state-dir", str(state_dir)]
+    # A shared control plane that was up before the session belongs to
+    # someone else (a developer keeping it warm); leave it running.
+    already = bool(shared) and _run_script([*script, "status", *state], 60).returncode == 0
+    started = _run_script([*script, "start", "--bin-dir", str(bin_dir), *state], timeout=900)
+    if started.returncode != 0:
+        pytest.fail(
+            f"local control plane did not start (exit {started.returncode}):\n"
+            f"{started.stderr[-6000:]}",
+            pytrace=False,
+        )
+    kubeconfig = Path(_last_line(started.stdout))
+    try:
+        yield Kube(kubeconfig, str(bin_dir / "kubectl"), local=True, cache_dir=cache_dir)
+    finally:
+        if not already:
+            _run_script([*script, "stop", *state], timeout=120)
+        if not shared:
+            # pytest keeps recent temp dirs; logs are worth keeping, the
+            # etcd data (tens of MB of preallocated WAL) is not.
+            shutil.rmtree(state_dir / "etcd-data", ignore_errors=True)
+
+
+def _namespace_name(test_name: str) -> str:
+    base = re.sub(r"[^a-z0-9-]+", "-", test_name.lower()).strip("-")[:40].strip("-")
+    return f"t-{base}-{uuid.uuid4().hex[:6]}"
+
+
+@pytest.fixture
+def namespace(kube: Kube, request: pytest.FixtureRequest) -> Iterator[str]:
+    name = _namespace_name(request.node.name)
+    kube.kubectl("create", "namespace", name)
+    # Pods are refused until the serviceaccount controller made "default".
+    eventually(
+        lambda: kube.kubectl("get", "serviceaccount", "default", namespace=name),
+        timeout=30,
+        what=f"serviceaccount {name}/default",
+    )
+    try:
+        yield name
+    finally:
+        # Termination of the namespace's contents is the controllers' work,
+        # and no later test depends on it being finished.
+        kube.kubectl("delete", "namespace", name, "--wait=false", check=False)
