@@ -35,7 +35,7 @@ from omni_runtime.engine.stage.stage_core_types import (
     StageDiffusionCoreRequest,
     StageUtilityCall,
 )
-from omni_runtime.wire import WireDecoder, WireEncoder
+from omni_runtime.wire import WireDecoder, WireEncoder, WireError
 
 logger = logging.getLogger(__name__)
 
@@ -154,7 +154,13 @@ class StageDiffusionCoreClient(StageCoreClientBase):
     async def _process_output_socket(self) -> None:
         while True:
             frames = await self._output.recv_multipart(copy=False)
-            outputs: StageDiffusionCoreOutputs = self._decoder.decode(frames)
+            try:
+                outputs: StageDiffusionCoreOutputs = self._decoder.decode(frames)
+            except WireError as e:
+                # Only our core and manager connect here; a message we cannot read is a
+                # bug to report, not a reason to stop reading the ones after it.
+                logger.error("dropping undecodable output message: %s", e)
+                continue
             if outputs.utility_output is not None:
                 result = outputs.utility_output
                 future = self._utility_calls.get(result.call_id)
