@@ -21,8 +21,7 @@ from omni_runtime.diffusion.images import decode_image, encode_png
 from omni_runtime.diffusion.stage.generate import generate
 from omni_runtime.diffusion.stage.inline_stage_diffusion_client import InlineStageDiffusionClient
 from omni_runtime.diffusion.stage.stage_diffusion_core_client import StageDiffusionCoreClient
-from omni_runtime.diffusion.stage.stage_diffusion_core_proc_manager import StageCoreStartupError
-from omni_runtime.engine.stage.stage_core_client import StageCoreDeadError
+from omni_runtime.engine.stage.stage_core_client import StageCoreDeadError, StageCoreStartupError
 from omni_runtime.engine.stage.stage_core_types import (
     StageDiffusionCoreOutput,
     StageDiffusionCoreRequest,

@@ -119,9 +119,7 @@ async def _generate_async(
     from omni_runtime.diffusion.stage.stage_diffusion_core_client import (
         StageDiffusionCoreClient,
     )
-    from omni_runtime.diffusion.stage.stage_diffusion_core_proc_manager import (
-        StageCoreStartupError,
-    )
+    from omni_runtime.engine.stage.stage_core_client import StageCoreStartupError
     from omni_runtime.engine.stage.stage_core_types import StageDiffusionCoreRequest
 
     config = DiffusionEngineConfig(model=model)

@@ -19,13 +19,10 @@ import argparse
 import logging
 import os
 import queue
-import select
-import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -39,11 +36,11 @@ from omni_runtime.engine.stage.stage_core_types import (
     StageUtilityCall,
     StageUtilityOutput,
 )
+from omni_runtime.engine.stage.stop_watchers import start_stop_watchers, stop_signals_blocked
 from omni_runtime.wire import Frame, WireDecoder, WireEncoder, WireError
 
 logger = logging.getLogger(__name__)
 
-_STOP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
 # How long the last messages (an engine_dead notice above all) may take to leave on exit.
 _LINGER_MS = 2000
 
@@ -225,13 +222,8 @@ def spawn_stage_core(
         "--output-address", output_address,
         "--handshake-address", handshake_address,
     ]  # fmt: skip
-    # The child inherits this thread's mask across exec; this thread's is restored at once
-    # (a signal arriving meanwhile is delivered then, not lost).
-    previous = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
-    try:
+    with stop_signals_blocked():
         return subprocess.Popen(command, stdin=subprocess.DEVNULL)
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def run_stage_core(
@@ -243,13 +235,10 @@ def run_stage_core(
 ) -> int:
     """The core process's body; returns its exit code.
 
-    SIGTERM/SIGINT are blocked in every thread and taken by one thread with sigwait. A
-    Python signal handler runs only when the main thread wakes, and the kernel may deliver
-    the signal to any thread (numpy's and torch's pools among them), leaving a main thread
-    idle on its queue deaf to it. spawn_stage_core starts the process with the signals
-    already blocked, so that threads made by imports inherit the mask too.
+    SIGTERM/SIGINT, or the death of the parent, stop it (see stop_watchers for why the
+    signals are taken by a thread with sigwait); spawn_stage_core starts the process with
+    the signals already blocked, so that threads made by imports inherit the mask too.
     """
-    signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
     serving: list[StageDiffusionCoreProc] = []
     stop_requested = threading.Event()
 
@@ -261,7 +250,7 @@ def run_stage_core(
         else:
             os._exit(0)  # still loading: nothing to hand back, nobody waiting on outputs
 
-    _start_stop_watchers(stop)
+    start_stop_watchers(stop)
     try:
         proc = StageDiffusionCoreProc(
             config,
@@ -283,28 +272,6 @@ def run_stage_core(
         return 1
     proc.close()
     return 0
-
-
-def _start_stop_watchers(stop: Callable[[str], None]) -> None:
-    """Call ``stop`` on SIGTERM/SIGINT, or when the parent (the proc manager's process)
-    goes away, so that a killed manager never leaves this process behind."""
-
-    def watch_signals() -> None:
-        signum = signal.sigwait(_STOP_SIGNALS)
-        stop(signal.Signals(signum).name)
-
-    threading.Thread(target=watch_signals, daemon=True, name="signal-watch").start()
-    parent = os.getppid()
-    try:
-        pidfd = os.pidfd_open(parent)
-    except OSError:
-        return  # no pidfd support: the manager's shutdown remains the only way out
-
-    def watch_parent() -> None:
-        select.select([pidfd], [], [])
-        stop(f"parent process {parent} exited")
-
-    threading.Thread(target=watch_parent, daemon=True, name="parent-watch").start()
 
 
 def _describe(error: BaseException) -> str:

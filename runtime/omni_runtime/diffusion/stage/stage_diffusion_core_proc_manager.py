@@ -26,6 +26,7 @@ from omni_runtime.diffusion.stage.stage_diffusion_core_proc import (
     StageProcHandshake,
     spawn_stage_core,
 )
+from omni_runtime.engine.stage.stage_core_client import StageCoreStartupError
 from omni_runtime.engine.stage.stage_core_types import StageDiffusionCoreOutputs
 from omni_runtime.wire import WireEncoder
 
@@ -33,10 +34,6 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_STARTUP_TIMEOUT = 120.0
 _TERMINATE_GRACE = 5.0
-
-
-class StageCoreStartupError(RuntimeError):
-    """A stage core did not become ready: it failed, died or timed out while starting."""
 
 
 class StageDiffusionCoreProcManager:

@@ -2,11 +2,19 @@
 
 Import them from ``stage_core_types``; they live here only so that importing that module
 does not import vLLM.
+
+The stage's own fields are appended after vLLM's: the structs are ``array_like``, so a
+field's position is its identity on the wire. A message of vLLM's type therefore decodes
+as the stage type (the stage's trailing fields take their defaults), which is what lets
+vLLM's scheduler build the outputs a stage core sends; decoded as vLLM's type, a stage
+message silently loses its trailing fields, so stage peers decode with the stage types.
 """
 
 from __future__ import annotations
 
-from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+from typing import Any
+
+from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
 
 from omni_runtime.engine.stage.stage_core_types import (
     StageCoreOutput,
@@ -18,9 +26,19 @@ from omni_runtime.engine.stage.stage_core_types import (
 class StageLLMCoreRequest(EngineCoreRequest, StageCoreRequest):  # type: ignore[misc]
     """A vLLM engine-core request addressed to an LLM stage."""
 
+    # Per-request data for the stage's model beyond what vLLM carries, e.g. what an
+    # upstream stage computed. StageLLMCoreProc puts it on the scheduled request
+    # (StageLLMRequest.additional_information). Plain data only (str, numbers, lists,
+    # maps): it is decoded untyped, so a tensor here would arrive as its raw parts.
+    additional_information: dict[str, Any] | None = None
+
 
 class StageLLMCoreOutput(EngineCoreOutput, StageCoreOutput):  # type: ignore[misc]
     """A vLLM engine-core output of an LLM stage."""
+
+    # "field: what is wrong" for a request the stage refused before it reached the
+    # engine (finish_reason is then FinishReason.ERROR).
+    error: str | None = None
 
 
 class StageLLMCoreOutputs(EngineCoreOutputs, StageCoreOutputs):  # type: ignore[misc]
@@ -28,3 +46,12 @@ class StageLLMCoreOutputs(EngineCoreOutputs, StageCoreOutputs):  # type: ignore[
 
     # Redeclared (same position) so that decoding yields the stage type, not vLLM's.
     outputs: list[StageLLMCoreOutput] = []
+
+    @classmethod
+    def refusal(cls, request_id: str, error: str) -> StageLLMCoreOutputs:
+        """The answer to a request the stage refused: its one, final output, saying why."""
+        output = StageLLMCoreOutput(
+            request_id=request_id, new_token_ids=[], finish_reason=FinishReason.ERROR, error=error
+        )
+        # finished_requests lets a data parallel client forget which core had the request.
+        return cls(outputs=[output], finished_requests={request_id})

@@ -20,6 +20,10 @@ class StageCoreDeadError(RuntimeError):
     """The stage core behind a client is gone; no request on it will complete."""
 
 
+class StageCoreStartupError(RuntimeError):
+    """A stage core did not become ready: it failed, died or timed out while starting."""
+
+
 class StageCoreClientBase(ABC):
     """What the rest of the system may ask of a stage."""
 

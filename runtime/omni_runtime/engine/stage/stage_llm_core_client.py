@@ -1,0 +1,434 @@
+"""The LLM stage's clients: vLLM's async multiprocess clients behind the stage contract.
+
+StageLLMCoreClient is vLLM's AsyncMPClient (one engine core) and DPLBStageLLMCoreClient
+vLLM's DPLBAsyncMPClient (one core per data parallel rank, requests balanced across them),
+each also a StageLLMCoreClientBase: the part of the StageCoreClientBase contract vLLM does
+not have (``get_outputs_async``, ``get_outputs_nowait``, ``check_health``), engine death
+as StageCoreDeadError, outputs decoded as StageLLMCoreOutputs, the request builder, and
+``_default_process_core_inputs``.
+
+The vLLM client comes first among each client's bases, so its methods (``add_request_async``,
+``abort_requests_async``, ``collective_rpc_async``, ``shutdown``) are the contract's own
+and a StageLLMCoreClientBase method of the same name would never be reached. The few that
+need a stage behaviour (construction, death as StageCoreDeadError) are therefore
+overridden on each client, each a line that hands vLLM's method to a helper of the base.
+
+The clients do not start their cores: ``launch_stage_llm_cores`` does, and a client adopts
+what it started (``proc_manager``, ``coordinator``); ``start_stage_llm_client`` does both
+from the pipeline schema. An instance belongs to the event loop it is first used in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import socket
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
+from urllib.parse import urlsplit
+
+from vllm import envs
+from vllm.config import VllmConfig
+from vllm.v1.engine.coordinator import DPCoordinator
+from vllm.v1.engine.core_client import AsyncMPClient, DPLBAsyncMPClient
+from vllm.v1.engine.exceptions import EngineDeadError
+from vllm.v1.executor import Executor
+from vllm.v1.serial_utils import MsgpackDecoder
+
+from omni_runtime.config import StageConfig
+from omni_runtime.engine.stage.stage_core_client import StageCoreClientBase, StageCoreDeadError
+from omni_runtime.engine.stage.stage_core_types import (
+    StageCoreRequest,
+    StageLLMCoreOutputs,
+    StageLLMCoreRequest,
+)
+from omni_runtime.engine.stage.stage_llm_core_proc_manager import (
+    DEFAULT_STARTUP_TIMEOUT,
+    StageLLMCoreProcManager,
+    launch_stage_llm_cores,
+)
+from omni_runtime.engine.stage.stage_llm_engine_config import make_stage_llm_vllm_config
+from omni_runtime.engine.stage.stage_llm_request_builder import (
+    InvalidLLMRequestError,
+    StageLLMRequestBuilder,
+)
+from omni_runtime.engine.stage.stage_llm_results import StageLLMResult
+
+_T = TypeVar("_T")
+_WILDCARD_HOSTS = frozenset({"", "*", "0.0.0.0", "::"})
+# How long a dead core's exit code may take to show, once it has said it is going.
+_EXIT_WAIT_S = 2.0
+
+
+class StageLLMCoreClientBase(StageCoreClientBase):
+    """The stage contract over a vLLM async multiprocess client (a mixin of both clients)."""
+
+    if TYPE_CHECKING:
+        # Supplied by the vLLM client each concrete client is also made of.
+        vllm_config: VllmConfig
+        resources: Any
+        outputs_queue: asyncio.Queue[Any]
+
+        async def get_output_async(self) -> Any: ...
+        async def add_request_async(self, request: StageCoreRequest) -> None: ...
+        async def collective_rpc_async(
+            self,
+            method: str,
+            timeout: float | None = None,
+            args: tuple[Any, ...] = (),
+            kwargs: dict[str, Any] | None = None,
+        ) -> Any: ...
+        async def call_utility_all_async(self, method: str, *args: Any) -> list[Any]: ...
+        def _ensure_output_queue_task(self) -> None: ...
+        def start_engine_core_monitor(self) -> None: ...
+        def shutdown(self, timeout: float | None = None) -> None: ...
+
+    # The pipeline's entry for this stage (name, output kind, default sampling params);
+    # None for a client made from a bare VllmConfig.
+    stage: StageConfig | None
+    proc_manager: StageLLMCoreProcManager | None
+    client_addresses: dict[str, str]
+    # The host a downstream stage pulls this stage's handoffs from.
+    _core_host: str
+
+    @staticmethod
+    def make_async_mp_client(
+        vllm_config: VllmConfig,
+        executor_class: type[Executor],
+        log_stats: bool = False,
+        metadata: StageConfig | None = None,
+        client_addresses: dict[str, str] | None = None,
+        proc_manager: StageLLMCoreProcManager | None = None,
+        coordinator: DPCoordinator | None = None,
+    ) -> StageLLMCoreClient | DPLBStageLLMCoreClient:
+        """The client for the stage's data parallel size: DPLBStageLLMCoreClient above 1."""
+        client_class: type[StageLLMCoreClient | DPLBStageLLMCoreClient] = (
+            DPLBStageLLMCoreClient
+            if vllm_config.parallel_config.data_parallel_size > 1
+            else StageLLMCoreClient
+        )
+        return client_class(
+            vllm_config,
+            executor_class,
+            log_stats,
+            client_addresses,
+            metadata=metadata,
+            proc_manager=proc_manager,
+            coordinator=coordinator,
+        )
+
+    @staticmethod
+    def _default_process_core_inputs(source_outputs: Sequence[StageLLMResult]) -> list[list[int]]:
+        """The prompt of this stage's next request for each upstream request: the token
+        ids the upstream LLM generated (an upstream that encoded hidden states generated
+        none, and cannot feed an LLM stage this way)."""
+        prompts = []
+        for source in source_outputs:
+            if source.error is not None or not source.token_ids:
+                why = source.error or "it generated no tokens"
+                raise ValueError(f"upstream request {source.request_id} has no prompt: {why}")
+            prompts.append(list(source.token_ids))
+        return prompts
+
+    @staticmethod
+    def _resolve_core_host(client_addresses: Mapping[str, str]) -> str:
+        """The host this stage's core serves on, as another machine reaches it."""
+        if explicit := client_addresses.get("core_host"):
+            return explicit
+        for key in ("input_address", "output_address"):
+            address = client_addresses.get(key, "")
+            if address.startswith("tcp://"):
+                host = urlsplit(address).hostname or ""
+                if host not in _WILDCARD_HOSTS:
+                    return host
+        # ipc (the core runs on this machine) or a wildcard bind: this machine's address.
+        try:
+            return socket.gethostbyname(socket.gethostname())
+        except OSError:
+            return "127.0.0.1"
+
+    @property
+    def decoder(self) -> MsgpackDecoder:
+        return self._stage_outputs_decoder
+
+    @decoder.setter
+    def decoder(self, _vllm_decoder: MsgpackDecoder) -> None:
+        # vLLM's MPClient sets ``self.decoder = MsgpackDecoder(EngineCoreOutputs)`` and the
+        # output task reads it, possibly while the client is still being constructed. As a
+        # data descriptor this property receives that assignment (no class before it in
+        # the MRO defines ``decoder``) and installs the stage's decoder instead, so every
+        # message is decoded as StageLLMCoreOutputs and no field of the stage is dropped.
+        self._stage_outputs_decoder = MsgpackDecoder(StageLLMCoreOutputs)
+
+    @functools.cached_property
+    def request_builder(self) -> StageLLMRequestBuilder:
+        """Builds this stage's requests (with the stage's default sampling params)."""
+        defaults = self.stage.default_sampling_params if self.stage is not None else None
+        return StageLLMRequestBuilder(self.vllm_config, defaults)
+
+    async def add_prompt_async(
+        self,
+        request_id: str,
+        *,
+        prompt: str | None = None,
+        messages: Sequence[Mapping[str, str]] | None = None,
+        prompt_token_ids: Sequence[int] | None = None,
+        params: Mapping[str, Any] | None = None,
+        additional_information: dict[str, Any] | None = None,
+    ) -> None:
+        """Build a request with :attr:`request_builder` and add it. A request the builder
+        refuses is answered like one the core refuses: an output with ``error`` set."""
+        try:
+            request = self.request_builder.build(
+                request_id,
+                prompt=prompt,
+                messages=messages,
+                prompt_token_ids=prompt_token_ids,
+                params=params,
+                additional_information=additional_information,
+            )
+        except InvalidLLMRequestError as e:
+            self.check_health()
+            self.outputs_queue.put_nowait(StageLLMCoreOutputs.refusal(request_id, str(e)))
+            return
+        await self.add_request_async(request)
+
+    async def get_outputs_async(self) -> StageLLMCoreOutputs:
+        if self.outputs_queue.empty():
+            self.check_health()
+        try:
+            outputs: StageLLMCoreOutputs = await self.get_output_async()
+        except Exception as e:
+            # The output task forwards the end of the stream as an exception: nothing more
+            # will arrive (EngineDeadError when the core died or said it is going).
+            self.resources.engine_dead = True
+            raise StageCoreDeadError(await self._dead_reason_async()) from e
+        return outputs
+
+    def get_outputs_nowait(self) -> StageLLMCoreOutputs | None:
+        self._ensure_output_queue_task()
+        try:
+            outputs = self.outputs_queue.get_nowait()
+        except asyncio.QueueEmpty:
+            self.check_health()
+            return None
+        if isinstance(outputs, Exception):
+            self.resources.engine_dead = True
+            raise StageCoreDeadError(self._dead_reason()) from outputs
+        assert isinstance(outputs, StageLLMCoreOutputs)
+        return outputs
+
+    def check_health(self) -> None:
+        manager = self.proc_manager
+        if self.resources.engine_dead or (manager is not None and manager.finished_procs()):
+            raise StageCoreDeadError(self._dead_reason()) from EngineDeadError()
+
+    async def stage_info_async(self) -> list[dict[str, Any]]:
+        """Facts each core reports about itself, one entry per data parallel rank."""
+        return await self._until_core_dies(self.call_utility_all_async("stage_info"))
+
+    async def describe_request_async(self, request_id: str) -> dict[str, Any] | None:
+        """A running request's state on its core (None if no core has it unfinished)."""
+        answers = await self._until_core_dies(
+            self.call_utility_all_async("describe_request", request_id)
+        )
+        return next((answer for answer in answers if answer is not None), None)
+
+    def _init_stage(
+        self,
+        init_transport: Callable[[], None],
+        metadata: StageConfig | None,
+        client_addresses: dict[str, str] | None,
+        proc_manager: StageLLMCoreProcManager | None,
+        coordinator: DPCoordinator | None,
+    ) -> None:
+        """Construct the vLLM client (``init_transport``), then adopt the started cores.
+
+        The client owns ``proc_manager`` and ``coordinator`` from here on: they are ended
+        by ``shutdown`` (or the client's finaliser), or at once if construction fails.
+        """
+        self.stage = metadata
+        self.proc_manager = proc_manager
+        self.client_addresses = dict(client_addresses or {})
+        self._core_host = self._resolve_core_host(self.client_addresses)
+        try:
+            _refuse_insecure_serialization()
+            init_transport()
+        except BaseException:
+            if proc_manager is not None:
+                proc_manager.shutdown()
+            if coordinator is not None:
+                coordinator.shutdown()
+            raise
+        # vLLM's background resources end these with the client and its finaliser.
+        self.resources.engine_manager = proc_manager
+        self.resources.coordinator = coordinator
+        if proc_manager is not None:
+            self.start_engine_core_monitor()
+
+    async def _add_request(
+        self, vllm_add: Callable[[StageLLMCoreRequest], Awaitable[None]], request: StageCoreRequest
+    ) -> None:
+        if not isinstance(request, StageLLMCoreRequest):
+            raise TypeError(f"an LLM stage takes StageLLMCoreRequest, not {type(request).__name__}")
+        self.check_health()
+        try:
+            await vllm_add(request)
+        except EngineDeadError as e:
+            raise StageCoreDeadError(await self._dead_reason_async()) from e
+
+    async def _until_core_dies(self, call: Awaitable[_T]) -> _T:
+        """Await ``call``, or raise StageCoreDeadError once the core is gone (vLLM leaves a
+        utility call to a dead core waiting forever)."""
+        call_task = asyncio.ensure_future(call)
+        try:
+            self.check_health()
+            self._ensure_output_queue_task()
+            output_task = self.resources.output_queue_task
+            await asyncio.wait({call_task, output_task}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not call_task.done():
+                call_task.cancel()
+        if call_task.done() and not call_task.cancelled():
+            try:
+                return call_task.result()
+            except EngineDeadError as e:
+                raise StageCoreDeadError(await self._dead_reason_async()) from e
+        # The output task ends only when the stream does: the core is gone.
+        raise StageCoreDeadError(await self._dead_reason_async()) from EngineDeadError()
+
+    def _dead_reason(self) -> str:
+        manager = self.proc_manager
+        state = manager.describe_exit() if manager is not None else "its cores run elsewhere"
+        name = f"stage {self.stage.name!r}" if self.stage is not None else "LLM stage"
+        return f"{name}: the engine core is gone: {state}"
+
+    async def _dead_reason_async(self) -> str:
+        # A core that announced its end is exiting: give its exit code a moment to show.
+        manager = self.proc_manager
+        if manager is not None:
+            await asyncio.to_thread(_join_all, manager, _EXIT_WAIT_S)
+        return self._dead_reason()
+
+
+class StageLLMCoreClient(AsyncMPClient, StageLLMCoreClientBase):  # type: ignore[misc]
+    """The client of one LLM stage core (vLLM's AsyncMPClient transport)."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        executor_class: type[Executor],
+        log_stats: bool = False,
+        client_addresses: dict[str, str] | None = None,
+        *,
+        metadata: StageConfig | None = None,
+        proc_manager: StageLLMCoreProcManager | None = None,
+        coordinator: DPCoordinator | None = None,
+    ) -> None:
+        self._init_stage(
+            functools.partial(
+                super().__init__, vllm_config, executor_class, log_stats, client_addresses
+            ),
+            metadata,
+            client_addresses,
+            proc_manager,
+            coordinator,
+        )
+
+    async def add_request_async(self, request: StageCoreRequest) -> None:
+        await self._add_request(super().add_request_async, request)
+
+    async def collective_rpc_async(
+        self,
+        method: str,
+        timeout: float | None = None,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        return await self._until_core_dies(
+            super().collective_rpc_async(method, timeout, args, kwargs)
+        )
+
+
+class DPLBStageLLMCoreClient(DPLBAsyncMPClient, StageLLMCoreClientBase):  # type: ignore[misc]
+    """The client of an LLM stage's data parallel cores (vLLM's DPLBAsyncMPClient)."""
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        executor_class: type[Executor],
+        log_stats: bool = False,
+        client_addresses: dict[str, str] | None = None,
+        *,
+        metadata: StageConfig | None = None,
+        proc_manager: StageLLMCoreProcManager | None = None,
+        coordinator: DPCoordinator | None = None,
+    ) -> None:
+        self._init_stage(
+            functools.partial(
+                super().__init__, vllm_config, executor_class, log_stats, client_addresses
+            ),
+            metadata,
+            client_addresses,
+            proc_manager,
+            coordinator,
+        )
+
+    async def add_request_async(self, request: StageCoreRequest) -> None:
+        await self._add_request(super().add_request_async, request)
+
+    async def collective_rpc_async(
+        self,
+        method: str,
+        timeout: float | None = None,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        return await self._until_core_dies(
+            super().collective_rpc_async(method, timeout, args, kwargs)
+        )
+
+
+def start_stage_llm_client(
+    stage: StageConfig,
+    model: str,
+    *,
+    log_stats: bool = False,
+    startup_timeout: float = DEFAULT_STARTUP_TIMEOUT,
+) -> StageLLMCoreClient | DPLBStageLLMCoreClient:
+    """Start the cores of the LLM stage ``stage`` serving ``model`` and return its client.
+
+    Blocks until the cores are ready (about 10 s for a small model on CPU); raises
+    StageCoreStartupError, with nothing left running, if they are not.
+    """
+    _refuse_insecure_serialization()  # before anything is started
+    vllm_config = make_stage_llm_vllm_config(stage, model)
+    executor_class = Executor.get_class(vllm_config)
+    launch = launch_stage_llm_cores(
+        vllm_config, executor_class, log_stats, startup_timeout=startup_timeout
+    )
+    return StageLLMCoreClientBase.make_async_mp_client(
+        vllm_config,
+        executor_class,
+        log_stats,
+        metadata=stage,
+        client_addresses=launch.client_addresses,
+        proc_manager=launch.proc_manager,
+        coordinator=launch.coordinator,
+    )
+
+
+def _refuse_insecure_serialization() -> None:
+    # With it set, vLLM's msgpack would pickle what it cannot encode and unpickle what
+    # arrives: anyone who can reach a stage socket could run code in the stage.
+    if envs.VLLM_ALLOW_INSECURE_SERIALIZATION:
+        raise RuntimeError(
+            "VLLM_ALLOW_INSECURE_SERIALIZATION is set: stage sockets never carry pickle; unset it"
+        )
+
+
+def _join_all(manager: StageLLMCoreProcManager, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    for proc in manager.processes:
+        proc.join(max(0.0, deadline - time.monotonic()))

@@ -1,0 +1,370 @@
+"""StageLLMCoreProc: vLLM's engine core in its own process, serving one LLM stage.
+
+It is vLLM's ``EngineCoreProc`` (scheduler, busy loop, output thread, handshakes) with what
+a stage adds:
+
+- Requests decode as StageLLMCoreRequest, and what they carry beyond vLLM's fields
+  (``additional_information``) reaches the scheduled request, a StageLLMRequest.
+- A request the engine cannot serve is answered with an error output and never reaches the
+  engine: one of the wrong kind for this stage's runner, an empty or too long prompt,
+  token ids outside the vocabulary, parameters that do not decode. vLLM's front end checks
+  these before its engine core sees a request, and the core trusts it: one such request
+  kills the core.
+- Aborting a request yields an output (finish_reason ABORT), as the stage contract asks.
+- ``run_stage_core`` is its own process entry (vLLM's ``run_engine_core`` constructs
+  vLLM's classes): SIGTERM, SIGINT or the death of the parent stop the busy loop cleanly,
+  in-flight requests are answered as aborted, and the client is told the core is gone.
+
+Outputs need no conversion: vLLM's scheduler builds EngineCoreOutputs, which decode as
+StageLLMCoreOutputs (see ``_stage_llm_core_types``); the core builds StageLLMCoreOutputs
+itself where it has something of the stage's to say (a refusal). Tensors (hidden states)
+travel as dtype, shape and a raw frame.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import threading
+from collections.abc import Sequence
+from contextlib import ExitStack
+from typing import Any
+
+import msgspec
+import zmq
+from vllm import envs
+from vllm.config import VllmConfig
+from vllm.exceptions import VLLMValidationError
+from vllm.logger import configure_logging
+from vllm.tasks import POOLING_TASKS
+from vllm.transformers_utils.config import maybe_register_config_serialize_by_value
+from vllm.utils.network_utils import make_zmq_socket
+from vllm.utils.system_utils import decorate_logs, set_process_title
+from vllm.v1.engine import EngineCoreRequestType
+from vllm.v1.engine.core import EngineCoreProc, EngineShutdownState
+from vllm.v1.executor import Executor
+from vllm.v1.request import Request, RequestStatus
+from vllm.v1.serial_utils import MsgpackDecoder
+
+from omni_runtime.engine.stage.stage_core_types import StageLLMCoreOutputs, StageLLMCoreRequest
+from omni_runtime.engine.stage.stop_watchers import start_stop_watchers
+
+logger = logging.getLogger(__name__)
+
+_CLIENT_INDEX_POSITION = StageLLMCoreRequest.__struct_fields__.index("client_index")
+
+
+class StageLLMRequest(Request):  # type: ignore[misc]
+    """vLLM's scheduled request, with what a StageLLMCoreRequest carries beyond vLLM's."""
+
+    additional_information: dict[str, Any] | None = None
+
+    @classmethod
+    def from_stage_request(cls, request: StageLLMCoreRequest, block_hasher: Any) -> StageLLMRequest:
+        # vLLM builds a scheduled request from its engine-core request by classmethod, so
+        # the result is of this class.
+        scheduled: StageLLMRequest = cls.from_engine_core_request(request, block_hasher)
+        scheduled.additional_information = request.additional_information
+        return scheduled
+
+
+class StageLLMCoreProc(EngineCoreProc):  # type: ignore[misc]
+    """vLLM's engine-core process wrapper, speaking the LLM stage's wire types."""
+
+    def preprocess_add_request(self, request: StageLLMCoreRequest) -> tuple[Request, int]:
+        """vLLM's preprocessing, building a StageLLMRequest instead of vLLM's Request."""
+        if self.mm_receiver_cache is not None and request.mm_features:
+            request.mm_features = self.mm_receiver_cache.get_and_update_features(
+                request.mm_features
+            )
+        scheduled = StageLLMRequest.from_stage_request(request, self.request_block_hasher)
+        if scheduled.use_structured_output:
+            self.structured_output_manager.grammar_init(scheduled)
+        return scheduled, request.current_wave
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        """Abort, and answer each request that was still unfinished with an ABORT output.
+
+        vLLM's core answers nothing (its front end already knows), but a stage's caller
+        waits on outputs. Aborts arrive twice (eagerly, then in order with the rest), and
+        the second time the requests are finished already: one answer each.
+        """
+        aborted = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        self._send_abort_outputs(aborted)
+
+    def stage_info(self) -> dict[str, Any]:
+        """Plain facts about this core (a utility call, run on the busy loop)."""
+        model_config = self.vllm_config.model_config
+        return {
+            "pid": os.getpid(),
+            "engine_index": self.engine_index,
+            "runner": model_config.runner_type,
+            "max_model_len": model_config.max_model_len,
+            "vocab_size": model_config.get_vocab_size(),
+            "hidden_size": model_config.get_hidden_size(),
+            "supported_tasks": list(self.model_executor.supported_tasks),
+            "insecure_serialization": bool(envs.VLLM_ALLOW_INSECURE_SERIALIZATION),
+        }
+
+    def describe_request(self, request_id: str) -> dict[str, Any] | None:
+        """A scheduled request's state and stage data, or None once it is finished."""
+        scheduled = self.scheduler.requests.get(request_id)
+        if scheduled is None:
+            return None
+        return {
+            "status": scheduled.status.name,
+            "num_output_tokens": scheduled.num_output_tokens,
+            "additional_information": getattr(scheduled, "additional_information", None),
+        }
+
+    def process_input_sockets(
+        self,
+        input_addresses: list[str],
+        coord_input_address: str | None,
+        identity: bytes,
+        ready_event: threading.Event,
+    ) -> None:
+        """The input I/O thread: decode, refuse what the engine cannot serve, queue the rest.
+
+        Like vLLM's, without its tensor-IPC queue and fault-tolerance hooks, which a stage
+        does not enable.
+        """
+        with ExitStack() as stack, zmq.Context() as ctx:
+            input_sockets = [
+                stack.enter_context(
+                    make_zmq_socket(ctx, address, zmq.DEALER, identity=identity, bind=False)
+                )
+                for address in input_addresses
+            ]
+            coord_socket = None
+            if coord_input_address is not None:
+                coord_socket = stack.enter_context(
+                    make_zmq_socket(
+                        ctx, coord_input_address, zmq.XSUB, identity=identity, bind=False
+                    )
+                )
+                coord_socket.send(b"\x01")  # subscribe to the coordinator's broadcasts
+            poller = zmq.Poller()
+            ready_payload = msgspec.msgpack.encode(self._make_ready_response())
+            for input_socket in input_sockets:
+                # A ROUTER can only address a peer it has heard from: this first message
+                # also tells the client where to send.
+                input_socket.send(ready_payload)
+                poller.register(input_socket, zmq.POLLIN)
+            if coord_socket is not None:
+                if coord_socket.recv() != b"READY":
+                    raise RuntimeError("unexpected first message from the DP coordinator")
+                poller.register(coord_socket, zmq.POLLIN)
+            ready_event.set()
+            del ready_event
+            # vLLM's msgpack: tensors as dtype, shape and raw frames; pickle refused.
+            add_decoder = MsgpackDecoder(StageLLMCoreRequest)
+            generic_decoder = MsgpackDecoder()
+            while True:
+                for socket, _ in poller.poll():
+                    type_frame, *data_frames = socket.recv_multipart(copy=False)
+                    # The coordinator announces newly started engines with READY.
+                    if type_frame.buffer == b"READY":
+                        continue
+                    self._accept_input(type_frame.bytes, data_frames, add_decoder, generic_decoder)
+
+    def _accept_input(
+        self,
+        type_bytes: bytes,
+        frames: Sequence[zmq.Frame],
+        add_decoder: MsgpackDecoder,
+        generic_decoder: MsgpackDecoder,
+    ) -> None:
+        try:
+            request_type = EngineCoreRequestType(type_bytes)
+        except ValueError:
+            logger.warning("dropping a message of unknown type %r", type_bytes)
+            return
+        if request_type is EngineCoreRequestType.ADD:
+            self._accept_add(frames, add_decoder)
+            return
+        try:
+            payload = generic_decoder.decode(frames)
+        except Exception as e:
+            # A peer speaking another protocol must not take the core down.
+            logger.warning("dropping an undecodable %s message: %s", request_type.name, e)
+            return
+        if request_type is EngineCoreRequestType.ABORT:
+            # Eagerly (a running batch sees it) and in order (after the request's ADD).
+            self.aborts_queue.put_nowait(payload)
+        self.input_queue.put_nowait((request_type, payload))
+
+    def _accept_add(self, frames: Sequence[zmq.Frame], decoder: MsgpackDecoder) -> None:
+        try:
+            request: StageLLMCoreRequest = decoder.decode(frames)
+        except Exception as e:
+            self._refuse_undecodable(frames, e)
+            return
+        refusal = self._refusal(request)
+        if refusal is not None:
+            self._send_error_output(request.request_id, request.client_index, refusal)
+            return
+        try:
+            scheduled = self.preprocess_add_request(request)
+        except Exception:
+            self._handle_request_preproc_error(request)
+            return
+        self.input_queue.put_nowait((EngineCoreRequestType.ADD, scheduled))
+
+    def _refusal(self, request: StageLLMCoreRequest) -> str | None:
+        """Why the engine must not see ``request`` ("field: what is wrong"), or None."""
+        model_config = self.vllm_config.model_config
+        encodes = model_config.runner_type == "pooling"
+        if encodes and request.sampling_params is not None:
+            return (
+                "sampling_params: this stage encodes hidden states (pooling runner) and "
+                "cannot generate; send pooling_params"
+            )
+        if not encodes and request.pooling_params is not None:
+            return (
+                "pooling_params: this stage generates text and cannot return hidden "
+                "states; send sampling_params"
+            )
+        if request.sampling_params is None and request.pooling_params is None:
+            return "sampling_params: required (or pooling_params for a hidden-states stage)"
+        if request.prompt_embeds is not None and not model_config.enable_prompt_embeds:
+            return "prompt_embeds: this stage was not started with enable_prompt_embeds"
+        token_ids = request.prompt_token_ids or []
+        prompt_len = len(token_ids) if request.prompt_embeds is None else len(request.prompt_embeds)
+        if prompt_len == 0:
+            return "prompt: empty"
+        # A generated token needs a position of its own.
+        limit = model_config.max_model_len - (0 if encodes else 1)
+        if prompt_len > limit:
+            return (
+                f"prompt: {prompt_len} tokens, but this stage takes at most {limit} "
+                f"(max_model_len {model_config.max_model_len})"
+            )
+        vocab_size = model_config.get_vocab_size()
+        if token_ids and not 0 <= min(token_ids) <= max(token_ids) < vocab_size:
+            return f"prompt_token_ids: token ids must be in [0, {vocab_size})"
+        if request.pooling_params is not None:
+            tasks = [t for t in self.model_executor.supported_tasks if t in POOLING_TASKS]
+            if request.pooling_params.task not in tasks:
+                return (
+                    f"pooling_params.task: {request.pooling_params.task!r} is not served "
+                    f"here (served: {', '.join(tasks)})"
+                )
+        if request.sampling_params is not None:
+            if request.sampling_params.n != 1:
+                return "sampling_params.n: an engine core samples one sequence per request"
+            if request.sampling_params.max_tokens is None:
+                return "sampling_params.max_tokens: required"
+        return None
+
+    def _refuse_undecodable(self, frames: Sequence[zmq.Frame], error: Exception) -> None:
+        # The request cannot be read as a whole, but its id and client usually can, and an
+        # answer naming the problem beats a caller waiting forever.
+        try:
+            fields = msgspec.msgpack.decode(frames[0].buffer)
+            request_id, client_index = fields[0], fields[_CLIENT_INDEX_POSITION]
+        except Exception:
+            logger.warning("dropping an undecodable request: %s", error)
+            return
+        if not isinstance(request_id, str) or not isinstance(client_index, int):
+            logger.warning("dropping an undecodable request: %s", error)
+            return
+        self._send_error_output(request_id, client_index, _describe_decode_error(error))
+
+    def _send_error_output(self, request_id: str, client_index: int, error: str) -> None:
+        logger.info("refusing request %s: %s", request_id, error)
+        self.output_queue.put_nowait((client_index, StageLLMCoreOutputs.refusal(request_id, error)))
+
+    @staticmethod
+    def run_stage_core(
+        *,
+        vllm_config: VllmConfig,
+        local_client: bool,
+        handshake_address: str,
+        executor_class: type[Executor],
+        log_stats: bool,
+        client_handshake_address: str | None = None,
+        tensor_queue: Any = None,
+        dp_rank: int = 0,
+    ) -> None:
+        """The body of a stage core process (started by StageLLMCoreProcManager).
+
+        Returns when the core stopped cleanly (SIGTERM, SIGINT, parent gone); raises, after
+        telling the client, when it failed.
+        """
+        logging.basicConfig(
+            level=os.environ.get("OMNI_LOG_LEVEL", "INFO"),
+            format="%(asctime)s %(levelname)s [llm-core %(process)d] %(name)s: %(message)s",
+        )
+        if logging_config := getattr(vllm_config, "logging_config", None):
+            configure_logging(logging_config)
+        # Hugging Face configs of trust_remote_code models must pickle by value in this
+        # process as well (vLLM's own engine-core entry does the same).
+        maybe_register_config_serialize_by_value()
+        if envs.VLLM_ALLOW_INSECURE_SERIALIZATION:
+            raise RuntimeError(
+                "VLLM_ALLOW_INSECURE_SERIALIZATION is set: a stage core never unpickles "
+                "what arrives on its sockets; unset it"
+            )
+        parallel_config = vllm_config.parallel_config
+        data_parallel = parallel_config.data_parallel_size > 1
+        set_process_title(f"StageLLMCoreProc_DP{dp_rank}" if data_parallel else "StageLLMCoreProc")
+        decorate_logs()
+        parallel_config.data_parallel_index = dp_rank
+        # Ranks of a dense model share nothing: each is an engine of its own.
+        parallel_config.reconfigure_for_independent_dp_rank()
+
+        serving: list[StageLLMCoreProc] = []
+        stop_requested = threading.Event()
+        serving_lock = threading.Lock()
+
+        def stop(reason: str) -> None:
+            logger.info("LLM stage core stopping: %s", reason)
+            with serving_lock:
+                stop_requested.set()
+                if not serving:
+                    # Still loading: no request to answer, no output thread to flush.
+                    os._exit(0)
+                core = serving[0]
+            core.shutdown_state = EngineShutdownState.REQUESTED
+            core.input_queue.put_nowait((EngineCoreRequestType.WAKEUP, None))
+
+        start_stop_watchers(stop)
+        core = StageLLMCoreProc(
+            vllm_config=vllm_config,
+            local_client=local_client,
+            handshake_address=handshake_address,
+            executor_class=executor_class,
+            log_stats=log_stats,
+            client_handshake_address=client_handshake_address,
+            tensor_queue=tensor_queue,
+            engine_index=dp_rank,
+        )
+        with serving_lock:
+            serving.append(core)
+            if stop_requested.is_set():  # a stop that arrived as loading finished
+                core.shutdown_state = EngineShutdownState.REQUESTED
+        try:
+            core.run_busy_loop()
+        except SystemExit:
+            # The busy loop's way of saying shutdown is complete; in-flight requests have
+            # been answered as aborted. The dead notice flushes them out and tells the
+            # client not to wait for more.
+            core._send_engine_dead()
+        except BaseException:
+            logger.exception("LLM stage core failed")
+            core._send_engine_dead()
+            raise
+        finally:
+            core.shutdown()
+            # The interpreter's last garbage collection would walk the engine's whole heap
+            # (seconds); exit reclaims it anyway. vLLM does the same on ROCm.
+            gc.freeze()
+
+
+def _describe_decode_error(error: Exception) -> str:
+    # SamplingParams and PoolingParams validate themselves while decoding.
+    if isinstance(error, VLLMValidationError) and error.parameter is not None:
+        return f"{error.parameter}: {error.args[0]}"
+    return f"request: cannot be decoded ({type(error).__name__}: {error})"

@@ -1,0 +1,85 @@
+"""From the pipeline schema to vLLM: the engine configuration of one LLM stage.
+
+A stage's fields map onto vLLM's ``EngineArgs`` one to one; ``engineArgs`` passes further
+arguments through (the schema already refuses the ones that have a field of their own).
+``output`` chooses the runner, since vLLM 0.32 runs one runner per engine: ``text`` the
+generate runner, ``hidden_states`` the pooling runner with the ``embed`` conversion, whose
+``token_embed`` task returns each prompt token's hidden state after the final norm.
+``devices`` is not an engine argument: whoever starts the stage's process places it
+(CUDA_VISIBLE_DEVICES), and vLLM uses what it sees.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from vllm.config import VllmConfig
+from vllm.engine.arg_utils import EngineArgs
+from vllm.usage.usage_lib import UsageContext
+
+from omni_runtime.config import StageConfig
+
+# The stage fields that are vLLM engine arguments of the same name.
+_ENGINE_ARG_FIELDS = (
+    "tensor_parallel_size",
+    "data_parallel_size",
+    "max_num_batched_tokens",
+    "max_num_seqs",
+    "max_model_len",
+    "gpu_memory_utilization",
+    "dtype",
+    "trust_remote_code",
+    "enable_prefix_caching",
+    "enforce_eager",
+)
+_ENGINE_ARG_NAMES = frozenset(field.name for field in dataclasses.fields(EngineArgs))
+
+
+class StageLLMConfigError(ValueError):
+    """A stage that cannot become a vLLM engine; the message names the field."""
+
+
+def make_stage_llm_engine_args(stage: StageConfig, model: str) -> EngineArgs:
+    """vLLM's engine arguments for ``stage`` serving ``model`` (a path or hub id)."""
+    if stage.type != "llm":
+        raise StageLLMConfigError(f"type: stage {stage.stage_id} is a {stage.type} stage")
+    unknown = sorted(set(stage.engine_args) - _ENGINE_ARG_NAMES)
+    if unknown:
+        raise StageLLMConfigError(
+            f"engineArgs.{unknown[0]}: not an engine argument of vLLM "
+            f"(unknown: {', '.join(unknown)})"
+        )
+    args: dict[str, Any] = {
+        name: value for name in _ENGINE_ARG_FIELDS if (value := getattr(stage, name)) is not None
+    }
+    if stage.output == "hidden_states":
+        args.update(runner="pooling", convert="embed")
+    else:
+        args.update(runner="generate")
+    return EngineArgs(model=model, **args, **stage.engine_args)
+
+
+def make_stage_llm_vllm_config(stage: StageConfig, model: str) -> VllmConfig:
+    """The VllmConfig of ``stage``: what StageLLMCoreProcManager and the clients take.
+
+    An engine of one worker (no tensor or pipeline parallelism) runs its worker inside the
+    engine-core process (vLLM's uniprocess executor), unless ``engineArgs`` names a
+    backend: a stage is then two processes, client and core, not three. vLLM's CPU
+    platform turns "uni" into "mp" while building the config (it expects the uniprocess
+    executor only in the caller's own process), so the choice is made after it.
+    """
+    vllm_config = make_stage_llm_engine_args(stage, model).create_engine_config(
+        usage_context=UsageContext.ENGINE_CONTEXT
+    )
+    parallel_config = vllm_config.parallel_config
+    if parallel_config.data_parallel_size > 1 and vllm_config.model_config.is_moe:
+        # vLLM runs such ranks in lockstep (DPEngineCoreProc and its wave coordination),
+        # which a stage core does not do.
+        raise StageLLMConfigError(
+            "dataParallelSize: data parallelism of a mixture-of-experts model is not "
+            "supported by LLM stages; use replicas instead"
+        )
+    if "distributed_executor_backend" not in stage.engine_args and parallel_config.world_size == 1:
+        parallel_config.distributed_executor_backend = "uni"
+    return vllm_config
