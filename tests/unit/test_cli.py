@@ -55,3 +55,12 @@ def test_generate_rejects_a_bad_size_before_starting_anything() -> None:
     assert result.returncode == 1
     assert "--size: expected WIDTHxHEIGHT" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_unwritable_models_dir_is_a_message(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    result = omni_runtime("make-tiny-models", str(blocker / "models"))
+    assert result.returncode == 1
+    assert "omni-runtime: error:" in result.stderr
+    assert "Traceback" not in result.stderr

@@ -56,6 +56,9 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:
         print(f"omni-runtime: error: {e}", file=sys.stderr)
         return 1
+    except OSError as e:  # an unwritable --out, a full disk: the message is the whole story
+        print(f"omni-runtime: error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
 
