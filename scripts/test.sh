@@ -16,7 +16,7 @@ echo "== import contracts"
 "$py" -c 'import sys; from importlinter.cli import lint_imports_command; sys.exit(lint_imports_command())'
 if [ -z "${KUBECONFIG:-}" ]; then
     # The cluster suite runs against a control plane built from pinned Go modules; built
-    # once per pin set into ~/.cache/omni-operator/controlplane (about 10 min cold).
+    # once per pin set into ~/.cache/omni-operator/controlplane (about 7 min cold).
     echo "== control plane binaries"; tests/cluster/controlplane/build.sh >/dev/null
 fi
 echo "== pytest"; "$py" -m pytest "$@"
