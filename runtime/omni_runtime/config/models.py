@@ -77,8 +77,9 @@ class RouterConfig(_Model):
         return value.replace("_", "-") if isinstance(value, str) else value
 
 
-# Engine settings with their own stage field; engineArgs must not set them a second way.
-_ENGINE_FIELDS = (
+# The stage fields that are vLLM engine arguments of the same name (what an LLM stage passes
+# on to vLLM); engineArgs must not set them a second way.
+ENGINE_ARG_FIELDS = (
     "tensor_parallel_size",
     "data_parallel_size",
     "max_num_batched_tokens",
@@ -230,7 +231,7 @@ class StageConfig(_Model):
     @classmethod
     def _check_engine_args(cls, value: dict[str, Any]) -> dict[str, Any]:
         issues: list[tuple[str, str]] = []
-        for name in _ENGINE_FIELDS:
+        for name in ENGINE_ARG_FIELDS:
             alias = to_camel(name)
             for key in (name, alias):
                 if key in value:

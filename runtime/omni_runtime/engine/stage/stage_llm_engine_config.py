@@ -19,20 +19,8 @@ from vllm.engine.arg_utils import EngineArgs
 from vllm.usage.usage_lib import UsageContext
 
 from omni_runtime.config import StageConfig
+from omni_runtime.config.models import ENGINE_ARG_FIELDS
 
-# The stage fields that are vLLM engine arguments of the same name.
-_ENGINE_ARG_FIELDS = (
-    "tensor_parallel_size",
-    "data_parallel_size",
-    "max_num_batched_tokens",
-    "max_num_seqs",
-    "max_model_len",
-    "gpu_memory_utilization",
-    "dtype",
-    "trust_remote_code",
-    "enable_prefix_caching",
-    "enforce_eager",
-)
 _ENGINE_ARG_NAMES = frozenset(field.name for field in dataclasses.fields(EngineArgs))
 
 
@@ -51,7 +39,7 @@ def make_stage_llm_engine_args(stage: StageConfig, model: str) -> EngineArgs:
             f"(unknown: {', '.join(unknown)})"
         )
     args: dict[str, Any] = {
-        name: value for name in _ENGINE_ARG_FIELDS if (value := getattr(stage, name)) is not None
+        name: value for name in ENGINE_ARG_FIELDS if (value := getattr(stage, name)) is not None
     }
     if stage.output == "hidden_states":
         args.update(runner="pooling", convert="embed")
