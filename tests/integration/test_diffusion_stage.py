@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import psutil
 import pytest
+from stage_outputs import outputs_until_dead
 
 from omni_runtime.diffusion.engine import DiffusionEngineConfig
 from omni_runtime.diffusion.images import decode_image, encode_png
@@ -43,18 +44,6 @@ def request(
 async def run_one(client: object, req: StageDiffusionCoreRequest) -> StageDiffusionCoreOutput:
     outputs = await generate(client, [req], timeout=120)  # type: ignore[arg-type]
     return outputs[req.request_id]
-
-
-async def outputs_until_dead(
-    client: StageDiffusionCoreClient,
-) -> tuple[list[StageDiffusionCoreOutput], StageCoreDeadError]:
-    outputs: list[StageDiffusionCoreOutput] = []
-    async with asyncio.timeout(10):
-        while True:
-            try:
-                outputs.extend((await client.get_outputs_async()).outputs)
-            except StageCoreDeadError as death:
-                return outputs, death
 
 
 @pytest.fixture(scope="module")

@@ -19,6 +19,7 @@ import numpy as np
 import psutil
 import pytest
 import torch
+from stage_outputs import outputs_until_dead
 from transformers import AutoModel, AutoModelForCausalLM
 from vllm import PoolingParams, SamplingParams
 from vllm.v1.engine import FinishReason
@@ -30,7 +31,6 @@ from omni_runtime.diffusion.stage.inline_stage_diffusion_client import InlineSta
 from omni_runtime.engine.stage.stage_core_client import StageCoreDeadError, StageCoreStartupError
 from omni_runtime.engine.stage.stage_core_types import (
     StageDiffusionCoreRequest,
-    StageLLMCoreOutput,
     StageLLMCoreRequest,
 )
 from omni_runtime.engine.stage.stage_llm_core_client import (
@@ -278,19 +278,6 @@ async def test_abort_and_additional_information_on_the_scheduled_request(
     assert len(result.token_ids) < 400
     assert await text_client.describe_request_async("long") is None
     await run_good(text_client, "after-abort")
-
-
-async def outputs_until_dead(
-    client: LLMClient,
-) -> tuple[list[StageLLMCoreOutput], StageCoreDeadError]:
-    """Every output the client still delivers, and the error that ends them."""
-    outputs: list[StageLLMCoreOutput] = []
-    async with asyncio.timeout(10):
-        while True:
-            try:
-                outputs.extend((await client.get_outputs_async()).outputs)
-            except StageCoreDeadError as death:
-                return outputs, death
 
 
 def _core_request(client: LLMClient, request_id: str, **fields: Any) -> StageLLMCoreRequest:
