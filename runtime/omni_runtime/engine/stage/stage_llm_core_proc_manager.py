@@ -13,6 +13,7 @@ and a deadline on startup. What it returns is what a stage client adopts.
 
 from __future__ import annotations
 
+import multiprocessing.connection
 import signal
 import threading
 import weakref
@@ -43,6 +44,8 @@ from omni_runtime.engine.stage.stage_llm_core_proc import StageLLMCoreProc
 from omni_runtime.engine.stage.stop_watchers import stop_signals_blocked
 
 DEFAULT_STARTUP_TIMEOUT = 300.0
+# A core that reports a failed startup exits right after; the error names its exit code.
+FAILED_CORE_EXIT_GRACE = 10.0
 
 
 class StageLLMCoreProcManager(CoreEngineProcManager):  # type: ignore[misc]
@@ -109,6 +112,10 @@ class StageLLMCoreProcManager(CoreEngineProcManager):  # type: ignore[misc]
         finally:
             if self.finished_procs():
                 self.shutdown()
+
+    def wait_for_first_exit(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for any proc to end by itself."""
+        multiprocessing.connection.wait([proc.sentinel for proc in self.processes], timeout)
 
     def describe_exit(self) -> str:
         """How the procs ended (or that they run), for error messages."""
@@ -206,6 +213,8 @@ def launch_stage_llm_cores(
     except BaseException as e:
         if deadline is not None:
             deadline.cancel()
+        if proc_manager is not None and isinstance(e, Exception) and not expired.is_set():
+            proc_manager.wait_for_first_exit(FAILED_CORE_EXIT_GRACE)
         exits = proc_manager.describe_exit() if proc_manager is not None else "not started"
         if proc_manager is not None:
             proc_manager.shutdown()
