@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import socket
-import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlsplit
@@ -57,8 +56,6 @@ from omni_runtime.engine.stage.stage_llm_results import StageLLMResult
 
 _T = TypeVar("_T")
 _WILDCARD_HOSTS = frozenset({"", "*", "0.0.0.0", "::"})
-# How long a dead core's exit code may take to show, once it has said it is going.
-_EXIT_WAIT_S = 2.0
 
 
 class StageLLMCoreClientBase(StageCoreClientBase):
@@ -308,7 +305,7 @@ class StageLLMCoreClientBase(StageCoreClientBase):
         # A core that announced its end is exiting: give its exit code a moment to show.
         manager = self.proc_manager
         if manager is not None:
-            await asyncio.to_thread(_join_all, manager, _EXIT_WAIT_S)
+            await asyncio.to_thread(manager.wait_for_first_exit)
         return self._dead_reason()
 
 
@@ -426,9 +423,3 @@ def _refuse_insecure_serialization() -> None:
         raise RuntimeError(
             "VLLM_ALLOW_INSECURE_SERIALIZATION is set: stage sockets never carry pickle; unset it"
         )
-
-
-def _join_all(manager: StageLLMCoreProcManager, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    for proc in manager.processes:
-        proc.join(max(0.0, deadline - time.monotonic()))

@@ -44,8 +44,9 @@ from omni_runtime.engine.stage.stage_llm_core_proc import StageLLMCoreProc
 from omni_runtime.engine.stage.stop_watchers import stop_signals_blocked
 
 DEFAULT_STARTUP_TIMEOUT = 300.0
-# A core that reports a failed startup exits right after; the error names its exit code.
-FAILED_CORE_EXIT_GRACE = 10.0
+# A core that says it is going (a failed startup, a stop) exits right after: how long to
+# wait for that exit, so that errors can name its exit code rather than "running".
+ANNOUNCED_EXIT_WAIT_S = 10.0
 
 
 class StageLLMCoreProcManager(CoreEngineProcManager):  # type: ignore[misc]
@@ -113,7 +114,7 @@ class StageLLMCoreProcManager(CoreEngineProcManager):  # type: ignore[misc]
             if self.finished_procs():
                 self.shutdown()
 
-    def wait_for_first_exit(self, timeout: float) -> None:
+    def wait_for_first_exit(self, timeout: float = ANNOUNCED_EXIT_WAIT_S) -> None:
         """Wait up to ``timeout`` seconds for any proc to end by itself."""
         multiprocessing.connection.wait([proc.sentinel for proc in self.processes], timeout)
 
@@ -214,7 +215,7 @@ def launch_stage_llm_cores(
         if deadline is not None:
             deadline.cancel()
         if proc_manager is not None and isinstance(e, Exception) and not expired.is_set():
-            proc_manager.wait_for_first_exit(FAILED_CORE_EXIT_GRACE)
+            proc_manager.wait_for_first_exit()
         exits = proc_manager.describe_exit() if proc_manager is not None else "not started"
         if proc_manager is not None:
             proc_manager.shutdown()
