@@ -116,7 +116,13 @@ class StageLLMCoreProcManager(CoreEngineProcManager):  # type: ignore[misc]
 
     def wait_for_first_exit(self, timeout: float = ANNOUNCED_EXIT_WAIT_S) -> None:
         """Wait up to ``timeout`` seconds for any proc to end by itself."""
-        multiprocessing.connection.wait([proc.sentinel for proc in self.processes], timeout)
+        ended = multiprocessing.connection.wait([p.sentinel for p in self.processes], timeout)
+        for proc in self.processes:
+            if proc.sentinel in ended:
+                # A sentinel fires as the exiting process closes its files, a moment before
+                # its exit status exists: join collects it (``exitcode`` alone can still
+                # say None, which is how a failed startup came to be reported "running").
+                proc.join()
 
     def describe_exit(self) -> str:
         """How the procs ended (or that they run), for error messages."""
