@@ -136,6 +136,25 @@ async def test_bad_request_errors_and_next_succeeds(
     assert good.images is not None
 
 
+@pytest.mark.parametrize("kind", ["proc", "inline"])
+async def test_a_request_id_in_flight_is_refused_and_the_first_goes_on(
+    proc_client: StageDiffusionCoreClient, inline_client: InlineStageDiffusionClient, kind: str
+) -> None:
+    client = proc_client if kind == "proc" else inline_client
+    await client.add_request_async(request("twice", seed=1, num_inference_steps=20))
+    await client.add_request_async(request("twice", seed=2))
+    seen: list[StageDiffusionCoreOutput] = []
+    async with asyncio.timeout(60):
+        while len(seen) < 2:
+            seen.extend((await client.get_outputs_async()).outputs)
+    refusal, first = sorted(seen, key=lambda output: output.images is not None)
+    assert refusal.error == "request_id: 'twice' is in flight already; use an id of its own"
+    assert first.error is None
+    assert first.images is not None
+    again = await run_one(client, request("twice", seed=3))  # free again once finished
+    assert again.images is not None
+
+
 async def test_image_to_image_keeps_input_size(proc_client: StageDiffusionCoreClient) -> None:
     source = np.random.default_rng(0).integers(0, 256, size=(96, 64, 3), dtype=np.uint8)
     req = StageDiffusionCoreRequest(

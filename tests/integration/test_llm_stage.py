@@ -341,6 +341,29 @@ async def test_bad_request_at_the_core_errors_and_next_succeeds(
     await run_good(text_client, "good-core")
 
 
+async def test_a_request_id_in_flight_is_refused_and_the_first_goes_on(
+    text_client: LLMClient,
+) -> None:
+    # vLLM's scheduler asserts on a duplicate id, which would end the core.
+    params = {"max_tokens": 64, "ignore_eos": True}
+    await text_client.add_prompt_async("twice", prompt="a red cat", params=params)
+    await text_client.add_prompt_async("twice", prompt="a blue dog", params=params)
+    errors: list[str] = []
+    first = StageLLMResult("twice")
+    async with asyncio.timeout(DEADLINE_S):
+        while not (first.finished and errors):
+            for output in (await text_client.get_outputs_async()).outputs:
+                assert output.request_id == "twice"
+                if output.error is not None:
+                    errors.append(output.error)
+                else:
+                    first.add(output)
+    assert errors == ["request_id: 'twice' is in flight already; use an id of its own"]
+    assert first.finish_reason == FinishReason.LENGTH
+    assert len(first.token_ids) == 64
+    await run_good(text_client, "twice")  # free again once finished
+
+
 async def test_wrong_kind_is_refused_by_an_encode_stage(encode_client: LLMClient) -> None:
     result = await run(encode_client, "sampled", prompt="a red cat", params={"temperature": 0})
     assert result.error == (

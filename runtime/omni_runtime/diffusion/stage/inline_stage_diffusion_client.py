@@ -14,9 +14,14 @@ from functools import partial
 from typing import Any
 
 from omni_runtime.diffusion.engine import DiffusionEngine, DiffusionEngineConfig
-from omni_runtime.engine.stage.stage_core_client import StageCoreClientBase, StageCoreDeadError
+from omni_runtime.engine.stage.stage_core_client import (
+    StageCoreClientBase,
+    StageCoreDeadError,
+    request_id_in_flight_error,
+)
 from omni_runtime.engine.stage.stage_core_types import (
     StageCoreRequest,
+    StageDiffusionCoreOutput,
     StageDiffusionCoreOutputs,
     StageDiffusionCoreRequest,
 )
@@ -43,6 +48,14 @@ class InlineStageDiffusionClient(StageCoreClientBase):
                 f"a diffusion stage takes StageDiffusionCoreRequest, not {type(request).__name__}"
             )
         self.check_health()
+        request_id = request.request_id
+        if request_id == self._running_id or any(r.request_id == request_id for r in self._pending):
+            error = request_id_in_flight_error(request_id)
+            output = StageDiffusionCoreOutput(request_id=request_id, error=error)
+            self._outputs.put_nowait(
+                StageDiffusionCoreOutputs(outputs=[output], timestamp=time.time())
+            )
+            return
         self._pending.append(request)
         if self._worker is None or self._worker.done():
             self._worker = asyncio.get_running_loop().create_task(self._run_pending())

@@ -29,8 +29,10 @@ import msgspec
 import zmq
 
 from omni_runtime.diffusion.engine import DiffusionEngine, DiffusionEngineConfig
+from omni_runtime.engine.stage.stage_core_client import request_id_in_flight_error
 from omni_runtime.engine.stage.stage_core_types import (
     StageCoreRequestType,
+    StageDiffusionCoreOutput,
     StageDiffusionCoreOutputs,
     StageDiffusionCoreRequest,
     StageUtilityCall,
@@ -186,8 +188,17 @@ class StageDiffusionCoreProc:
                         self._aborted.update(i for i in payload if i in self._pending)
                     continue
                 if kind is StageCoreRequestType.ADD:
+                    request_id = payload.request_id
                     with self._lock:
-                        self._pending.add(payload.request_id)
+                        in_flight = request_id in self._pending
+                        self._pending.add(request_id)
+                    if in_flight:
+                        error = request_id_in_flight_error(request_id)
+                        output = StageDiffusionCoreOutput(request_id=request_id, error=error)
+                        self._output_queue.put(
+                            StageDiffusionCoreOutputs(outputs=[output], timestamp=time.time())
+                        )
+                        continue
                 self._input_queue.put((kind, payload))
         except zmq.ContextTerminated:
             socket.close(linger=0)

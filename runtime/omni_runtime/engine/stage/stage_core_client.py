@@ -24,12 +24,21 @@ class StageCoreStartupError(RuntimeError):
     """A stage core did not become ready: it failed, died or timed out while starting."""
 
 
+def request_id_in_flight_error(request_id: str) -> str:
+    """The error output's text for a request whose id an unfinished request holds."""
+    return f"request_id: {request_id!r} is in flight already; use an id of its own"
+
+
 class StageCoreClientBase(ABC):
     """What the rest of the system may ask of a stage."""
 
     @abstractmethod
     async def add_request_async(self, request: StageCoreRequest) -> None:
-        """Queue ``request``; its output arrives through :meth:`get_outputs_async`."""
+        """Queue ``request``; its output arrives through :meth:`get_outputs_async`.
+
+        A request id is the caller's to choose, unique among unfinished requests: a request
+        reusing one is answered with an error output under that id, and the first goes on.
+        """
 
     @abstractmethod
     async def get_outputs_async(self) -> StageCoreOutputs:

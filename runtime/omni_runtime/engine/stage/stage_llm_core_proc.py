@@ -7,9 +7,9 @@ a stage adds:
   (``additional_information``) reaches the scheduled request, a StageLLMRequest.
 - A request the engine cannot serve is answered with an error output and never reaches the
   engine: one of the wrong kind for this stage's runner, an empty or too long prompt,
-  token ids outside the vocabulary, parameters that do not decode. vLLM's front end checks
-  these before its engine core sees a request, and the core trusts it: one such request
-  kills the core.
+  token ids outside the vocabulary, parameters that do not decode, an id in flight already.
+  vLLM's front end checks these before its engine core sees a request, and the core
+  trusts it: one such request kills the core.
 - Aborting a request yields an output (finish_reason ABORT), as the stage contract asks.
 - ``run_stage_core`` is its own process entry (vLLM's ``run_engine_core`` constructs
   vLLM's classes): SIGTERM, SIGINT or the death of the parent stop the busy loop cleanly,
@@ -47,6 +47,7 @@ from vllm.v1.executor import Executor
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.serial_utils import MsgpackDecoder
 
+from omni_runtime.engine.stage.stage_core_client import request_id_in_flight_error
 from omni_runtime.engine.stage.stage_core_types import StageLLMCoreOutputs, StageLLMCoreRequest
 from omni_runtime.engine.stage.stop_watchers import start_stop_watchers
 
@@ -82,6 +83,25 @@ class StageLLMCoreProc(EngineCoreProc):  # type: ignore[misc]
         if scheduled.use_structured_output:
             self.structured_output_manager.grammar_init(scheduled)
         return scheduled, request.current_wave
+
+    def add_request(self, request: Request, request_wave: int = 0) -> None:
+        """vLLM's, refusing a request whose id is in flight already (vLLM's scheduler
+        asserts on one, which ends the core; its front end makes ids unique, a stage's
+        callers choose theirs). Runs on the busy loop, which owns the scheduler."""
+        existing = self.scheduler.requests.get(request.request_id)
+        if (
+            existing is not None
+            # A streaming-input session takes its next chunk under the same id.
+            and existing.streaming_queue is None
+            and existing.status != RequestStatus.WAITING_FOR_STREAMING_REQ
+        ):
+            self._send_error_output(
+                request.request_id,
+                request.client_index,
+                request_id_in_flight_error(request.request_id),
+            )
+            return
+        super().add_request(request, request_wave)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         """Abort, and answer each request that was still unfinished with an ABORT output.
