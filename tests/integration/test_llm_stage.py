@@ -22,6 +22,7 @@ import torch
 from stage_outputs import outputs_until_dead
 from transformers import AutoModel, AutoModelForCausalLM
 from vllm import PoolingParams, SamplingParams
+from vllm.lora.request import LoRARequest
 from vllm.v1.engine import FinishReason
 
 from omni_runtime.config import StageConfig
@@ -285,7 +286,7 @@ def _core_request(client: LLMClient, request_id: str, **fields: Any) -> StageLLM
     hostile peer could): what only the core's own checks stand against."""
     request = client.request_builder.build(request_id, prompt="a red cat", params={"max_tokens": 4})
     for name, value in fields.items():
-        if name in ("max_tokens", "temperature"):
+        if name in ("max_tokens", "temperature", "logprobs", "allowed_token_ids"):
             setattr(request.sampling_params, name, value)  # no validation on assignment
         else:
             setattr(request, name, value)
@@ -324,6 +325,12 @@ async def test_bad_request_from_the_builder_errors_and_next_succeeds(
         ({"prompt_token_ids": [5, 384]}, "prompt_token_ids: token ids must be in [0, 384)"),
         ({"max_tokens": 0}, "max_tokens: max_tokens must be at least 1"),
         ({"temperature": -0.5}, "temperature: temperature must be non-negative"),
+        ({"logprobs": 1000}, "logprobs: Requested sample logprobs of 1000"),
+        ({"allowed_token_ids": [7, 999]}, "allowed_token_ids: allowed_token_ids contains out-of"),
+        (
+            {"lora_request": LoRARequest("adapter", 1, "/nowhere")},
+            "lora_request: this stage serves no LoRA adapters",
+        ),
         (
             {"sampling_params": None, "pooling_params": PoolingParams(task="token_embed")},
             "pooling_params: this stage generates text",

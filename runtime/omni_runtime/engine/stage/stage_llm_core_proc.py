@@ -7,7 +7,9 @@ a stage adds:
   (``additional_information``) reaches the scheduled request, a StageLLMRequest.
 - A request the engine cannot serve is answered with an error output and never reaches the
   engine: one of the wrong kind for this stage's runner, an empty or too long prompt,
-  token ids outside the vocabulary, parameters that do not decode, an id in flight already.
+  token ids outside the vocabulary, parameters that do not decode or that vLLM's checks
+  refuse (logprobs, logit bias, allowed token ids), a LoRA adapter or multimodal input the
+  stage does not serve, an id in flight already.
   vLLM's front end checks these before its engine core sees a request, and the core
   trusts it: one such request kills the core.
 - Aborting a request yields an output (finish_reason ABORT), as the stage contract asks.
@@ -271,11 +273,25 @@ class StageLLMCoreProc(EngineCoreProc):  # type: ignore[misc]
                     f"pooling_params.task: {request.pooling_params.task!r} is not served "
                     f"here (served: {', '.join(tasks)})"
                 )
+        if request.lora_request is not None and self.vllm_config.lora_config is None:
+            return "lora_request: this stage serves no LoRA adapters"
+        if request.mm_features and not model_config.is_multimodal_model:
+            return "mm_features: this stage's model takes no multimodal input"
         if request.sampling_params is not None:
             if request.sampling_params.n != 1:
                 return "sampling_params.n: an engine core samples one sequence per request"
             if request.sampling_params.max_tokens is None:
                 return "sampling_params.max_tokens: required"
+            if request.sampling_params.structured_outputs is not None:
+                return "sampling_params.structured_outputs: not supported by a stage"
+            try:
+                # vLLM's own checks of what indexes the logits (logprobs, logit_bias,
+                # stop/allowed token ids against the vocabulary), as its front end runs them.
+                request.sampling_params.verify(
+                    model_config, self.vllm_config.speculative_config, None, None
+                )
+            except (VLLMValidationError, ValueError) as e:
+                return _describe_validation_error(e)
         return None
 
     def _refuse_undecodable(self, frames: Sequence[zmq.Frame], error: Exception) -> None:
@@ -383,8 +399,14 @@ class StageLLMCoreProc(EngineCoreProc):  # type: ignore[misc]
             gc.freeze()
 
 
+def _describe_validation_error(error: Exception) -> str:
+    if isinstance(error, VLLMValidationError) and error.parameter is not None:
+        return f"{error.parameter}: {error.args[0]}"
+    return f"sampling_params: {error}"
+
+
 def _describe_decode_error(error: Exception) -> str:
     # SamplingParams and PoolingParams validate themselves while decoding.
     if isinstance(error, VLLMValidationError) and error.parameter is not None:
-        return f"{error.parameter}: {error.args[0]}"
+        return _describe_validation_error(error)
     return f"request: cannot be decoded ({type(error).__name__}: {error})"
