@@ -24,6 +24,7 @@ from transformers import AutoModel, AutoModelForCausalLM
 from vllm import PoolingParams, SamplingParams
 from vllm.lora.request import LoRARequest
 from vllm.v1.engine import FinishReason
+from vllm.v1.engine.core_client import AsyncMPClient
 
 from omni_runtime.config import StageConfig
 from omni_runtime.diffusion.engine import DiffusionEngineConfig
@@ -354,18 +355,21 @@ async def test_a_request_id_in_flight_is_refused_and_the_first_goes_on(
     # vLLM's scheduler asserts on a duplicate id, which would end the core.
     params = {"max_tokens": 64, "ignore_eos": True}
     await text_client.add_prompt_async("twice", prompt="a red cat", params=params)
+    # Refused by the client, and by the core for a peer that skips the client's check.
     await text_client.add_prompt_async("twice", prompt="a blue dog", params=params)
+    duplicate = text_client.request_builder.build("twice", prompt="a blue dog", params=params)
+    await AsyncMPClient.add_request_async(text_client, duplicate)
     errors: list[str] = []
     first = StageLLMResult("twice")
     async with asyncio.timeout(DEADLINE_S):
-        while not (first.finished and errors):
+        while not (first.finished and len(errors) == 2):
             for output in (await text_client.get_outputs_async()).outputs:
                 assert output.request_id == "twice"
                 if output.error is not None:
                     errors.append(output.error)
                 else:
                     first.add(output)
-    assert errors == ["request_id: 'twice' is in flight already; use an id of its own"]
+    assert errors == ["request_id: 'twice' is in flight already; use an id of its own"] * 2
     assert first.finish_reason == FinishReason.LENGTH
     assert len(first.token_ids) == 64
     await run_good(text_client, "twice")  # free again once finished
@@ -586,3 +590,18 @@ async def test_data_parallel_client_serves_across_both_engines(
     assert all(len(result.token_ids) == 8 for result in results.values())
     # Both engines hold the same weights: the same greedy tokens wherever a request ran.
     assert len({tuple(result.token_ids) for result in results.values()}) == 1
+    # A refused duplicate id leaves the first request where the client can still abort it.
+    params = {"max_tokens": 400, "ignore_eos": True}
+    await data_parallel_client.add_prompt_async("dp-twice", prompt="a red cat", params=params)
+    await data_parallel_client.add_prompt_async("dp-twice", prompt="a red cat", params=params)
+    finals: list[Any] = []
+    async with asyncio.timeout(DEADLINE_S):
+        while len(finals) < 2:
+            for output in (await data_parallel_client.get_outputs_async()).outputs:
+                if output.finish_reason is None:
+                    continue
+                finals.append(output)
+                if output.error is not None:
+                    await data_parallel_client.abort_requests_async(["dp-twice"])
+    assert [output.finish_reason for output in finals] == [FinishReason.ERROR, FinishReason.ABORT]
+    assert sum(data_parallel_client.engine_inflight.values()) == 0
