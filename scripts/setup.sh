@@ -106,7 +106,12 @@ main() {
     key=$(env_key)
     base=$CACHE_DIR/pyenv-$key
     if [ ! -f "$base/.complete" ]; then
-        build_base "$base"
+        # Two setups at once (CI beside a developer's run) would build over each other.
+        mkdir -p "$CACHE_DIR"
+        exec 9>"$base.lock"
+        flock 9
+        [ -f "$base/.complete" ] || build_base "$base"
+        exec 9>&-
     fi
     link_venv "$base"
     log "environment ready in $(($(date +%s) - start)) s (base: $base)"
