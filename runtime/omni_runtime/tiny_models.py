@@ -21,7 +21,7 @@ HIDDEN_SIZE = 128
 VOCAB_SIZE = 384
 _MARKER = "omni-tiny-models.json"
 # Bump when what is built changes, so that old directories are rebuilt.
-_RECIPE_VERSION = 2
+_RECIPE_VERSION = 3
 _SEED = 1234
 
 CHATML_TEMPLATE = (
@@ -162,6 +162,8 @@ def _build_diffusion(path: Path, llm_path: Path) -> None:
             num_hidden_layers=2,
             num_attention_heads=4,
             max_position_embeddings=77,
+            # CLIP's own defaults name ids of its 49408-token vocabulary.
+            bos_token_id=tokenizer.bos_token_id,
             eos_token_id=tokenizer.eos_token_id,
             pad_token_id=tokenizer.pad_token_id,
         )

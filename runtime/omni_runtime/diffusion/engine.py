@@ -87,7 +87,7 @@ class DiffusionEngine:
         _parse_params(config.default_params, "defaultSamplingParams")
         self._torch_dtype = getattr(torch, _DTYPES[config.dtype])
         self.pipeline = DiffusionPipeline.from_pretrained(
-            config.model, local_files_only=True, torch_dtype=self._torch_dtype
+            config.model, local_files_only=True, dtype=self._torch_dtype
         )
         self.pipeline.set_progress_bar_config(disable=True)
         try:

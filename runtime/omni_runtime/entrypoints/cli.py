@@ -18,6 +18,8 @@ import sys
 import time
 from pathlib import Path
 
+from omni_runtime.process_logging import drop_torchvision_notice
+
 DEFAULT_CACHE_DIR = Path(os.environ.get("OMNI_CACHE_DIR", Path.home() / ".cache" / "omni-operator"))
 DEFAULT_MODELS_DIR = DEFAULT_CACHE_DIR / "tiny-models"
 
@@ -50,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     gen.set_defaults(run=_generate)
 
     args = parser.parse_args(argv)
+    drop_torchvision_notice()
     try:
         result: int = args.run(args)
         return result

@@ -39,6 +39,7 @@ from omni_runtime.engine.stage.stage_core_types import (
     StageUtilityOutput,
 )
 from omni_runtime.engine.stage.stop_watchers import start_stop_watchers, stop_signals_blocked
+from omni_runtime.process_logging import disable_loading_bars, drop_torchvision_notice
 from omni_runtime.wire import Frame, WireDecoder, WireEncoder, WireError
 
 logger = logging.getLogger(__name__)
@@ -262,6 +263,8 @@ def run_stage_core(
             os._exit(0)  # still loading: nothing to hand back, nobody waiting on outputs
 
     start_stop_watchers(stop)
+    drop_torchvision_notice()
+    disable_loading_bars()
     try:
         proc = StageDiffusionCoreProc(
             config,
