@@ -127,7 +127,22 @@ def _last_line(text: str) -> str:
 
 
 @pytest.fixture(scope="session")
-def kube(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Kube]:
+def controlplane_bin_dir() -> Path:
+    """The local control plane's binaries, built from the pinned modules on first use."""
+    # A cold build takes minutes; a warm one returns in about a second.
+    build = _run_script(["bash", str(CONTROLPLANE / "build.sh")], timeout=3 * 3600)
+    if build.returncode != 0:
+        pytest.skip(
+            "local control plane binaries are missing and could not be built: "
+            f"build.sh exited {build.returncode}:\n{build.stderr[-3000:]}"
+        )
+    return Path(_last_line(build.stdout))
+
+
+@pytest.fixture(scope="session")
+def kube(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[Kube]:
     cache_dir = tmp_path_factory.mktemp("kubectl-cache")
     external = os.environ.get("KUBECONFIG")
     if external:
@@ -141,15 +156,7 @@ def kube(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Kube]:
         yield Kube(Path(external.split(os.pathsep)[0]), kubectl, local=False, cache_dir=cache_dir)
         return
 
-    # A cold build takes tens of minutes; a warm one returns in about a second.
-    build = _run_script(["bash", str(CONTROLPLANE / "build.sh")], timeout=3 * 3600)
-    if build.returncode != 0:
-        pytest.skip(
-            "local control plane binaries are missing and could not be built: "
-            f"build.sh exited {build.returncode}:\n{build.stderr[-3000:]}"
-        )
-    bin_dir = Path(_last_line(build.stdout))
-
+    bin_dir: Path = request.getfixturevalue("controlplane_bin_dir")
     script = [sys.executable, str(CONTROLPLANE / "controlplane.py")]
     shared = os.environ.get("OMNI_CONTROLPLANE_DIR")
     # By default each session runs a control plane of its own (it starts in

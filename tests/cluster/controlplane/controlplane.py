@@ -8,7 +8,9 @@
 `start` runs etcd, kube-apiserver, kube-controller-manager, kube-scheduler and
 kwok (two fake nodes) on 127.0.0.1, waits until all are healthy and prints the
 admin kubeconfig path as its last stdout line. `stop` ends exactly the
-processes `start` recorded. Both are no-ops when there is nothing to do.
+processes `start` recorded. Both are no-ops when there is nothing to do; a
+`start` over an unhealthy run replaces it. A component that exits is reported
+with the tail of its log: by `start` while starting, by `status` after.
 
 State dir (default $OMNI_CONTROLPLANE_DIR, else
 ${OMNI_CACHE_DIR:-~/.cache/omni-operator}/controlplane-run) holds kubeconfig,
@@ -669,6 +671,9 @@ def cmd_status(state_dir: Path) -> int:
         return 1
     for p in state.procs:
         print(f"{p.name:<24} pid {p.pid:<8} {'running' if is_running(p) else 'EXITED'}")
+    for p in state.procs:
+        if not is_running(p):
+            print(f"--- last lines of {p.log} ---\n{tail(Path(p.log), 15)}")
     ok = healthy(state)
     print(f"kubeconfig: {state.kubeconfig}\napiserver ready: {ok}")
     return 0 if ok else 1
