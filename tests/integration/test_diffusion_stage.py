@@ -260,6 +260,18 @@ async def test_startup_failure_is_reported_not_hung(tmp_path: Path) -> None:
     assert time.monotonic() - start < 60
 
 
+async def test_startup_past_its_deadline_is_reported_and_leaves_nothing(
+    engine_config: DiffusionEngineConfig,
+) -> None:
+    before = set(psutil.Process().children(recursive=True))
+    start = time.monotonic()
+    # Loading torch and diffusers alone takes longer than this.
+    with pytest.raises(StageCoreStartupError, match="not ready within 1 s"):
+        StageDiffusionCoreClient(engine_config, startup_timeout=1.0)
+    assert time.monotonic() - start < 15
+    assert set(psutil.Process().children(recursive=True)) - before == set()
+
+
 @pytest.mark.asyncio(loop_scope="function")
 async def test_sigterm_aborts_a_running_request_and_exits(
     doomed_client: StageDiffusionCoreClient,

@@ -551,6 +551,16 @@ async def test_startup_failure_is_reported_and_leaves_nothing(
     assert set(children()) - before == set()  # nothing it started survived
 
 
+async def test_startup_past_its_deadline_is_reported_and_leaves_nothing(llm_path: str) -> None:
+    before = set(children())
+    start = time.monotonic()
+    # Importing vLLM alone takes longer than this.
+    with pytest.raises(StageCoreStartupError, match="not ready within 1 s during startup"):
+        start_stage_llm_client(TEXT_STAGE, llm_path, startup_timeout=1.0)
+    assert time.monotonic() - start < 30
+    assert set(children()) - before == set()
+
+
 async def test_insecure_serialization_is_refused_before_anything_starts(
     llm_path: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
