@@ -9,9 +9,8 @@ a stage adds:
   engine: one of the wrong kind for this stage's runner, an empty or too long prompt,
   token ids outside the vocabulary, parameters that do not decode or that vLLM's checks
   refuse (logprobs, logit bias, allowed token ids), a LoRA adapter or multimodal input the
-  stage does not serve, an id in flight already.
-  vLLM's front end checks these before its engine core sees a request, and the core
-  trusts it: one such request kills the core.
+  stage does not serve, an id in flight already. vLLM's front end checks these before its
+  engine core sees a request, and the core trusts it: one such request kills the core.
 - Aborting a request yields an output (finish_reason ABORT), as the stage contract asks.
 - ``run_stage_core`` is its own process entry (vLLM's ``run_engine_core`` constructs
   vLLM's classes): SIGTERM, SIGINT or the death of the parent stop the busy loop cleanly,
@@ -291,7 +290,7 @@ class StageLLMCoreProc(EngineCoreProc):  # type: ignore[misc]
                     model_config, self.vllm_config.speculative_config, None, None
                 )
             except (VLLMValidationError, ValueError) as e:
-                return _describe_validation_error(e)
+                return _describe_validation_error(e, f"sampling_params: {e}")
         return None
 
     def _refuse_undecodable(self, frames: Sequence[zmq.Frame], error: Exception) -> None:
@@ -399,14 +398,15 @@ class StageLLMCoreProc(EngineCoreProc):  # type: ignore[misc]
             gc.freeze()
 
 
-def _describe_validation_error(error: Exception) -> str:
+def _describe_validation_error(error: Exception, otherwise: str) -> str:
+    """ "field: what is wrong" where vLLM's error names the field, else ``otherwise``."""
     if isinstance(error, VLLMValidationError) and error.parameter is not None:
         return f"{error.parameter}: {error.args[0]}"
-    return f"sampling_params: {error}"
+    return otherwise
 
 
 def _describe_decode_error(error: Exception) -> str:
     # SamplingParams and PoolingParams validate themselves while decoding.
-    if isinstance(error, VLLMValidationError) and error.parameter is not None:
-        return _describe_validation_error(error)
-    return f"request: cannot be decoded ({type(error).__name__}: {error})"
+    return _describe_validation_error(
+        error, f"request: cannot be decoded ({type(error).__name__}: {error})"
+    )
