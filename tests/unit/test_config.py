@@ -390,6 +390,49 @@ def test_pipeline_may_sit_under_a_pipeline_key(tmp_path: Path) -> None:
     assert [path for path, _ in error.issues] == ["pipeline.stages[0].replicas"]
 
 
+def omni_pipeline(spec: object, **fields: object) -> dict[str, Any]:
+    return {
+        "apiVersion": "omni.example/v1alpha1",
+        "kind": "OmniPipeline",
+        "metadata": {"name": "bagel", "namespace": "default"},
+        "spec": spec,
+        **fields,
+    }
+
+
+def test_an_omnipipeline_resource_loads_its_spec(tmp_path: Path) -> None:
+    spec = {"model": BAGEL_MODEL, **seed_mapping()}
+    path = write(tmp_path, "bagel-pipeline.yaml", yaml.safe_dump(omni_pipeline(spec)))
+    assert load_pipeline(path) == load_pipeline(seed_mapping(), model=BAGEL_MODEL)
+    # What `kubectl get -o yaml` prints has a status too.
+    assert load_pipeline(omni_pipeline(spec, status={"phase": "Ready"})) == load_pipeline(path)
+
+    spec["stages"][0]["replicas"] = -1
+    error = errors_of(omni_pipeline(spec))
+    assert [path for path, _ in error.issues] == ["spec.stages[0].replicas"]
+
+
+@pytest.mark.parametrize(
+    ("document", "issue"),
+    [
+        (
+            omni_pipeline({}, kind="Deployment"),
+            ("kind", "expected OmniPipeline, got 'Deployment'"),
+        ),
+        (omni_pipeline(None), ("spec", "expected the pipeline mapping, got nothing")),
+        (omni_pipeline(["stages"]), ("spec", "expected the pipeline mapping, got a list")),
+        (
+            omni_pipeline({}, extra=1),
+            ("extra", "unknown field; allowed: apiVersion, kind, metadata, spec, status"),
+        ),
+    ],
+)
+def test_a_malformed_resource_is_refused_by_field(
+    document: dict[str, Any], issue: tuple[str, str]
+) -> None:
+    assert errors_of(document, model=BAGEL_MODEL).issues == [issue]
+
+
 # --- invalid pipelines ----------------------------------------------------------------------
 
 # (changes to the seed mapping as (dotted path, value), the field path the error must name,

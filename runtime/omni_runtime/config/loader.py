@@ -15,8 +15,11 @@ from pydantic import ValidationError
 from .errors import PipelineConfigError, join_path
 from .models import PipelineConfig
 
-# A file may hold the pipeline at its root (the engine's deploy YAML) or under this key.
+# A file may hold the pipeline at its root (the engine's deploy YAML), under this key, or as
+# the spec of an OmniPipeline resource (what `kubectl apply -f` takes).
 WRAPPER_KEY = "pipeline"
+RESOURCE_KIND = "OmniPipeline"
+_RESOURCE_FIELDS = ("apiVersion", "kind", "metadata", "spec", "status")
 _STAGE_TYPE = re.compile(r"stages\[[0-9]+\]\.type")
 
 
@@ -108,6 +111,8 @@ def _unwrap(data: Any, origin: str | None) -> tuple[dict[str, Any], str]:
             ],
             source=origin,
         )
+    if "kind" in data or "apiVersion" in data:
+        return _unwrap_resource(data, origin), "spec"
     if WRAPPER_KEY in data and set(data) <= {WRAPPER_KEY, "model"}:
         inner = data[WRAPPER_KEY]
         if not isinstance(inner, Mapping):
@@ -118,6 +123,24 @@ def _unwrap(data: Any, origin: str | None) -> tuple[dict[str, Any], str]:
             inner = {"model": data["model"], **inner}
         return dict(inner), WRAPPER_KEY
     return dict(data), ""
+
+
+def _unwrap_resource(data: Mapping[str, Any], origin: str | None) -> dict[str, Any]:
+    """The spec of an OmniPipeline resource; its metadata and status say nothing to a run."""
+    issues = []
+    if data.get("kind") != RESOURCE_KIND:
+        issues.append(("kind", f"expected {RESOURCE_KIND}, got {data.get('kind')!r}"))
+    for key in data:
+        if key not in _RESOURCE_FIELDS:
+            issues.append((str(key), f"unknown field; allowed: {', '.join(_RESOURCE_FIELDS)}"))
+    spec = data.get("spec")
+    if not isinstance(spec, Mapping):
+        found = "nothing" if spec is None else _kind(spec)
+        issues.append(("spec", f"expected the pipeline mapping, got {found}"))
+    if issues:
+        raise PipelineConfigError(issues, source=origin)
+    assert isinstance(spec, Mapping)
+    return dict(spec)
 
 
 def _kind(value: object) -> str:
