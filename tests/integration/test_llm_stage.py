@@ -546,8 +546,11 @@ async def test_startup_failure_is_reported_and_leaves_nothing(
     before = set(children())
     # A KV cache larger than the machine: the core fails while building the engine.
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "100000")
-    with pytest.raises(StageCoreStartupError, match="exited with exit code 1"):
+    with pytest.raises(StageCoreStartupError, match="exited with exit code 1") as info:
         start_stage_llm_client(TEXT_STAGE, llm_path)
+    # The core's own reason, not only "see the logs".
+    assert "(ValueError: Available memory" in str(info.value)
+    assert "VLLM_CPU_KVCACHE_SPACE" in str(info.value)
     assert set(children()) - before == set()  # nothing it started survived
 
 

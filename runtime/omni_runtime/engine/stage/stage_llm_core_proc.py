@@ -24,12 +24,14 @@ travel as dtype, shape and a raw frame.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import os
 import threading
 from collections.abc import Sequence
 from contextlib import ExitStack
+from multiprocessing.connection import Connection
 from typing import Any
 
 import msgspec
@@ -322,11 +324,13 @@ class StageLLMCoreProc(EngineCoreProc):  # type: ignore[misc]
         client_handshake_address: str | None = None,
         tensor_queue: Any = None,
         dp_rank: int = 0,
+        failure_pipe: Connection | None = None,
     ) -> None:
         """The body of a stage core process (started by StageLLMCoreProcManager).
 
         Returns when the core stopped cleanly (SIGTERM, SIGINT, parent gone); raises, after
-        telling the client, when it failed.
+        telling the client, when it failed, and sends why on ``failure_pipe`` (one line),
+        which the manager's error messages quote.
         """
         logging.basicConfig(
             level=os.environ.get("OMNI_LOG_LEVEL", "INFO"),
@@ -366,16 +370,21 @@ class StageLLMCoreProc(EngineCoreProc):  # type: ignore[misc]
             core.input_queue.put_nowait((EngineCoreRequestType.WAKEUP, None))
 
         start_stop_watchers(stop)
-        core = StageLLMCoreProc(
-            vllm_config=vllm_config,
-            local_client=local_client,
-            handshake_address=handshake_address,
-            executor_class=executor_class,
-            log_stats=log_stats,
-            client_handshake_address=client_handshake_address,
-            tensor_queue=tensor_queue,
-            engine_index=dp_rank,
-        )
+        try:
+            core = StageLLMCoreProc(
+                vllm_config=vllm_config,
+                local_client=local_client,
+                handshake_address=handshake_address,
+                executor_class=executor_class,
+                log_stats=log_stats,
+                client_handshake_address=client_handshake_address,
+                tensor_queue=tensor_queue,
+                engine_index=dp_rank,
+            )
+        except Exception as e:
+            if failure_pipe is not None:
+                send_failure(failure_pipe, e)
+            raise
         with serving_lock:
             serving.append(core)
             if stop_requested.is_set():  # a stop that arrived as loading finished
@@ -387,8 +396,10 @@ class StageLLMCoreProc(EngineCoreProc):  # type: ignore[misc]
             # been answered as aborted. The dead notice flushes them out and tells the
             # client not to wait for more.
             core._send_engine_dead()
-        except BaseException:
+        except BaseException as e:
             logger.exception("LLM stage core failed")
+            if failure_pipe is not None:
+                send_failure(failure_pipe, e)
             core._send_engine_dead()
             raise
         finally:
@@ -396,6 +407,17 @@ class StageLLMCoreProc(EngineCoreProc):  # type: ignore[misc]
             # The interpreter's last garbage collection would walk the engine's whole heap
             # (seconds); exit reclaims it anyway. vLLM does the same on ROCm.
             gc.freeze()
+
+
+# Long enough for vLLM's messages (a KV cache that does not fit says by how much).
+_FAILURE_CHARS = 600
+
+
+def send_failure(pipe: Connection, error: BaseException) -> None:
+    """Tell the manager, in one line of bytes (no pickle), why this core failed."""
+    reason = " ".join(f"{type(error).__name__}: {error}".split())[:_FAILURE_CHARS]
+    with contextlib.suppress(OSError):  # the manager is gone: nobody to tell
+        pipe.send_bytes(reason.encode())
 
 
 def _describe_validation_error(error: Exception, otherwise: str) -> str:

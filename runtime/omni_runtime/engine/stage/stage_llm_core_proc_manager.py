@@ -79,13 +79,17 @@ class StageLLMCoreProcManager(CoreEngineProcManager):  # type: ignore[misc]
             "tensor_queue": tensor_queue,
         }
         context = get_mp_context()
+        # A pipe per core, on which it says why it failed: the errors quote it.
+        pipes = [context.Pipe(duplex=False) for _ in range(local_proc_count)]
+        self._failure_readers = [reader for reader, _ in pipes]
+        self._failures: dict[int, str] = {}
         self.processes = [
             context.Process(
                 target=StageLLMCoreProc.run_stage_core,
                 name=f"StageLLMCoreProc_DP{rank}" if data_parallel else "StageLLMCoreProc",
-                kwargs=common_kwargs | {"dp_rank": rank},
+                kwargs=common_kwargs | {"dp_rank": rank, "failure_pipe": writer},
             )
-            for rank in range(local_proc_count)
+            for rank, (_, writer) in enumerate(pipes)
         ]
         self._finalizer = weakref.finalize(self, shutdown, self.processes)
         # The --device-ids a user gave, before each rank's share overwrites it (the config
@@ -110,6 +114,8 @@ class StageLLMCoreProcManager(CoreEngineProcManager):  # type: ignore[misc]
                     stop_signals_blocked(),
                 ):
                     proc.start()
+                # The core has its end now; with this one closed, only the core holds it.
+                pipes[rank][1].close()
         finally:
             if self.finished_procs():
                 self.shutdown()
@@ -127,7 +133,7 @@ class StageLLMCoreProcManager(CoreEngineProcManager):  # type: ignore[misc]
     def describe_exit(self) -> str:
         """How the procs ended (or that they run), for error messages."""
         states = []
-        for proc in self.processes:
+        for rank, proc in enumerate(self.processes):
             code = proc.exitcode
             if code is None:
                 state = "running"
@@ -135,8 +141,21 @@ class StageLLMCoreProcManager(CoreEngineProcManager):  # type: ignore[misc]
                 state = f"killed by signal {signal.Signals(-code).name}"
             else:
                 state = f"exited with exit code {code}"
+            if code is not None and (failure := self._failure(rank)) is not None:
+                state += f" ({failure})"
             states.append(f"{proc.name} (pid {proc.pid}) {state}")
         return "; ".join(states)
+
+    def _failure(self, rank: int) -> str | None:
+        """What core ``rank`` said of its failure, if it said anything."""
+        if rank not in self._failures:
+            reader = self._failure_readers[rank]
+            try:
+                if reader.poll():
+                    self._failures[rank] = reader.recv_bytes().decode(errors="replace")
+            except (EOFError, OSError):
+                pass  # it ended without a word
+        return self._failures.get(rank)
 
 
 @dataclass
