@@ -40,6 +40,7 @@ from omni_runtime.engine.stage.stage_llm_core_client import (
     StageLLMCoreClient,
     start_stage_llm_client,
 )
+from omni_runtime.engine.stage.stage_llm_engine_config import StageLLMConfigError
 from omni_runtime.engine.stage.stage_llm_results import StageLLMResult, collect_results
 from omni_runtime.tiny_models import DIFFUSION_SUBDIR, HIDDEN_SIZE, LLM_SUBDIR
 
@@ -561,6 +562,29 @@ async def test_startup_past_its_deadline_is_reported_and_leaves_nothing(llm_path
     with pytest.raises(StageCoreStartupError, match="not ready within 1 s during startup"):
         start_stage_llm_client(TEXT_STAGE, llm_path, startup_timeout=1.0)
     assert time.monotonic() - start < 30
+    assert set(children()) - before == set()
+
+
+@pytest.mark.parametrize(
+    ("fields", "model", "error"),
+    [
+        ({}, "/nowhere/model", "model: /nowhere/model is not a directory"),
+        (
+            {"maxModelLen": 100000},
+            None,
+            "stage 'thinker': vLLM refuses its engine configuration: User-specified "
+            "max_model_len (100000) is greater than the derived max_model_len",
+        ),
+    ],
+)
+async def test_a_stage_vllm_cannot_run_is_refused_before_anything_starts(
+    llm_path: str, fields: dict[str, Any], model: str | None, error: str
+) -> None:
+    before = set(children())
+    with pytest.raises(StageLLMConfigError) as info:
+        start_stage_llm_client(stage(**fields), model or llm_path)
+    assert str(info.value).startswith(error)
+    assert "\n" not in str(info.value)
     assert set(children()) - before == set()
 
 

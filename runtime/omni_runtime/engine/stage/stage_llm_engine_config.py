@@ -12,8 +12,10 @@ generate runner, ``hidden_states`` the pooling runner with the ``embed`` convers
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
+import pydantic
 from vllm.config import VllmConfig
 from vllm.engine.arg_utils import EngineArgs
 from vllm.usage.usage_lib import UsageContext
@@ -57,9 +59,18 @@ def make_stage_llm_vllm_config(stage: StageConfig, model: str) -> VllmConfig:
     platform turns "uni" into "mp" while building the config (it expects the uniprocess
     executor only in the caller's own process), so the choice is made after it.
     """
-    vllm_config = make_stage_llm_engine_args(stage, model).create_engine_config(
-        usage_context=UsageContext.ENGINE_CONTEXT
-    )
+    if model.startswith(("/", "./", "../", "~")) and not os.path.isdir(os.path.expanduser(model)):
+        raise StageLLMConfigError(
+            f"model: {model} is not a directory (a local model must exist; a hub id reads org/name)"
+        )
+    engine_args = make_stage_llm_engine_args(stage, model)
+    try:
+        vllm_config = engine_args.create_engine_config(usage_context=UsageContext.ENGINE_CONTEXT)
+    except (ValueError, OSError) as e:
+        # vLLM's message says what is wrong and what is allowed; its traceback does not.
+        raise StageLLMConfigError(
+            f"stage {stage.name!r}: vLLM refuses its engine configuration: {_reason(e)}"
+        ) from e
     parallel_config = vllm_config.parallel_config
     if parallel_config.data_parallel_size > 1 and vllm_config.model_config.is_moe:
         # vLLM runs such ranks in lockstep (DPEngineCoreProc and its wave coordination),
@@ -71,3 +82,11 @@ def make_stage_llm_vllm_config(stage: StageConfig, model: str) -> VllmConfig:
     if "distributed_executor_backend" not in stage.engine_args and parallel_config.world_size == 1:
         parallel_config.distributed_executor_backend = "uni"
     return vllm_config
+
+
+def _reason(error: Exception) -> str:
+    if isinstance(error, pydantic.ValidationError):
+        messages = [item["msg"].removeprefix("Value error, ") for item in error.errors()]
+    else:
+        messages = [str(error)]
+    return " ".join("; ".join(messages).split())
