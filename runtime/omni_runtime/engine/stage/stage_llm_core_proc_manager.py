@@ -16,6 +16,7 @@ from __future__ import annotations
 import multiprocessing.connection
 import signal
 import threading
+import time
 import weakref
 from dataclasses import dataclass
 from multiprocessing import resource_tracker
@@ -47,6 +48,9 @@ DEFAULT_STARTUP_TIMEOUT = 300.0
 # A core that says it is going (a failed startup, a stop) exits right after: how long to
 # wait for that exit, so that errors can name its exit code rather than "running".
 ANNOUNCED_EXIT_WAIT_S = 10.0
+# How long an exit status may take to show once the process has closed its files.
+_EXIT_SETTLE_S = 1.0
+_EXIT_POLL_S = 0.005
 
 
 class StageLLMCoreProcManager(CoreEngineProcManager):  # type: ignore[misc]
@@ -123,12 +127,17 @@ class StageLLMCoreProcManager(CoreEngineProcManager):  # type: ignore[misc]
     def wait_for_first_exit(self, timeout: float = ANNOUNCED_EXIT_WAIT_S) -> None:
         """Wait up to ``timeout`` seconds for any proc to end by itself."""
         ended = multiprocessing.connection.wait([p.sentinel for p in self.processes], timeout)
+        deadline = time.monotonic() + _EXIT_SETTLE_S
         for proc in self.processes:
-            if proc.sentinel in ended:
-                # A sentinel fires as the exiting process closes its files, a moment before
-                # its exit status exists: join collects it (``exitcode`` alone can still
-                # say None, which is how a failed startup came to be reported "running").
-                proc.join()
+            if proc.sentinel not in ended:
+                continue
+            # ``exitcode`` can say None a while longer, which is how a dead core came to be
+            # reported "running": the sentinel fires as the process closes its files,
+            # before its exit status exists, and vLLM's liveness monitor may be collecting
+            # that status in its own thread (then ours finds nothing to collect until the
+            # monitor has stored it). Neither lasts long: poll until it shows.
+            while proc.exitcode is None and time.monotonic() < deadline:
+                time.sleep(_EXIT_POLL_S)
 
     def describe_exit(self) -> str:
         """How the procs ended (or that they run), for error messages."""
