@@ -114,6 +114,8 @@ main() {
         exec 9>&-
     fi
     link_venv "$base"
+    "$ROOT/scripts/mooncake_libs.sh" >/dev/null \
+        || log "Mooncake's system libraries unavailable: MooncakeTransferEngineConnector will not load"
     log "environment ready in $(($(date +%s) - start)) s (base: $base)"
     echo "$ROOT/.venv"
 }
