@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 import numpy as np
 
+from omni_runtime.connectors.base import ConnectorHandle
+
 if TYPE_CHECKING:
     from omni_runtime.engine.stage._stage_llm_core_types import (
         StageLLMCoreOutput,
@@ -38,6 +40,10 @@ __all__ = [
     "StageLLMCoreOutput",
     "StageLLMCoreOutputs",
     "StageLLMCoreRequest",
+    "StageLoad",
+    "StageServerOutput",
+    "StageServerOutputs",
+    "StageServerRequest",
     "StageUtilityCall",
     "StageUtilityOutput",
 ]
@@ -130,3 +136,75 @@ class StageCoreRequestType(enum.Enum):
     ADD = b"\x00"
     ABORT = b"\x01"
     UTILITY = b"\x03"
+    # Stage servers only: "are you alive, and how loaded?" (answered with a StageLoad).
+    HEALTH = b"\x04"
+
+
+class StageServerRequest(StageCoreRequest):
+    """A request to a stage server (a stage's replica as routers reach it, over TCP).
+
+    One type for every stage kind, in the caller's terms (text, chat messages, images,
+    handles of upstream arrays): the server turns it into its core's own request
+    (tokenizing for an LLM, fetching ``prompt_embeds`` through a connector for a
+    diffusion stage), so that a router needs neither the model nor ML libraries.
+    """
+
+    request_id: str
+    prompt: str | None = None
+    # Chat messages, [{"role": ..., "content": ...}] (LLM stages: the chat template).
+    messages: list[dict[str, str]] | None = None
+    # Sampling params, merged over the stage's defaultSamplingParams by the server.
+    params: dict[str, Any] = {}
+    # Image-to-image input: uint8 RGB, [height, width, 3].
+    image: np.ndarray | None = None
+    # An upstream stage's hidden states, to fetch through their connector.
+    prompt_embeds: ConnectorHandle | None = None
+    # LLM hidden-states stages: the connector that carries them to the next stage.
+    output_connector: str | None = None
+
+
+class StageServerOutput(StageCoreOutput):
+    """One output of a stage server: a streamed step of an LLM request, or a final one."""
+
+    request_id: str
+    # New text and token ids since this request's previous output (generate stages).
+    text: str = ""
+    token_ids: list[int] = []
+    finished: bool = False
+    # stop | length | abort | error (LLM stages); None until finished.
+    finish_reason: str | None = None
+    # "field: what is wrong" for a refused request, or why it failed.
+    error: str | None = None
+    # HTTP-style class of the error: 400 the request is bad, 500 the stage broke,
+    # 503 the stage cannot take it now.
+    error_code: int = 0
+    # Diffusion stages: uint8 RGB, [num_images, height, width, 3].
+    images: np.ndarray | None = None
+    # Hidden-states stages: where the next stage fetches them.
+    prompt_embeds: ConnectorHandle | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    # Seconds the stage spent on the request (0 for refused requests).
+    execute_time: float = 0.0
+
+
+class StageLoad(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """A stage server's answer to HEALTH: who it is, whether its core lives, its load."""
+
+    stage_id: int
+    name: str
+    alive: bool
+    in_flight: int = 0
+    # Why the core is not alive.
+    reason: str | None = None
+
+
+class StageServerOutputs(StageCoreOutputs):
+    """One message from a stage server."""
+
+    outputs: list[StageServerOutput] = []
+    utility_output: StageUtilityOutput | None = None
+    load: StageLoad | None = None
+    # Set when the stage's core died: every request in flight on this server has failed.
+    engine_dead: str | None = None
+    timestamp: float = 0.0
