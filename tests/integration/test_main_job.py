@@ -48,3 +48,32 @@ def test_generate_writes_pngs_through_a_stage_process(tiny_models: Path, tmp_pat
     # break vLLM's CPU build).
     for noise in ("Traceback", "Loading pipeline components", "torchvision"):
         assert noise not in result.stderr
+
+
+def test_text_to_image_example_serves_the_pipeline_and_writes_a_png(
+    tiny_models: Path, tmp_path: Path
+) -> None:
+    """README's first command: serve the two-stage pipeline, ask it for an image with the
+    openai client, write the PNG, stop everything."""
+    out = tmp_path / "out"
+    env = {k: v for k, v in os.environ.items() if not k.endswith("_VERBOSITY")}
+    env["OMNI_TINY_MODELS"] = str(tiny_models)
+    example = Path(__file__).parents[2] / "examples" / "text_to_image.py"
+    result = subprocess.run(
+        [sys.executable, str(example), "--out", str(out), "--size", "64x64", "--steps", "2"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    png = out / "text-to-image.png"
+    with Image.open(png) as image:
+        assert image.size == (64, 64)
+    lines = result.stdout.splitlines()
+    assert any(line.startswith("serving http://127.0.0.1:") for line in lines), result.stdout
+    assert f"wrote {png.resolve()}" in result.stdout
+    assert lines[-1] == "stopped the pipeline"
+    for noise in ("Traceback", "Loading pipeline components", "torchvision", "it/s]"):
+        assert noise not in result.stdout + result.stderr
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith("omni-")]

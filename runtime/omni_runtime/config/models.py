@@ -69,6 +69,12 @@ class RouterConfig(_Model):
 
     port: Annotated[StrictInt, Field(ge=1, le=65535)] = 8000
     policy: RouterPolicy = "round-robin"
+    served_model_name: str | None = Field(
+        default=None,
+        min_length=1,
+        description="The model name clients send (GET /v1/models lists it); defaults to "
+        "the last part of the pipeline's model path.",
+    )
 
     @field_validator("policy", mode="before")
     @classmethod
@@ -104,6 +110,12 @@ class StageConfig(_Model):
         validate_default=True,
         description="LLM stages only: generate text, or encode hidden states for the next "
         "stage. Defaults to text.",
+    )
+    model: str | None = Field(
+        default=None,
+        min_length=1,
+        description="This stage's own model (path or hub id), for pipelines whose stages "
+        "load different checkpoints; defaults to the pipeline's model.",
     )
     replicas: NonNegativeInt = 1
     devices: str = Field(
@@ -333,6 +345,10 @@ class PipelineConfig(_Model):
         if issues:
             raise PipelineConfigError(issues)
         return self
+
+    def stage_model(self, stage: StageConfig) -> str:
+        """The model ``stage`` loads: its own, else the pipeline's."""
+        return stage.model or self.model
 
     def stage(self, stage_id: int) -> StageConfig:
         """The stage with ``stage_id``; KeyError if there is none."""

@@ -45,6 +45,9 @@ class DiffusionEngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=
     default_params: dict[str, Any] = {}
     # torch intra-op threads; None keeps torch's default.
     num_threads: int | None = None
+    # "auto": the first visible GPU if there is one (the stage's process sees only its
+    # `devices`), else the CPU; "cpu" forces the CPU; "cuda" / "cuda:N" insist on a GPU.
+    device: str = "auto"
 
 
 class DiffusionParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -89,6 +92,8 @@ class DiffusionEngine:
         self.pipeline = DiffusionPipeline.from_pretrained(
             config.model, local_files_only=True, dtype=self._torch_dtype
         )
+        self.device = _choose_device(config.device)
+        self.pipeline.to(self.device)
         self.pipeline.set_progress_bar_config(disable=True)
         try:
             self._img2img = AutoPipelineForImage2Image.from_pipe(self.pipeline)
@@ -107,6 +112,7 @@ class DiffusionEngine:
         """Plain facts about the loaded pipeline (answered over collective_rpc)."""
         return {
             "model": self.config.model,
+            "device": self.device,
             "pipeline": type(self.pipeline).__name__,
             "size_multiple": self.size_multiple,
             "default_size": list(self.default_size),
@@ -214,7 +220,9 @@ class DiffusionEngine:
         if params.seed is not None:
             kwargs["generator"] = torch.Generator("cpu").manual_seed(params.seed)
         if request.prompt_embeds is not None:
-            embeds = torch.as_tensor(np.array(request.prompt_embeds), dtype=self._torch_dtype)
+            embeds = torch.as_tensor(
+                np.array(request.prompt_embeds), dtype=self._torch_dtype, device=self.device
+            )
             kwargs["prompt_embeds"] = embeds.unsqueeze(0)
             # Classifier-free guidance needs an unconditional branch of the same shape.
             kwargs["negative_prompt_embeds"] = torch.zeros_like(kwargs["prompt_embeds"])
@@ -232,6 +240,19 @@ class DiffusionEngine:
                 result = self.pipeline(height=params.height, width=params.width, **kwargs)
         images = np.asarray(result.images)
         return np.clip(np.round(images * 255.0), 0, 255).astype(np.uint8)
+
+
+def _choose_device(device: str) -> str:
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise InvalidRequestError(
+            f"device: {device!r} asked for, but no GPU is visible to this process "
+            "(check CUDA_VISIBLE_DEVICES and the stage's devices)"
+        )
+    return device
 
 
 def _parse_params(params: dict[str, Any], where: str) -> DiffusionParams:

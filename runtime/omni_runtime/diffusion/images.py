@@ -15,10 +15,15 @@ def encode_png(image: np.ndarray) -> bytes:
     return buffer.getvalue()
 
 
-def decode_image(data: bytes) -> np.ndarray:
-    """A uint8 RGB array from PNG/JPEG/... bytes; ValueError if they are not an image."""
+def decode_image(data: bytes, max_pixels: int | None = None) -> np.ndarray:
+    """A uint8 RGB array from PNG/JPEG/... bytes; ValueError if they are not an image, or
+    if it has more than ``max_pixels`` pixels (checked from the header, before decoding)."""
     try:
         with Image.open(io.BytesIO(data)) as image:
+            if max_pixels is not None and image.width * image.height > max_pixels:
+                raise ValueError(
+                    f"the image is {image.width}x{image.height}; at most {max_pixels} pixels"
+                )
             return np.asarray(image.convert("RGB"), dtype=np.uint8)
     except (OSError, Image.DecompressionBombError) as e:
         raise ValueError(f"not a readable image: {e}") from e

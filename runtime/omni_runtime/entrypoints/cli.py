@@ -4,6 +4,9 @@ Subcommands:
   validate -f FILE [--model M]   print the normalised pipeline, or what is wrong with it
   make-tiny-models DIR           build the tiny LLM and diffusion pipeline (cached per DIR)
   generate --out DIR             send real requests through a diffusion stage proc, write PNGs
+  serve -f FILE                  run a whole pipeline locally: stage processes and the router
+  stage -f FILE --stages 0,1     serve some stages of a pipeline on TCP ports (a stage pod)
+  router -f FILE --replicas ...  the OpenAI-compatible router over stage replicas
 
 Errors a user can fix are printed as one clear message and exit 1; no tracebacks.
 """
@@ -17,11 +20,17 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from omni_runtime.process_logging import drop_torchvision_notice
 
+if TYPE_CHECKING:
+    from omni_runtime.config import PipelineConfig
+
 DEFAULT_CACHE_DIR = Path(os.environ.get("OMNI_CACHE_DIR", Path.home() / ".cache" / "omni-operator"))
 DEFAULT_MODELS_DIR = DEFAULT_CACHE_DIR / "tiny-models"
+# Pipeline files may name the tiny models as $OMNI_TINY_MODELS/llm (examples/ do).
+TINY_MODELS_ENV = "OMNI_TINY_MODELS"
 
 
 class UsageError(Exception):
@@ -38,7 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     validate.set_defaults(run=_validate)
 
     tiny = commands.add_parser("make-tiny-models", help="build the tiny test models into DIR")
-    tiny.add_argument("dir", type=Path, nargs="?", default=DEFAULT_MODELS_DIR)
+    tiny.add_argument(
+        "dir", type=Path, nargs="?", help=f"default: ${TINY_MODELS_ENV}, else {DEFAULT_MODELS_DIR}"
+    )
     tiny.set_defaults(run=_make_tiny_models)
 
     gen = commands.add_parser("generate", help="generate images through a diffusion stage proc")
@@ -51,7 +62,53 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--inline", action="store_true", help="run the engine in this process")
     gen.set_defaults(run=_generate)
 
+    serve = commands.add_parser("serve", help="serve a pipeline locally (stages and router)")
+    serve.add_argument("-f", "--file", required=True, help="pipeline YAML or JSON")
+    serve.add_argument("--model", help="the model, when the file does not name one")
+    serve.add_argument("--host", default="127.0.0.1", help="the router's address")
+    serve.add_argument("--port", type=int, default=None, help="default: the pipeline's router.port")
+    serve.add_argument("--log-dir", type=Path, help="keep stage logs here (default: a temp dir)")
+    serve.add_argument("--startup-timeout", type=float, default=600.0)
+    serve.set_defaults(run=_serve)
+
+    stage = commands.add_parser("stage", help="serve stages of a pipeline (what a stage pod runs)")
+    stage.add_argument("-f", "--file", required=True, help="pipeline YAML or JSON")
+    stage.add_argument("--model", help="the model, when the file does not name one")
+    stage.add_argument("--stages", required=True, help="comma-separated stage ids, e.g. 0,1")
+    stage.add_argument("--host", default="0.0.0.0", help="address the stage servers bind")
+    stage.add_argument(
+        "--port",
+        action="append",
+        default=[],
+        metavar="STAGE=PORT",
+        help="a stage server's port (0: any free one); default 52000 + stage id",
+    )
+    stage.add_argument(
+        "--health-port", default="8081", help="HTTP port for /livez and /readyz, or none"
+    )
+    stage.add_argument("--ready-file", type=Path, help="write the bound ports here when ready")
+    stage.add_argument("--exit-with-parent", action="store_true", help=argparse.SUPPRESS)
+    stage.add_argument("--startup-timeout", type=float, default=600.0)
+    stage.set_defaults(run=_stage)
+
+    router = commands.add_parser("router", help="the OpenAI-compatible router over replicas")
+    router.add_argument("-f", "--file", required=True, help="pipeline YAML or JSON")
+    router.add_argument("--model", help="the model, when the file does not name one")
+    router.add_argument(
+        "--replicas",
+        action="append",
+        default=[],
+        metavar="STAGE=HOST:PORT[,...]",
+        help="a stage's replica addresses (or OMNI_REPLICAS_<STAGE ID> in the environment)",
+    )
+    router.add_argument("--host", default="0.0.0.0")
+    router.add_argument(
+        "--port", type=int, default=None, help="default: the pipeline's router.port"
+    )
+    router.set_defaults(run=_router)
+
     args = parser.parse_args(argv)
+    os.environ.setdefault(TINY_MODELS_ENV, str(DEFAULT_MODELS_DIR))
     drop_torchvision_notice()
     try:
         result: int = args.run(args)
@@ -82,11 +139,136 @@ def _validate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _load(args: argparse.Namespace) -> PipelineConfig:
+    from omni_runtime.config import PipelineConfigError, load_pipeline
+
+    try:
+        return load_pipeline(args.file, model=args.model)
+    except PipelineConfigError as e:
+        raise UsageError(f"{args.file}: invalid pipeline:\n{e}") from None
+    except OSError as e:
+        raise UsageError(f"cannot read {args.file}: {e.strerror}") from None
+
+
+def _configure_logging() -> None:
+    import logging
+
+    logging.basicConfig(
+        level=os.environ.get("OMNI_LOG_LEVEL", "INFO"),
+        format="%(asctime)s %(levelname)s [%(name)s %(process)d] %(message)s",
+    )
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from omni_runtime.entrypoints.serve import run_serve
+    from omni_runtime.router.orchestrator import stage_chain
+
+    pipeline = _load(args)
+    try:
+        stage_chain(pipeline)
+    except ValueError as e:
+        raise UsageError(f"{args.file}: {e}") from None
+    port = args.port if args.port is not None else pipeline.router.port
+    return run_serve(
+        pipeline,
+        host=args.host,
+        port=port,
+        startup_timeout=args.startup_timeout,
+        log_dir=args.log_dir,
+    )
+
+
+def _stage(args: argparse.Namespace) -> int:
+    from omni_runtime.entrypoints.stage_process import StageProcessOptions, run_stage_process
+
+    pipeline = _load(args)
+    known = {stage.stage_id for stage in pipeline.stages}
+    try:
+        stage_ids = [int(part) for part in args.stages.split(",") if part.strip()]
+    except ValueError:
+        raise UsageError(
+            f"--stages: expected stage ids such as 0,1 (got {args.stages!r})"
+        ) from None
+    unknown = [i for i in stage_ids if i not in known]
+    if unknown or not stage_ids:
+        raise UsageError(
+            f"--stages: no stage {unknown or args.stages!r} in {args.file}; "
+            f"stage ids: {', '.join(map(str, sorted(known)))}"
+        )
+    ports: dict[int, int] = {}
+    for item in args.port:
+        stage_text, _, port_text = item.partition("=")
+        if not (stage_text.isdigit() and port_text.isdigit() and int(port_text) < 65536):
+            raise UsageError(f"--port: expected STAGE=PORT such as 0=52000 (got {item!r})")
+        ports[int(stage_text)] = int(port_text)
+    health_port = None if args.health_port == "none" else _port(args.health_port, "--health-port")
+    if args.exit_with_parent:
+        _exit_with_parent()
+    _configure_logging()
+    return run_stage_process(
+        pipeline,
+        stage_ids,
+        StageProcessOptions(
+            host=args.host,
+            ports=ports,
+            health_port=health_port,
+            ready_file=args.ready_file,
+            startup_timeout=args.startup_timeout,
+        ),
+    )
+
+
+def _router(args: argparse.Namespace) -> int:
+    from omni_runtime.entrypoints.router_process import ReplicaAddressError, run_router
+    from omni_runtime.router.orchestrator import stage_chain
+
+    pipeline = _load(args)
+    try:
+        stage_chain(pipeline)
+    except ValueError as e:
+        raise UsageError(f"{args.file}: {e}") from None
+    _configure_logging()
+    port = args.port if args.port is not None else pipeline.router.port
+    try:
+        return run_router(pipeline, args.replicas, host=args.host, port=port)
+    except ReplicaAddressError as e:
+        raise UsageError(str(e)) from None
+
+
+def _port(text: str, flag: str) -> int:
+    if not text.isdigit() or not 0 <= int(text) < 65536:
+        raise UsageError(f"{flag}: expected a port number or none (got {text!r})")
+    return int(text)
+
+
+def _exit_with_parent() -> None:
+    """SIGTERM this process when its parent exits (``serve`` killed without a chance to
+    stop its stages), so that no stage process outlives it."""
+    import select
+    import signal
+    import threading
+
+    parent = os.getppid()
+    try:
+        pidfd = os.pidfd_open(parent)
+    except OSError:
+        return
+
+    def watch() -> None:
+        select.select([pidfd], [], [])
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, daemon=True, name="parent-watch").start()
+
+
 def _make_tiny_models(args: argparse.Namespace) -> int:
+    from omni_runtime.process_logging import disable_loading_bars
     from omni_runtime.tiny_models import ensure_tiny_models
 
+    disable_loading_bars()
+
     start = time.perf_counter()
-    root = ensure_tiny_models(args.dir)
+    root = ensure_tiny_models(args.dir or Path(os.environ[TINY_MODELS_ENV]))
     print(f"tiny models in {root} ({time.perf_counter() - start:.1f} s)")
     return 0
 

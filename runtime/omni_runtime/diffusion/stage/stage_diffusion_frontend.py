@@ -1,0 +1,115 @@
+"""StageDiffusionFrontend: a diffusion stage behind the stage server protocol.
+
+An upstream stage's hidden states arrive as a connector handle; they are fetched here, in
+the stage's process, straight from the producer (the router never carries them), and go to
+the core as the request's ``prompt_embeds``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+
+from omni_runtime.config import PipelineConfig, StageConfig
+from omni_runtime.connectors import ConnectorError, ConnectorHandle
+from omni_runtime.engine.stage.stage_core_client import StageCoreClientBase
+from omni_runtime.engine.stage.stage_core_types import (
+    StageDiffusionCoreOutput,
+    StageDiffusionCoreOutputs,
+    StageDiffusionCoreRequest,
+    StageServerOutput,
+    StageServerRequest,
+)
+from omni_runtime.engine.stage.stage_frontend import (
+    BAD_REQUEST,
+    STAGE_FAILED,
+    StageConnectors,
+    StageFrontend,
+    refusal,
+)
+
+# The engine prefixes failures that are its own (not the request's) with this.
+_INTERNAL_PREFIX = "internal:"
+
+
+class StageDiffusionFrontend(StageFrontend):
+    """Fetch upstream hidden states, run the request, return its images."""
+
+    def __init__(
+        self,
+        pipeline: PipelineConfig,
+        stage: StageConfig,
+        client: StageCoreClientBase,
+        connectors: StageConnectors,
+    ) -> None:
+        super().__init__(pipeline, stage, client, connectors)
+        self._in_flight: set[str] = set()
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._in_flight)
+
+    async def add(self, request: StageServerRequest) -> list[StageServerOutput]:
+        request_id = request.request_id
+        if request.messages is not None:
+            return [refusal(request_id, "messages: a diffusion stage takes a prompt")]
+        if request_id in self._in_flight:
+            return [refusal(request_id, f"request_id: {request_id!r} is in flight already")]
+        prompt_embeds = None
+        if request.prompt_embeds is not None:
+            try:
+                prompt_embeds = await self._fetch(request.prompt_embeds)
+            except (ConnectorError, KeyError) as e:
+                return [refusal(request_id, f"prompt_embeds: {e}", STAGE_FAILED)]
+        self._in_flight.add(request_id)
+        try:
+            await self.client.add_request_async(
+                StageDiffusionCoreRequest(
+                    request_id=request_id,
+                    prompt=request.prompt,
+                    params=request.params,
+                    image=request.image,
+                    prompt_embeds=prompt_embeds,
+                )
+            )
+        except BaseException:
+            self._in_flight.discard(request_id)
+            raise
+        return []
+
+    async def next_outputs(self) -> list[StageServerOutput]:
+        outputs = await self.client.get_outputs_async()
+        assert isinstance(outputs, StageDiffusionCoreOutputs)
+        return [self._convert(output) for output in outputs.outputs]
+
+    async def abort(self, request_ids: list[str]) -> None:
+        running = [i for i in request_ids if i in self._in_flight]
+        if running:
+            await self.client.abort_requests_async(running)
+
+    async def _fetch(self, handle: ConnectorHandle) -> np.ndarray:
+        connector = self.connectors.get(handle.connector)
+        tensor = await asyncio.to_thread(connector.get, handle, "cpu")
+        # The engine casts to its own dtype; float32 is what numpy can carry for bf16 too.
+        array: np.ndarray = tensor.float().numpy()
+        return array
+
+    def _convert(self, output: StageDiffusionCoreOutput) -> StageServerOutput:
+        self._in_flight.discard(output.request_id)
+        result = StageServerOutput(
+            request_id=output.request_id,
+            finished=True,
+            images=output.images,
+            execute_time=output.execute_time,
+        )
+        if output.aborted:
+            result.finish_reason = "abort"
+        elif output.error is not None:
+            result.finish_reason = "error"
+            result.error = output.error
+            internal = output.error.startswith(_INTERNAL_PREFIX)
+            result.error_code = STAGE_FAILED if internal else BAD_REQUEST
+        else:
+            result.finish_reason = "stop"
+        return result

@@ -1,0 +1,107 @@
+"""StageFrontend: what a stage server asks of the stage it serves, whatever its kind.
+
+A stage server speaks one protocol for every stage (StageServerRequest in,
+StageServerOutput out); a frontend turns that into its core client's own requests and
+back. The LLM frontend tokenizes, detokenizes and puts hidden states into a connector; the
+diffusion frontend fetches upstream hidden states through their connector and returns
+images. Both live beside their stage kind (``stage_llm_frontend``,
+``diffusion.stage.stage_diffusion_frontend``); this module holds what they share.
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+
+from omni_runtime.config import ConnectorConfig, PipelineConfig, StageConfig
+from omni_runtime.connectors import OmniConnector, make_connector
+from omni_runtime.engine.stage.stage_core_client import StageCoreClientBase
+from omni_runtime.engine.stage.stage_core_types import StageServerOutput, StageServerRequest
+
+logger = logging.getLogger(__name__)
+
+# The connector a hidden-states handoff uses when the pipeline declares none for its edge:
+# pull over TCP works between any two stages, on one host or across pods.
+DEFAULT_HANDOFF_CONNECTOR = "default-tcp"
+_DEFAULT_HANDOFF_CONFIG = ConnectorConfig(name="TCPConnector")
+
+# Error classes carried in StageServerOutput.error_code.
+BAD_REQUEST = 400
+STAGE_FAILED = 500
+UNAVAILABLE = 503
+
+
+def refusal(request_id: str, error: str, code: int = BAD_REQUEST) -> StageServerOutput:
+    """The one, final output of a request the stage will not run."""
+    return StageServerOutput(
+        request_id=request_id, finished=True, finish_reason="error", error=error, error_code=code
+    )
+
+
+class StageConnectors:
+    """The pipeline's connectors as one stage process uses them, each made on first use."""
+
+    def __init__(self, configs: Mapping[str, ConnectorConfig]) -> None:
+        self._configs = dict(configs)
+        self._connectors: dict[str, OmniConnector] = {}
+
+    def get(self, name: str) -> OmniConnector:
+        """The connector ``name``; KeyError naming the defined ones if there is none."""
+        connector = self._connectors.get(name)
+        if connector is None:
+            config = self._configs.get(name)
+            if config is None and name == DEFAULT_HANDOFF_CONNECTOR:
+                config = _DEFAULT_HANDOFF_CONFIG
+            if config is None:
+                defined = ", ".join(self._configs) or "none"
+                raise KeyError(f"unknown connector {name!r} (defined: {defined})")
+            connector = self._connectors[name] = make_connector(name, config)
+        return connector
+
+    def close(self) -> None:
+        for connector in self._connectors.values():
+            try:
+                connector.close()
+            except Exception:  # closing the others matters more than this one's failure
+                logger.exception("closing connector %s failed", connector.name)
+        self._connectors.clear()
+
+
+class StageFrontend(ABC):
+    """One stage's core client behind the stage server protocol."""
+
+    def __init__(
+        self,
+        pipeline: PipelineConfig,
+        stage: StageConfig,
+        client: StageCoreClientBase,
+        connectors: StageConnectors,
+    ) -> None:
+        self.pipeline = pipeline
+        self.stage = stage
+        self.client = client
+        self.connectors = connectors
+
+    @abstractmethod
+    async def add(self, request: StageServerRequest) -> list[StageServerOutput]:
+        """Start ``request``; returns its outputs at once if the stage refuses it."""
+
+    @abstractmethod
+    async def next_outputs(self) -> list[StageServerOutput]:
+        """Wait for the core's next outputs. Raises StageCoreDeadError once it is gone."""
+
+    @abstractmethod
+    async def abort(self, request_ids: list[str]) -> None:
+        """Stop the given requests, and drop whatever they left in a connector."""
+
+    @property
+    @abstractmethod
+    def in_flight(self) -> int:
+        """Requests started and not yet finished."""
+
+    def check_health(self) -> None:
+        self.client.check_health()
+
+    def shutdown(self) -> None:
+        self.client.shutdown()

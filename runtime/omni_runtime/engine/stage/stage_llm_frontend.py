@@ -1,0 +1,208 @@
+"""StageLLMFrontend: an LLM stage behind the stage server protocol.
+
+The front-end work of vLLM's API server, done in the stage's own process so that routers
+need neither the model nor vLLM: requests are tokenized (chat messages through the model's
+chat template) by the stage's request builder, generated token ids are detokenized
+incrementally into text deltas, and an encode stage's hidden states are put into the
+connector that carries them to the next stage (the router receives only the handle).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from vllm.v1.engine import FinishReason
+
+from omni_runtime.config import PipelineConfig, StageConfig
+from omni_runtime.connectors import ConnectorHandle
+from omni_runtime.engine.stage.stage_core_types import (
+    StageLLMCoreOutput,
+    StageServerOutput,
+    StageServerRequest,
+)
+from omni_runtime.engine.stage.stage_frontend import (
+    BAD_REQUEST,
+    DEFAULT_HANDOFF_CONNECTOR,
+    STAGE_FAILED,
+    StageConnectors,
+    StageFrontend,
+    refusal,
+)
+from omni_runtime.engine.stage.stage_llm_core_client import StageLLMCoreClientBase
+from omni_runtime.engine.stage.stage_llm_request_builder import InvalidLLMRequestError
+
+# vLLM's REPETITION (a repetition detector's stop) is a stop to an OpenAI client.
+_FINISH_REASONS = {
+    FinishReason.STOP: "stop",
+    FinishReason.LENGTH: "length",
+    FinishReason.ABORT: "abort",
+    FinishReason.ERROR: "error",
+    FinishReason.REPETITION: "stop",
+}
+
+
+@dataclass
+class _Detokenizer:
+    """Turns a growing list of token ids into text deltas.
+
+    A multi-byte character can span tokens: text is emitted only once the tokens decode
+    without a replacement character, so a delta never ends in half a character.
+    """
+
+    decode: Callable[[list[int]], str]
+    token_ids: list[int] = field(default_factory=list)
+    prefix_offset: int = 0
+    read_offset: int = 0
+
+    def add(self, new_ids: list[int], final: bool) -> str:
+        self.token_ids.extend(new_ids)
+        prefix = self.decode(self.token_ids[self.prefix_offset : self.read_offset])
+        full = self.decode(self.token_ids[self.prefix_offset :])
+        if len(full) > len(prefix) and (final or not full.endswith("\ufffd")):
+            self.prefix_offset = self.read_offset
+            self.read_offset = len(self.token_ids)
+            return full[len(prefix) :]
+        return ""
+
+
+@dataclass
+class _Request:
+    detokenizer: _Detokenizer
+    prompt_tokens: int
+    output_connector: str | None
+    start: float = field(default_factory=time.perf_counter)
+
+
+class StageLLMFrontend(StageFrontend):
+    """Tokenize, generate or encode, detokenize; hidden states out through a connector."""
+
+    client: StageLLMCoreClientBase
+
+    def __init__(
+        self,
+        pipeline: PipelineConfig,
+        stage: StageConfig,
+        client: StageLLMCoreClientBase,
+        connectors: StageConnectors,
+    ) -> None:
+        super().__init__(pipeline, stage, client, connectors)
+        self._requests: dict[str, _Request] = {}
+        # request id -> (connector, key, when) of hidden states put and maybe not fetched,
+        # so that an abort after the handoff still frees them.
+        self._handoffs: OrderedDict[str, tuple[str, str, float]] = OrderedDict()
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._requests)
+
+    async def add(self, request: StageServerRequest) -> list[StageServerOutput]:
+        request_id = request.request_id
+        if request.image is not None or request.prompt_embeds is not None:
+            return [refusal(request_id, "image: an LLM stage takes text (prompt or messages)")]
+        if request_id in self._requests:
+            # The client refuses it too; answering here keeps the first request's state.
+            return [refusal(request_id, f"request_id: {request_id!r} is in flight already")]
+        builder = self.client.request_builder
+        try:
+            core_request = builder.build(
+                request_id,
+                prompt=request.prompt,
+                messages=request.messages,
+                params=request.params,
+            )
+        except InvalidLLMRequestError as e:
+            return [refusal(request_id, str(e))]
+        skip_special = bool(request.params.get("skip_special_tokens", True))
+
+        def decode(ids: list[int]) -> str:
+            return builder.decode(ids, skip_special_tokens=skip_special)
+
+        self._requests[request_id] = _Request(
+            _Detokenizer(decode),
+            prompt_tokens=len(core_request.prompt_token_ids or ()),
+            output_connector=request.output_connector or DEFAULT_HANDOFF_CONNECTOR,
+        )
+        try:
+            await self.client.add_request_async(core_request)
+        except BaseException:
+            self._requests.pop(request_id, None)
+            raise
+        return []
+
+    async def next_outputs(self) -> list[StageServerOutput]:
+        outputs = await self.client.get_outputs_async()
+        converted: list[StageServerOutput] = []
+        for output in outputs.outputs:
+            assert isinstance(output, StageLLMCoreOutput)
+            result = await self._convert(output)
+            if result is not None:
+                converted.append(result)
+        return converted
+
+    async def abort(self, request_ids: list[str]) -> None:
+        running = [i for i in request_ids if i in self._requests]
+        if running:
+            await self.client.abort_requests_async(running)
+        for request_id in request_ids:
+            handoff = self._handoffs.pop(request_id, None)
+            if handoff is not None:
+                connector, key, _ = handoff
+                self.connectors.get(connector).release(key)
+
+    async def _convert(self, output: StageLLMCoreOutput) -> StageServerOutput | None:
+        request_id = output.request_id
+        state = self._requests.get(request_id)
+        finished = output.finish_reason is not None
+        if state is None:
+            # The client's own refusal of a request it never started (e.g. a duplicate id).
+            if output.error is not None:
+                return refusal(request_id, output.error)
+            return None
+        result = StageServerOutput(request_id=request_id, prompt_tokens=state.prompt_tokens)
+        if output.new_token_ids:
+            result.token_ids = list(output.new_token_ids)
+            result.text = state.detokenizer.add(result.token_ids, final=finished)
+        elif finished:
+            result.text = state.detokenizer.add([], final=True)
+        result.completion_tokens = len(state.detokenizer.token_ids)
+        if output.pooling_output is not None:
+            try:
+                result.prompt_embeds = await self._hand_off(request_id, state, output)
+            except Exception as e:
+                finished = True
+                output.finish_reason = FinishReason.ERROR
+                output.error = f"internal: handing hidden states to connector failed: {e}"
+                result.error_code = STAGE_FAILED
+        if finished:
+            del self._requests[request_id]
+            result.finished = True
+            reason = FinishReason(output.finish_reason)
+            result.finish_reason = _FINISH_REASONS.get(reason, "stop")
+            result.execute_time = time.perf_counter() - state.start
+            if output.error is not None:
+                result.error = output.error
+                result.error_code = result.error_code or BAD_REQUEST
+            elif reason == FinishReason.ERROR:
+                result.error = "internal: the engine failed this request"
+                result.error_code = STAGE_FAILED
+        return result
+
+    async def _hand_off(
+        self, request_id: str, state: _Request, output: StageLLMCoreOutput
+    ) -> ConnectorHandle:
+        assert state.output_connector is not None
+        connector = self.connectors.get(state.output_connector)
+        handle = await asyncio.to_thread(connector.put, request_id, output.pooling_output)
+        now = time.monotonic()
+        self._handoffs[request_id] = (connector.name, request_id, now)
+        # Forget records older than the connector keeps their arrays anyway.
+        while self._handoffs:
+            _, (_, _, when) = next(iter(self._handoffs.items()))
+            if now - when <= connector.ttl:
+                break
+            self._handoffs.popitem(last=False)
+        return handle

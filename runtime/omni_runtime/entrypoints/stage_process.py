@@ -1,0 +1,225 @@
+"""``omni-runtime stage``: what a stage pod runs, and what ``serve`` runs per replica.
+
+Starts the core of each named stage (through its proc manager), serves each on a TCP port
+(StageServer) and answers kubelet probes on an HTTP port. When it is ready, it writes
+``{"pid": ..., "stages": {"<stage id>": <port>, ...}}`` to ``--ready-file`` (atomically),
+so that a parent that asked for ephemeral ports learns them without racing.
+
+SIGTERM/SIGINT stop it cleanly; the death of a stage's core ends the process with exit
+code 1 and the reason on stderr (Kubernetes restarts the pod; routers evict the replica
+when its connection drops).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from omni_runtime.config import PipelineConfig, StageConfig
+from omni_runtime.engine.stage.stage_core_client import StageCoreClientBase, StageCoreStartupError
+from omni_runtime.engine.stage.stage_frontend import StageConnectors, StageFrontend
+from omni_runtime.engine.stage.stage_probes import start_probe_server
+from omni_runtime.engine.stage.stage_server import StageServer
+
+logger = logging.getLogger("omni_runtime.stage")
+
+DEFAULT_STAGE_PORT_BASE = 52000
+DEFAULT_HEALTH_PORT = 8081
+# vLLM's CPU build refuses to start without a KV cache size; 1 GiB serves small models.
+_DEFAULT_CPU_KVCACHE_GIB = "1"
+
+
+class StageStartError(RuntimeError):
+    """A stage that could not start; the message says which and why."""
+
+
+@dataclass(frozen=True)
+class StageProcessOptions:
+    host: str = "0.0.0.0"
+    # stage id -> port; a stage not named takes DEFAULT_STAGE_PORT_BASE + its id, 0 = any.
+    ports: dict[int, int] | None = None
+    health_host: str = "0.0.0.0"
+    health_port: int | None = DEFAULT_HEALTH_PORT
+    ready_file: Path | None = None
+    startup_timeout: float = 300.0
+
+
+def resolve_model(model: str) -> str:
+    """A model path as written in a pipeline, with ``~`` and ``$VARS`` expanded."""
+    return os.path.expanduser(os.path.expandvars(model))
+
+
+def start_frontend(
+    pipeline: PipelineConfig,
+    stage: StageConfig,
+    connectors: StageConnectors,
+    startup_timeout: float,
+) -> StageFrontend:
+    """Start ``stage``'s core and wrap its client; StageStartError if it cannot start."""
+    model = resolve_model(pipeline.stage_model(stage))
+    client: StageCoreClientBase
+    try:
+        if stage.type == "llm":
+            if stage.devices == "cpu" and not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+                os.environ["VLLM_CPU_KVCACHE_SPACE"] = _DEFAULT_CPU_KVCACHE_GIB
+            from omni_runtime.engine.stage.stage_llm_core_client import start_stage_llm_client
+            from omni_runtime.engine.stage.stage_llm_engine_config import StageLLMConfigError
+            from omni_runtime.engine.stage.stage_llm_frontend import StageLLMFrontend
+
+            try:
+                llm_client = start_stage_llm_client(stage, model, startup_timeout=startup_timeout)
+            except StageLLMConfigError as e:
+                raise StageStartError(f"stage {stage.name!r}: {e}") from None
+            return StageLLMFrontend(pipeline, stage, llm_client, connectors)
+        from omni_runtime.diffusion.engine import DiffusionEngineConfig
+        from omni_runtime.diffusion.stage.stage_diffusion_core_client import (
+            StageDiffusionCoreClient,
+        )
+        from omni_runtime.diffusion.stage.stage_diffusion_frontend import StageDiffusionFrontend
+
+        if not os.path.isdir(model):
+            raise StageStartError(
+                f"stage {stage.name!r}: model {model} is not a directory (a diffusion stage "
+                "loads a local diffusers pipeline)"
+            )
+        config = DiffusionEngineConfig(
+            model=model,
+            dtype=stage.dtype or "float32",
+            default_params=dict(stage.default_sampling_params),
+            device="cpu" if stage.devices == "cpu" else "auto",
+        )
+        client = StageDiffusionCoreClient(config, startup_timeout=startup_timeout)
+        return StageDiffusionFrontend(pipeline, stage, client, connectors)
+    except StageCoreStartupError as e:
+        raise StageStartError(f"stage {stage.name!r} did not start: {e}") from None
+
+
+def run_stage_process(
+    pipeline: PipelineConfig, stage_ids: Sequence[int], options: StageProcessOptions
+) -> int:
+    """Start, serve and stop the stages ``stage_ids`` of ``pipeline``; the exit code."""
+    from omni_runtime.connectors.shared_memory import sweep_orphaned_segments
+
+    stages = [pipeline.stage(stage_id) for stage_id in stage_ids]
+    removed = sweep_orphaned_segments()
+    if removed:
+        logger.info("removed %d shared-memory segment(s) left by dead processes", removed)
+    connectors = StageConnectors(pipeline.connectors)
+    frontends: list[StageFrontend] = []
+    # Stop signals that arrive while models load end the process without a traceback.
+    stopping: list[int] = []
+
+    def stop_during_startup(signum: int, _frame: object) -> None:
+        stopping.append(signum)
+        raise KeyboardInterrupt
+
+    previous = {s: signal.signal(s, stop_during_startup) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        for stage in stages:
+            start = time.perf_counter()
+            frontends.append(start_frontend(pipeline, stage, connectors, options.startup_timeout))
+            logger.info(
+                "stage %d %r (%s) ready in %.1f s",
+                stage.stage_id,
+                stage.name,
+                stage.type,
+                time.perf_counter() - start,
+            )
+    except KeyboardInterrupt:
+        _shutdown(frontends, connectors)
+        return 0
+    except StageStartError as e:
+        _shutdown(frontends, connectors)
+        print(f"omni-runtime stage: error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    try:
+        return asyncio.run(_serve(frontends, options))
+    finally:
+        _shutdown(frontends, connectors)
+
+
+async def _serve(frontends: list[StageFrontend], options: StageProcessOptions) -> int:
+    ports = options.ports or {}
+    servers = [
+        StageServer(
+            frontend,
+            host=options.host,
+            port=ports.get(
+                frontend.stage.stage_id, DEFAULT_STAGE_PORT_BASE + frontend.stage.stage_id
+            ),
+        )
+        for frontend in frontends
+    ]
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+
+    def readiness() -> dict[str, str | None]:
+        return {server.stage.name: server.dead_reason for server in servers}
+
+    probes = None
+    if options.health_port is not None:
+        probes = await start_probe_server(options.health_host, options.health_port, readiness)
+    serving: dict[asyncio.Task[Any], StageServer] = {
+        asyncio.create_task(server.serve()): server for server in servers
+    }
+    for server in servers:
+        logger.info(
+            "stage %d %r serving on %s:%d",
+            server.stage.stage_id,
+            server.stage.name,
+            options.host,
+            server.port,
+        )
+    if options.ready_file is not None:
+        _write_ready_file(options.ready_file, {str(s.stage.stage_id): s.port for s in servers})
+    stopped = asyncio.create_task(stop.wait())
+    try:
+        done, _ = await asyncio.wait({stopped, *serving}, return_when=asyncio.FIRST_COMPLETED)
+        exit_code = 0
+        for task in done:
+            if task is stopped:
+                continue
+            server = serving[task]
+            reason = task.result() if not task.cancelled() else "cancelled"
+            print(
+                f"omni-runtime stage: error: stage {server.stage.name!r} stopped: {reason}",
+                file=sys.stderr,
+            )
+            exit_code = 1
+        return exit_code
+    finally:
+        for task in (stopped, *serving):
+            task.cancel()
+        await asyncio.gather(stopped, *serving, return_exceptions=True)
+        if probes is not None:
+            probes.close()
+        for server in servers:
+            server.close()
+
+
+def _write_ready_file(path: Path, ports: dict[str, int]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps({"pid": os.getpid(), "stages": ports}))
+    tmp.replace(path)
+
+
+def _shutdown(frontends: list[StageFrontend], connectors: StageConnectors) -> None:
+    for frontend in frontends:
+        with contextlib.suppress(Exception):
+            frontend.shutdown()
+    connectors.close()

@@ -1,0 +1,88 @@
+"""The router's Prometheus metrics, in a registry of its own (one per app).
+
+Counters and histograms are updated as requests end; per-stage gauges (requests in flight,
+live replicas) are read from the pools when Prometheus scrapes, so they are never stale.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from omni_runtime.engine.stage.stage_replica_pool import StageReplicaPool
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+
+class RouterMetrics:
+    """Everything /metrics shows."""
+
+    def __init__(self, pools: Callable[[], Mapping[str, StageReplicaPool]]) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter(
+            "omni_router_requests",
+            "HTTP requests answered, by endpoint and status code.",
+            ["endpoint", "status"],
+            registry=self.registry,
+        )
+        self.request_latency = Histogram(
+            "omni_router_request_duration_seconds",
+            "Time from a request's arrival to its last byte, by endpoint.",
+            ["endpoint"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.stage_requests = Counter(
+            "omni_stage_requests",
+            "Stage requests finished, by stage, replica and outcome (ok or error).",
+            ["stage", "replica", "outcome"],
+            registry=self.registry,
+        )
+        self.stage_latency = Histogram(
+            "omni_stage_request_duration_seconds",
+            "Time a stage replica took for one request, by stage.",
+            ["stage"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.registry.register(_PoolCollector(pools))
+
+    def stage_request_done(self, stage: str, replica_id: int, latency: float, failed: bool) -> None:
+        """The pools' per-request hook."""
+        outcome = "error" if failed else "ok"
+        self.stage_requests.labels(stage, str(replica_id), outcome).inc()
+        self.stage_latency.labels(stage).observe(latency)
+
+
+class _PoolCollector(Collector):
+    def __init__(self, pools: Callable[[], Mapping[str, StageReplicaPool]]) -> None:
+        self._pools = pools
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        in_flight = GaugeMetricFamily(
+            "omni_stage_in_flight",
+            "Requests a stage is working on (its queue depth), by stage.",
+            labels=["stage"],
+        )
+        replica_in_flight = GaugeMetricFamily(
+            "omni_stage_replica_in_flight",
+            "Requests in flight on each replica of a stage.",
+            labels=["stage", "replica", "address"],
+        )
+        live = GaugeMetricFamily(
+            "omni_stage_live_replicas",
+            "Replicas of a stage that take requests.",
+            labels=["stage"],
+        )
+        for name, pool in self._pools().items():
+            stats = pool.stats()
+            in_flight.add_metric([name], sum(s.in_flight for s in stats))
+            live.add_metric([name], pool.live_replica_count)
+            for s in stats:
+                replica_in_flight.add_metric([name, str(s.replica_id), s.address], s.in_flight)
+        yield in_flight
+        yield replica_in_flight
+        yield live

@@ -1,0 +1,257 @@
+"""PipelineOrchestrator: runs one request through a pipeline's stages, in order.
+
+Stage 0 gets the caller's prompt (or chat messages); each later stage gets its upstream's
+output: text as its prompt, or hidden states as ``prompt_embeds``, by a connector handle
+that the orchestrator passes on without ever holding the array. The last stage's outputs
+are what the caller receives (streamed text, or images). Each stage's replica comes from
+its StageReplicaPool.
+
+A failure in any stage fails this request only, as a PipelineError that carries the HTTP
+status the router answers with. A replica lost before the caller received anything is
+retried once from the first stage (hidden states handed to a dead replica are gone with
+it). Cancelling the consumer (a client that disconnected) aborts the request in the stage
+running it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+
+from omni_runtime.config import PipelineConfig, StageConfig
+from omni_runtime.engine.stage.stage_core_types import StageServerOutput, StageServerRequest
+from omni_runtime.engine.stage.stage_replica_pool import (
+    NoLiveReplicaError,
+    PoolSaturatedError,
+    ReplicaLostError,
+    StageReplicaPool,
+)
+
+logger = logging.getLogger(__name__)
+
+OutputKind = Literal["text", "image"]
+# One retry: a second lost replica in a row says more about the stage than the request.
+_ATTEMPTS = 2
+
+
+class PipelineError(Exception):
+    """A request the pipeline could not serve: an HTTP status and a message for the caller."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        kind: str = "invalid_request_error",
+        param: str | None = None,
+        retry_after: float | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.kind = kind
+        self.param = param
+        self.retry_after = retry_after
+
+
+@dataclass
+class PipelineRequest:
+    """What the caller asked for, split by the kind of stage it is for."""
+
+    request_id: str
+    prompt: str | None = None
+    messages: list[dict[str, str]] | None = None
+    # Sampling params for LLM stages that generate text, and for diffusion stages.
+    llm_params: dict[str, Any] = field(default_factory=dict)
+    diffusion_params: dict[str, Any] = field(default_factory=dict)
+    # An input image (image-to-image), uint8 RGB [height, width, 3].
+    image: np.ndarray | None = None
+    sticky_key: str | None = None
+
+
+def stage_chain(pipeline: PipelineConfig) -> list[StageConfig]:
+    """The stages in the order a request visits them (by stage id).
+
+    Each stage after the first takes its input from the stage before it; a pipeline whose
+    connectors say otherwise (a fan-in, a skipped stage) is refused, since requests here
+    flow down one chain.
+    """
+    stages = sorted(pipeline.stages, key=lambda s: s.stage_id)
+    for previous, stage in itertools.pairwise(stages):
+        sources = set(stage.input_stages)
+        if sources and sources != {previous.stage_id}:
+            raise ValueError(
+                f"stage {stage.stage_id} ({stage.name}) takes input from stage(s) "
+                f"{sorted(sources)}; the router runs stages as a chain, so each stage takes "
+                f"its input from the one before it (stage {previous.stage_id})"
+            )
+    for stage in stages[:-1]:
+        if stage.type == "diffusion":
+            raise ValueError(
+                f"stage {stage.stage_id} ({stage.name}) is a diffusion stage but not the last: "
+                "images cannot feed a later stage"
+            )
+    return stages
+
+
+class PipelineOrchestrator:
+    """Runs requests through the stage chain of one pipeline."""
+
+    def __init__(
+        self,
+        pipeline: PipelineConfig,
+        pools: Mapping[int, StageReplicaPool],
+        *,
+        request_timeout: float = 600.0,
+    ) -> None:
+        self.pipeline = pipeline
+        self.stages = stage_chain(pipeline)
+        self.pools = dict(pools)
+        self.request_timeout = request_timeout
+        last = self.stages[-1]
+        self.output_kind: OutputKind = "image" if last.type == "diffusion" else "text"
+        if last.type == "llm" and last.output == "hidden_states":
+            raise ValueError(
+                f"the last stage ({last.name}) outputs hidden states, which no caller can "
+                "use; end the pipeline with a text LLM stage or a diffusion stage"
+            )
+
+    async def run(self, request: PipelineRequest) -> AsyncGenerator[StageServerOutput, None]:
+        """Yield the last stage's outputs for ``request`` (until and including the final
+        one); raise PipelineError if any stage fails it."""
+        for attempt in range(_ATTEMPTS):
+            yielded = False
+            try:
+                async with asyncio.timeout(self.request_timeout):
+                    async for output in self._run_once(request, attempt):
+                        yielded = True
+                        yield output
+                return
+            except ReplicaLostError as e:
+                if yielded or attempt + 1 == _ATTEMPTS:
+                    raise PipelineError(503, str(e), kind="service_unavailable") from None
+                logger.warning("request %s: %s; retrying", request.request_id, e)
+            except TimeoutError:
+                raise PipelineError(
+                    504,
+                    f"the request did not finish within {self.request_timeout:.0f} s",
+                    kind="timeout",
+                ) from None
+
+    async def complete(self, request: PipelineRequest) -> list[StageServerOutput]:
+        """Every output of the last stage for ``request``."""
+        return [output async for output in self.run(request)]
+
+    async def _run_once(
+        self, request: PipelineRequest, attempt: int
+    ) -> AsyncIterator[StageServerOutput]:
+        upstream: StageServerOutput | None = None
+        upstream_text = ""
+        for index, stage in enumerate(self.stages):
+            last = index == len(self.stages) - 1
+            stage_request = self._stage_request(request, attempt, index, upstream, upstream_text)
+            text_parts: list[str] = []
+            final: StageServerOutput | None = None
+            async for output in self._run_stage(stage, stage_request, request.sticky_key):
+                if last:
+                    yield output
+                text_parts.append(output.text)
+                if output.finished:
+                    final = output
+            assert final is not None
+            upstream, upstream_text = final, "".join(text_parts)
+
+    def _stage_request(
+        self,
+        request: PipelineRequest,
+        attempt: int,
+        index: int,
+        upstream: StageServerOutput | None,
+        upstream_text: str,
+    ) -> StageServerRequest:
+        stage = self.stages[index]
+        # Ids are unique per stage and attempt: a retried request must not collide with
+        # what a replica may still hold of the first attempt.
+        request_id = f"{request.request_id}-{attempt}" if attempt else request.request_id
+        result = StageServerRequest(request_id=request_id)
+        if stage.type == "llm":
+            if stage.output == "text":
+                result.params = dict(request.llm_params)
+            else:
+                result.output_connector = self._output_connector(index)
+            if upstream is None:
+                result.prompt, result.messages = request.prompt, request.messages
+            else:
+                result.prompt = upstream_text
+            return result
+        result.params = dict(request.diffusion_params)
+        result.image = request.image
+        if upstream is None:
+            result.prompt = (
+                request.prompt
+                if request.prompt is not None
+                else _last_user_text(request.messages or [])
+            )
+        elif upstream.prompt_embeds is not None:
+            result.prompt_embeds = upstream.prompt_embeds
+        else:
+            result.prompt = upstream_text
+        return result
+
+    def _output_connector(self, index: int) -> str | None:
+        """The connector the stage at ``index`` hands its hidden states over with: what
+        the next stage's inputConnectors name for this edge (None: the default)."""
+        if index + 1 >= len(self.stages):
+            return None
+        stage, downstream = self.stages[index], self.stages[index + 1]
+        return downstream.input_stages.get(stage.stage_id)
+
+    async def _run_stage(
+        self, stage: StageConfig, stage_request: StageServerRequest, sticky_key: str | None
+    ) -> AsyncIterator[StageServerOutput]:
+        pool = self.pools[stage.stage_id]
+        try:
+            pending = await pool.add_request(stage_request, sticky_key=sticky_key)
+        except NoLiveReplicaError as e:
+            raise PipelineError(503, str(e), kind="service_unavailable") from None
+        except PoolSaturatedError as e:
+            raise PipelineError(429, str(e), kind="rate_limit_exceeded", retry_after=1.0) from None
+        finished = False
+        try:
+            async for output in pending:
+                assert isinstance(output, StageServerOutput)
+                if output.error is not None:
+                    finished = True
+                    raise _stage_error(stage, output)
+                finished = output.finished
+                yield output
+        finally:
+            if not finished:
+                # Cancelled (the caller went away) or failed: free the stage of it.
+                try:
+                    await asyncio.shield(pending.abort())
+                except Exception:
+                    logger.debug("abort of %s failed", stage_request.request_id, exc_info=True)
+
+
+def _stage_error(stage: StageConfig, output: StageServerOutput) -> PipelineError:
+    message = f"stage {stage.name!r}: {output.error}"
+    if output.error_code == 400:
+        param = (output.error or "").split(":", 1)[0].removeprefix("params.")
+        return PipelineError(400, message, param=param if " " not in param else None)
+    if output.error_code == 503:
+        return PipelineError(503, message, kind="service_unavailable")
+    return PipelineError(500, message, kind="server_error")
+
+
+def _last_user_text(messages: Sequence[Mapping[str, str]]) -> str:
+    for message in reversed(messages):
+        if message.get("role") == "user":
+            return message.get("content", "")
+    return ""

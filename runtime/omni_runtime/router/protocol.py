@@ -1,0 +1,264 @@
+"""The OpenAI-compatible request bodies the router takes, their limits, and their checks.
+
+Bodies are validated here, before any stage sees them, so that a bad request is a 400 (or
+413) whose message names the field and what is allowed. Unknown fields are refused, as
+OpenAI refuses them. The image extensions of vLLM-Omni's API are accepted on chat
+completions: ``modalities: ["image"]`` with height, width, num_inference_steps,
+guidance_scale, seed and negative_prompt; input images come as data URLs in the content.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import re
+from dataclasses import dataclass
+from typing import Annotated, Any, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
+
+from omni_runtime.diffusion.images import decode_image
+
+
+@dataclass(frozen=True)
+class RouterLimits:
+    """What one request may ask for; each excess is a 4xx naming the limit."""
+
+    max_body_bytes: int = 32 * 1024 * 1024
+    max_prompt_chars: int = 32_000
+    max_image_side: int = 2048
+    max_steps: int = 200
+    max_n: int = 4
+    max_tokens: int = 8192
+    max_input_image_bytes: int = 16 * 1024 * 1024
+    max_input_image_pixels: int = 4096 * 4096
+    # Requests in the router at once, and on one stage replica (a stage queues what it
+    # cannot batch); beyond either, 429 with Retry-After.
+    max_concurrent_requests: int = 256
+    max_in_flight_per_replica: int = 64
+
+
+class RequestError(Exception):
+    """A request refused before it reached a stage: status, message, offending field."""
+
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=False)
+
+
+class ImageURL(_Body):
+    url: str
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ImagePart(_Body):
+    type: Literal["image_url"]
+    image_url: ImageURL
+
+
+ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ContentPart]
+    name: str | None = None
+
+
+class StreamOptions(_Body):
+    include_usage: StrictBool = False
+
+
+NonNegativeFloat = Annotated[float, Field(ge=0)]
+
+
+class ChatCompletionRequest(_Body):
+    """POST /v1/chat/completions."""
+
+    model: str
+    messages: list[ChatMessage] = Field(min_length=1)
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    top_k: StrictInt | None = None
+    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0)] | None = None
+    seed: Annotated[StrictInt, Field(ge=0, le=2**63 - 1)] | None = None
+    n: Annotated[StrictInt, Field(ge=1)] = 1
+    user: str | None = None
+    # vLLM-Omni's image generation extensions.
+    modalities: list[Literal["text", "image"]] | None = None
+    height: Annotated[StrictInt, Field(ge=1)] | None = None
+    width: Annotated[StrictInt, Field(ge=1)] | None = None
+    num_inference_steps: Annotated[StrictInt, Field(ge=1)] | None = None
+    guidance_scale: NonNegativeFloat | None = None
+    negative_prompt: str | None = None
+    strength: Annotated[float, Field(gt=0, le=1)] | None = None
+
+
+class ImageGenerationRequest(_Body):
+    """POST /v1/images/generations."""
+
+    prompt: str = Field(min_length=1)
+    model: str | None = None
+    n: Annotated[StrictInt, Field(ge=1)] = 1
+    size: str | None = None
+    response_format: Literal["b64_json"] = "b64_json"
+    seed: Annotated[StrictInt, Field(ge=0, le=2**63 - 1)] | None = None
+    num_inference_steps: Annotated[StrictInt, Field(ge=1)] | None = None
+    guidance_scale: NonNegativeFloat | None = None
+    negative_prompt: str | None = None
+    user: str | None = None
+
+
+def parse_body(model: type[_Body], body: Any) -> Any:
+    """Validate ``body`` as ``model``; RequestError naming the first bad field."""
+    if not isinstance(body, dict):
+        raise RequestError(400, f"the body must be a JSON object, not {type(body).__name__}")
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        first = e.errors(include_url=False)[0]
+        path = _path(first["loc"])
+        raise RequestError(400, f"{path}: {_describe(first)}", param=path) from None
+
+
+def _path(loc: tuple[Any, ...]) -> str:
+    path = ""
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif part in ("text", "image_url") and path.endswith("]"):
+            # The discriminated union's branch name is not a field the caller wrote.
+            continue
+        else:
+            path += f".{part}" if path else str(part)
+    return path or "body"
+
+
+def _describe(error: Any) -> str:
+    kind = error["type"]
+    if kind == "extra_forbidden":
+        return "unknown field (not part of this API)"
+    if kind == "missing":
+        return "required"
+    if kind == "literal_error":
+        return f"{error['msg']} (got {error.get('input')!r})"
+    return f"{error['msg']} (got {_short(error.get('input'))})"
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def check_common(limits: RouterLimits, prompt_chars: int, n: int, steps: int | None) -> None:
+    if prompt_chars > limits.max_prompt_chars:
+        raise RequestError(
+            400,
+            f"prompt is {prompt_chars} characters; the limit is {limits.max_prompt_chars}",
+            param="messages",
+        )
+    if n > limits.max_n:
+        raise RequestError(400, f"n: at most {limits.max_n} (got {n})", param="n")
+    if steps is not None and steps > limits.max_steps:
+        raise RequestError(
+            400,
+            f"num_inference_steps: at most {limits.max_steps} (got {steps})",
+            param="num_inference_steps",
+        )
+
+
+def check_size(limits: RouterLimits, height: int | None, width: int | None) -> None:
+    for name, value in (("height", height), ("width", width)):
+        if value is not None and value > limits.max_image_side:
+            raise RequestError(
+                400, f"{name}: at most {limits.max_image_side} (got {value})", param=name
+            )
+
+
+_SIZE = re.compile(r"([1-9][0-9]*)x([1-9][0-9]*)")
+
+
+def parse_size(size: str | None, limits: RouterLimits) -> tuple[int | None, int | None]:
+    """``WIDTHxHEIGHT`` (OpenAI's order) -> (height, width); None: the stage's default."""
+    if size is None or size == "auto":
+        return None, None
+    match = _SIZE.fullmatch(size)
+    if match is None:
+        raise RequestError(
+            400, f"size: expected WIDTHxHEIGHT such as 512x512, or auto (got {size!r})", "size"
+        )
+    width, height = int(match.group(1)), int(match.group(2))
+    check_size(limits, height, width)
+    return height, width
+
+
+_DATA_URL = re.compile(r"data:(image/[a-z0-9.+-]+)?(;[^,]*)?,", re.IGNORECASE)
+
+
+def decode_data_url(url: str, limits: RouterLimits, where: str) -> np.ndarray:
+    """The image of a ``data:image/...;base64,...`` URL as uint8 RGB."""
+    match = _DATA_URL.match(url)
+    if match is None or match.group(1) is None or ";base64" not in (match.group(2) or ""):
+        shown = url[:40] + ("..." if len(url) > 40 else "")
+        raise RequestError(
+            400,
+            f"{where}: only base64 data URLs of images are accepted "
+            f"(data:image/png;base64,...); got {shown!r}",
+            param=where,
+        )
+    payload = url[match.end() :]
+    if len(payload) * 3 // 4 > limits.max_input_image_bytes:
+        raise RequestError(
+            413,
+            f"{where}: the image is over {limits.max_input_image_bytes // (1024 * 1024)} MiB",
+            param=where,
+        )
+    try:
+        data = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError):
+        raise RequestError(400, f"{where}: the data URL is not valid base64", param=where) from None
+    try:
+        image = decode_image(data, max_pixels=limits.max_input_image_pixels)
+    except ValueError as e:
+        raise RequestError(400, f"{where}: {e}", param=where) from None
+    return image
+
+
+def flatten_messages(
+    messages: list[ChatMessage], limits: RouterLimits
+) -> tuple[list[dict[str, str]], list[np.ndarray]]:
+    """Chat messages as the LLM stage takes them (text content), and the input images."""
+    flat: list[dict[str, str]] = []
+    images: list[np.ndarray] = []
+    for index, message in enumerate(messages):
+        if isinstance(message.content, str):
+            flat.append({"role": message.role, "content": message.content})
+            continue
+        texts: list[str] = []
+        for part_index, part in enumerate(message.content):
+            if isinstance(part, TextPart):
+                texts.append(part.text)
+            else:
+                where = f"messages[{index}].content[{part_index}].image_url.url"
+                images.append(decode_data_url(part.image_url.url, limits, where))
+        flat.append({"role": message.role, "content": "\n".join(texts)})
+    return flat, images

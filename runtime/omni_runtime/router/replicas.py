@@ -1,0 +1,124 @@
+"""Keeps each stage's pool connected to the replicas it should have.
+
+Replica addresses come from the command line or the environment (``serve``, ``router
+--replicas``); in a cluster, the operator's discovery feeds the same ``set_addresses``. An
+address whose replica is not in its pool (never connected, evicted after it died,
+restarted) is retried every ``interval`` seconds, so a replica that comes back takes
+traffic again without anyone restarting the router.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Iterable, Mapping
+
+from omni_runtime.engine.stage.remote_stage_client import RemoteStageClient
+from omni_runtime.engine.stage.stage_core_client import StageCoreDeadError
+from omni_runtime.engine.stage.stage_replica_pool import StageReplicaPool
+
+logger = logging.getLogger(__name__)
+
+
+class ReplicaConnector:
+    """Connects pools to replica addresses and keeps them connected."""
+
+    def __init__(
+        self,
+        pools: Mapping[int, StageReplicaPool],
+        *,
+        interval: float = 1.0,
+        connect_timeout: float = 5.0,
+    ) -> None:
+        self.pools = dict(pools)
+        self.interval = interval
+        self.connect_timeout = connect_timeout
+        self._addresses: dict[int, set[str]] = {stage_id: set() for stage_id in pools}
+        self._connecting: dict[tuple[int, str], asyncio.Task[None]] = {}
+        self._failures: dict[tuple[int, str], str] = {}
+        self._wake = asyncio.Event()
+
+    def set_addresses(self, stage_id: int, addresses: Iterable[str]) -> None:
+        """The replicas stage ``stage_id`` should have; others are removed from its pool."""
+        self._addresses[stage_id] = set(addresses)
+        self._wake.set()
+
+    def add_address(self, stage_id: int, address: str) -> None:
+        self.set_addresses(stage_id, {*self._addresses[stage_id], address})
+
+    async def run(self) -> None:
+        """Reconcile forever (cancel to stop)."""
+        try:
+            while True:
+                await self.reconcile()
+                self._wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), self.interval)
+        finally:
+            for task in self._connecting.values():
+                task.cancel()
+            await asyncio.gather(*self._connecting.values(), return_exceptions=True)
+
+    async def reconcile(self) -> None:
+        for stage_id, pool in self.pools.items():
+            wanted = self._addresses[stage_id]
+            present = {s.address: s for s in pool.stats()}
+            for address, stats in present.items():
+                if address not in wanted and not stats.draining:
+                    logger.info("stage %s: removing replica %s", pool.stage_name, address)
+                    await pool.remove_replica(stats.replica_id)
+            for address in wanted - set(present):
+                key = (stage_id, address)
+                if key not in self._connecting:
+                    self._connecting[key] = asyncio.create_task(self._connect(stage_id, address))
+
+    async def wait_connected(self, timeout: float) -> None:
+        """Wait until every wanted address is in its pool; TimeoutError naming the rest."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            missing = [
+                f"{self.pools[stage_id].stage_name}@{address}"
+                + (
+                    f" ({self._failures[(stage_id, address)]})"
+                    if (stage_id, address) in self._failures
+                    else ""
+                )
+                for stage_id, addresses in self._addresses.items()
+                for address in addresses
+                if address not in {s.address for s in self.pools[stage_id].stats()}
+            ]
+            if not missing:
+                return
+            if loop.time() >= deadline:
+                raise TimeoutError("replicas not connected: " + ", ".join(missing))
+            self._wake.set()
+            await asyncio.sleep(0.1)
+
+    async def _connect(self, stage_id: int, address: str) -> None:
+        key = (stage_id, address)
+        pool = self.pools[stage_id]
+        client = RemoteStageClient(address)
+        try:
+            load = await client.wait_ready(self.connect_timeout)
+            if address not in self._addresses[stage_id]:
+                client.shutdown()  # no longer wanted while we connected
+                return
+            if load.stage_id != stage_id:
+                raise StageCoreDeadError(
+                    f"{address} serves stage {load.stage_id} ({load.name}), not stage {stage_id}"
+                )
+            replica_id = pool.add_replica(client, address)
+            self._failures.pop(key, None)
+            logger.info("stage %s: replica %d at %s is live", pool.stage_name, replica_id, address)
+        except StageCoreDeadError as e:
+            client.shutdown()
+            if self._failures.get(key) != str(e):
+                logger.warning("stage %s: cannot use %s: %s", pool.stage_name, address, e)
+            self._failures[key] = str(e)
+        except BaseException:
+            client.shutdown()
+            raise
+        finally:
+            self._connecting.pop(key, None)

@@ -1,0 +1,171 @@
+"""Helpers of the serving suites: stage processes, and routers served over real HTTP."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+
+from omni_runtime.config import PipelineConfig
+from omni_runtime.entrypoints.router_process import build_router
+from omni_runtime.router.protocol import RouterLimits
+from omni_runtime.router.replicas import ReplicaConnector
+
+CLI = [sys.executable, "-m", "omni_runtime.entrypoints.cli"]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_until(predicate: Any, timeout: float, what: str, interval: float = 0.05) -> Any:
+    """Poll ``predicate`` until it returns something truthy; AssertionError at the deadline."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout} s: {what}")
+        time.sleep(interval)
+
+
+@dataclass
+class StageProcess:
+    stage_id: int
+    proc: subprocess.Popen[bytes]
+    port: int
+    log: Path
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def start_stage_processes(
+    config_file: Path, stage_ids: Sequence[int], workdir: Path, timeout: float = 240
+) -> list[StageProcess]:
+    """Start one ``omni-runtime stage`` process per id (in parallel); wait until all serve."""
+    started: list[tuple[int, subprocess.Popen[bytes], Path, Path]] = []
+    for n, stage_id in enumerate(stage_ids):
+        ready = workdir / f"stage-{stage_id}-{n}-{time.monotonic_ns()}.ready"
+        log = workdir / f"stage-{stage_id}-{n}.log"
+        with open(log, "wb") as out:
+            proc = subprocess.Popen(
+                [
+                    *CLI, "stage", "-f", str(config_file),
+                    "--stages", str(stage_id),
+                    "--host", "127.0.0.1",
+                    "--port", f"{stage_id}=0",
+                    "--health-port", "none",
+                    "--ready-file", str(ready),
+                    "--exit-with-parent",
+                ],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
+            )  # fmt: skip
+        started.append((stage_id, proc, ready, log))
+    result: list[StageProcess] = []
+    try:
+        for stage_id, proc, ready, log in started:
+
+            def is_ready(
+                proc: subprocess.Popen[bytes] = proc,
+                ready: Path = ready,
+                log: Path = log,
+                stage_id: int = stage_id,
+            ) -> bool:
+                if proc.poll() is not None:
+                    raise AssertionError(
+                        f"stage {stage_id} exited ({proc.returncode}):\n{log.read_text()[-3000:]}"
+                    )
+                return ready.exists()
+
+            wait_until(is_ready, timeout, f"stage {stage_id} ready", interval=0.2)
+            port = json.loads(ready.read_text())["stages"][str(stage_id)]
+            result.append(StageProcess(stage_id, proc, port, log))
+    except BaseException:
+        for _, proc, _, _ in started:
+            proc.kill()
+            proc.wait()
+        raise
+    return result
+
+
+@dataclass
+class RunningRouter:
+    url: str
+    app: Any
+    replicas: ReplicaConnector
+    server: uvicorn.Server
+
+    @property
+    def base_url(self) -> str:
+        return f"{self.url}/v1"
+
+    @property
+    def state(self) -> Any:
+        return self.app.state.router
+
+
+@contextmanager
+def running_router(
+    pipeline: PipelineConfig,
+    addresses: Mapping[int, Sequence[str]],
+    *,
+    limits: RouterLimits | None = None,
+    wait_for_replicas: bool = True,
+) -> Iterator[RunningRouter]:
+    """The router app on a free port, served by uvicorn in a thread of its own."""
+    app, replicas = build_router(pipeline, addresses, limits=limits)
+    port = free_port()
+    server = uvicorn.Server(
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
+    )
+    thread = threading.Thread(target=server.run, daemon=True, name=f"router-{port}")
+    thread.start()
+    try:
+        wait_until(lambda: server.started, 30, "router started")
+        router = RunningRouter(f"http://127.0.0.1:{port}", app, replicas, server)
+        if wait_for_replicas:
+            wanted = {stage_id: len(a) for stage_id, a in addresses.items()}
+            wait_until(
+                lambda: all(
+                    router.state.pools[i].live_replica_count >= n for i, n in wanted.items()
+                ),
+                30,
+                f"replicas {dict(addresses)} connected",
+            )
+        yield router
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+def pipeline_from(data: dict[str, Any]) -> PipelineConfig:
+    return PipelineConfig.model_validate(data)

@@ -1,0 +1,471 @@
+"""The serving layer end to end: stage processes, connectors, pools, the router's HTTP API.
+
+Stage processes (`omni-runtime stage`) are started once for the module from one pipeline
+that has every stage the tests need: an LLM that encodes hidden states (0), an LLM that
+writes text (1) and a diffusion stage (2, two replicas), and both a shared-memory and a TCP
+connector. Each test serves a pipeline made of some of those stages with a real router on
+a real port, and talks to it with the official `openai` client (or httpx for raw bodies).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import openai
+import pytest
+from PIL import Image
+from serving import (
+    StageProcess,
+    pipeline_from,
+    running_router,
+    start_stage_processes,
+    wait_until,
+)
+
+from omni_runtime.config import PipelineConfig, dump_pipeline
+from omni_runtime.tiny_models import DIFFUSION_SUBDIR, LLM_SUBDIR
+
+pytestmark = pytest.mark.integration
+
+ENCODER, WRITER, DIT = 0, 1, 2
+LLM_FIELDS = {"type": "llm", "dtype": "float32", "enforceEager": True, "maxModelLen": 512}
+
+
+@pytest.fixture(scope="module")
+def stages_config(tiny_models: Path) -> dict[str, Any]:
+    return {
+        "model": str(tiny_models / LLM_SUBDIR),
+        "stages": [
+            {"stageId": ENCODER, "name": "encoder", "output": "hidden_states", **LLM_FIELDS},
+            {
+                "stageId": WRITER,
+                "name": "writer",
+                **LLM_FIELDS,
+                "defaultSamplingParams": {"temperature": 0.0, "max_tokens": 8},
+            },
+            {
+                "stageId": DIT,
+                "name": "dit",
+                "type": "diffusion",
+                "model": str(tiny_models / DIFFUSION_SUBDIR),
+                "defaultSamplingParams": {"num_inference_steps": 2},
+            },
+        ],
+        "connectors": {
+            "shm": {"name": "SharedMemoryConnector"},
+            "tcp": {"name": "TCPConnector"},
+        },
+    }
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("serving")
+
+
+@pytest.fixture(scope="module")
+def config_file(stages_config: dict[str, Any], workdir: Path) -> Path:
+    path = workdir / "stages.json"
+    path.write_text(json.dumps(dump_pipeline(pipeline_from(stages_config))))
+    return path
+
+
+@pytest.fixture(scope="module")
+def stage_procs(config_file: Path, workdir: Path) -> Iterator[dict[str, list[StageProcess]]]:
+    procs = start_stage_processes(config_file, [ENCODER, WRITER, DIT, DIT], workdir)
+    yield {
+        "encoder": [procs[0]],
+        "writer": [procs[1]],
+        "dit": procs[2:],
+    }
+    for proc in procs:
+        proc.stop()
+    for proc in procs:
+        assert proc.proc.returncode == 0, proc.log.read_text()[-2000:]
+
+
+def pipeline(stages_config: dict[str, Any], ids: list[int], **router: Any) -> PipelineConfig:
+    """A pipeline of some of the module's stages; the diffusion stage's connector from the
+    encoder is ``connector`` (router kwarg), if given."""
+    connector = router.pop("connector", None)
+    stages = []
+    for stage in stages_config["stages"]:
+        if stage["stageId"] not in ids:
+            continue
+        stage = dict(stage)
+        if stage["stageId"] == DIT and connector is not None:
+            stage["inputConnectors"] = {f"from_stage_{ids[0]}": connector}
+        stages.append(stage)
+    return pipeline_from(
+        {
+            **stages_config,
+            "stages": stages,
+            "router": {"servedModelName": "tiny", **router},
+        }
+    )
+
+
+def addresses(
+    procs: dict[str, list[StageProcess]], ids: list[int], dits: int = 1
+) -> dict[int, list[str]]:
+    by_id = {ENCODER: procs["encoder"], WRITER: procs["writer"], DIT: procs["dit"][:dits]}
+    return {i: [p.address for p in by_id[i]] for i in ids}
+
+
+def decode_png(data: bytes) -> Image.Image:
+    image = Image.open(io.BytesIO(data))
+    assert image.format == "PNG"
+    image.load()
+    return image
+
+
+def image_parts(response: Any) -> list[bytes]:
+    parts = response.choices[0].message.content
+    assert isinstance(parts, list), parts
+    urls = [part["image_url"]["url"] for part in parts]
+    assert all(url.startswith("data:image/png;base64,") for url in urls)
+    return [base64.b64decode(url.split(",", 1)[1]) for url in urls]
+
+
+def ask_image(client: openai.OpenAI, prompt: str, **extra: Any) -> list[bytes]:
+    response = client.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": prompt}],
+        extra_body={"modalities": ["image"], **extra},
+    )
+    return image_parts(response)
+
+
+def omni_shm_files() -> set[str]:
+    return {name for name in os.listdir("/dev/shm") if name.startswith("omni-")}
+
+
+@pytest.mark.parametrize("connector", ["shm", "tcp"])
+def test_text_to_image_with_hidden_states_over_each_connector(
+    stages_config: dict[str, Any], stage_procs: dict[str, list[StageProcess]], connector: str
+) -> None:
+    ids = [ENCODER, DIT]
+    with running_router(
+        pipeline(stages_config, ids, connector=connector), addresses(stage_procs, ids)
+    ) as router:
+        client = openai.OpenAI(base_url=router.base_url, api_key="x", max_retries=0)
+        first = ask_image(client, "a red cat", height=64, width=96, seed=7)
+        again = ask_image(client, "a red cat", height=64, width=96, seed=7)
+        other = ask_image(client, "a red cat", height=64, width=96, seed=8)
+        assert len(first) == 1
+        assert decode_png(first[0]).size == (96, 64)
+        assert first == again, "the same seed must give the same image"
+        assert first != other
+        # The hidden states took the connector: the producer's segment is gone once read.
+        assert not omni_shm_files()
+
+
+def test_text_handoff_feeds_the_diffusion_stage_a_prompt(
+    stages_config: dict[str, Any], stage_procs: dict[str, list[StageProcess]]
+) -> None:
+    ids = [WRITER, DIT]
+    with running_router(pipeline(stages_config, ids), addresses(stage_procs, ids)) as router:
+        client = openai.OpenAI(base_url=router.base_url, api_key="x", max_retries=0)
+        images = ask_image(client, "draw a blue boat", height=64, width=64, seed=1)
+        assert decode_png(images[0]).size == (64, 64)
+        assert images == ask_image(client, "draw a blue boat", height=64, width=64, seed=1)
+
+
+def test_images_generations_returns_n_pngs_of_the_requested_size(
+    stages_config: dict[str, Any], stage_procs: dict[str, list[StageProcess]]
+) -> None:
+    ids = [ENCODER, DIT]
+    with running_router(
+        pipeline(stages_config, ids, connector="shm"), addresses(stage_procs, ids)
+    ) as router:
+        client = openai.OpenAI(base_url=router.base_url, api_key="x", max_retries=0)
+        result = client.images.generate(
+            model="tiny",
+            prompt="a gold dog",
+            n=2,
+            size="96x64",
+            response_format="b64_json",
+            extra_body={"seed": 3},
+        )
+        assert len(result.data) == 2
+        images = [decode_png(base64.b64decode(item.b64_json or "")) for item in result.data]
+        assert [image.size for image in images] == [(96, 64), (96, 64)]
+
+
+def test_image_to_image_takes_a_data_url(
+    stages_config: dict[str, Any], stage_procs: dict[str, list[StageProcess]]
+) -> None:
+    ids = [ENCODER, DIT]
+    source = np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(source).save(buffer, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    with running_router(
+        pipeline(stages_config, ids, connector="shm"), addresses(stage_procs, ids)
+    ) as router:
+        client = openai.OpenAI(base_url=router.base_url, api_key="x", max_retries=0)
+        response = client.chat.completions.create(
+            model="tiny",
+            messages=[
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "turn it into gold"},
+                        {"type": "image_url", "image_url": {"url": url}},
+                    ],
+                }
+            ],
+            extra_body={"modalities": ["image"], "seed": 5, "strength": 0.5},
+        )
+        (png,) = image_parts(response)
+        assert decode_png(png).size == (64, 64)
+
+
+def test_llm_only_pipeline_streams_text_over_sse(
+    stages_config: dict[str, Any], stage_procs: dict[str, list[StageProcess]]
+) -> None:
+    ids = [WRITER]
+    with running_router(pipeline(stages_config, ids), addresses(stage_procs, ids)) as router:
+        client = openai.OpenAI(base_url=router.base_url, api_key="x", max_retries=0)
+        messages: Any = [{"role": "user", "content": "a red cat"}]
+        whole = client.chat.completions.create(model="tiny", messages=messages)
+        text = whole.choices[0].message.content
+        assert text
+        assert whole.usage is not None
+        assert whole.usage.completion_tokens == 8
+        chunks = list(
+            client.chat.completions.create(
+                model="tiny",
+                messages=messages,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
+        deltas = [c.choices[0].delta.content or "" for c in chunks if c.choices]
+        assert len([d for d in deltas if d]) > 1, "text must arrive in more than one chunk"
+        assert "".join(deltas) == text, "greedy streaming must equal the whole answer"
+        finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+        assert finishes[-1] == "length"
+        assert chunks[-1].usage is not None
+        assert chunks[-1].usage.completion_tokens == 8
+
+
+def test_round_robin_spreads_evenly_and_an_added_replica_takes_traffic(
+    stages_config: dict[str, Any], stage_procs: dict[str, list[StageProcess]]
+) -> None:
+    ids = [DIT]
+    dits = [p.address for p in stage_procs["dit"]]
+    with running_router(pipeline(stages_config, ids), {DIT: dits[:1]}) as router:
+        client = openai.OpenAI(base_url=router.base_url, api_key="x", max_retries=0)
+        pool = router.state.pools[DIT]
+        for _ in range(2):
+            ask_image(client, "a tree", height=32, width=32)
+        # Added while serving: it joins the rotation.
+        router.replicas.add_address(DIT, dits[1])
+        wait_until(lambda: pool.live_replica_count == 2, 30, "second replica live")
+        before = {s.address: s.done for s in pool.stats()}
+        for _ in range(8):
+            ask_image(client, "a tree", height=32, width=32)
+        after = {s.address: s.done for s in pool.stats()}
+        assert {a: after[a] - before.get(a, 0) for a in dits} == {dits[0]: 4, dits[1]: 4}
+
+
+async def test_least_outstanding_prefers_the_idle_replica(
+    stages_config: dict[str, Any], stage_procs: dict[str, list[StageProcess]]
+) -> None:
+    ids = [DIT]
+    with running_router(
+        pipeline(stages_config, ids, policy="least-outstanding-requests"),
+        addresses(stage_procs, ids, dits=2),
+    ) as router:
+        pool = router.state.pools[DIT]
+        async with httpx.AsyncClient(base_url=router.base_url, timeout=120) as http:
+
+            def body(steps: int) -> dict[str, Any]:
+                return {
+                    "model": "tiny",
+                    "prompt": "a slow river",
+                    "size": "64x64",
+                    "num_inference_steps": steps,
+                }
+
+            slow = asyncio.create_task(http.post("/images/generations", json=body(200)))
+            busy = await asyncio.to_thread(
+                wait_until,
+                lambda: next((s for s in pool.stats() if s.in_flight), None),
+                30,
+                "the slow request in flight",
+            )
+            for _ in range(4):
+                response = await http.post("/images/generations", json=body(1))
+                assert response.status_code == 200, response.text
+            done = {s.address: s.done for s in pool.stats()}
+            assert done[busy.address] == 0, "the busy replica must get none of the quick ones"
+            assert sum(done.values()) == 4
+            assert (await slow).status_code == 200
+
+
+def test_malformed_requests_get_4xx_naming_the_problem(
+    stages_config: dict[str, Any], stage_procs: dict[str, list[StageProcess]]
+) -> None:
+    ids = [ENCODER, DIT]
+    good_chat = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": "a cat"}],
+        "modalities": ["image"],
+        "height": 32,
+        "width": 32,
+    }
+    huge_png = io.BytesIO()
+    Image.new("RGB", (5000, 4000)).save(huge_png, format="PNG")
+    huge_url = "data:image/png;base64," + base64.b64encode(huge_png.getvalue()).decode()
+
+    not_an_image = "data:image/png;base64," + base64.b64encode(b"hello").decode()
+
+    def user(content: str) -> dict[str, str]:
+        return {"role": "user", "content": content}
+
+    def chat(**changes: Any) -> dict[str, Any]:
+        return {**good_chat, **changes}
+
+    def with_image(url: str) -> dict[str, Any]:
+        content = [{"type": "text", "text": "x"}, {"type": "image_url", "image_url": {"url": url}}]
+        return chat(messages=[{"role": "user", "content": content}])
+
+    cases: list[tuple[str, str, bytes | dict[str, Any] | list[Any], int, str]] = [
+        ("chat", "bad json", b"{not json", 400, "not valid JSON"),
+        ("chat", "array body", [1, 2], 400, "JSON object"),
+        ("chat", "no model", {k: v for k, v in good_chat.items() if k != "model"}, 400, "model"),
+        ("chat", "unknown model", chat(model="gpt-9"), 404, "gpt-9"),
+        ("chat", "no messages", chat(messages=[]), 400, "messages"),
+        ("chat", "bad role", chat(messages=[{"role": "robot", "content": "x"}]), 400, "role"),
+        ("chat", "content type", chat(messages=[{"role": "user", "content": 5}]), 400, "content"),
+        ("chat", "height string", chat(height="big"), 400, "height"),
+        ("chat", "negative width", chat(width=-8), 400, "width"),
+        ("chat", "huge height", chat(height=100_000), 400, "height"),
+        ("chat", "odd size", chat(height=30), 400, "height"),
+        ("chat", "too many steps", chat(num_inference_steps=100_000), 400, "num_inference_steps"),
+        ("chat", "huge n", chat(n=1000), 400, "n"),
+        ("chat", "negative guidance", chat(guidance_scale=-1), 400, "guidance_scale"),
+        ("chat", "unknown field", chat(frobnicate=True), 400, "frobnicate"),
+        ("chat", "bad temperature", chat(temperature=9), 400, "temperature"),
+        ("chat", "text modality", chat(modalities=["text"]), 400, "modalities"),
+        ("chat", "too-long prompt", chat(messages=[user("a" * 40_000)]), 400, "limit"),
+        ("chat", "not a data url", with_image("http://example.com/x.png"), 400, "data URL"),
+        ("chat", "bad base64", with_image("data:image/png;base64,@@@@"), 400, "base64"),
+        ("chat", "not an image", with_image(not_an_image), 400, "image"),
+        ("chat", "oversized image", with_image(huge_url), 400, "pixels"),
+        ("images", "no prompt", {"model": "tiny"}, 400, "prompt"),
+        ("images", "bad size", {"prompt": "x", "size": "big"}, 400, "size"),
+        ("images", "url format", {"prompt": "x", "response_format": "url"}, 400, "response_format"),
+        ("images", "huge n", {"prompt": "x", "n": 50}, 400, "n"),
+    ]  # fmt: skip
+    with (
+        running_router(
+            pipeline(stages_config, ids, connector="shm"), addresses(stage_procs, ids)
+        ) as router,
+        httpx.Client(base_url=router.base_url, timeout=60) as http,
+    ):
+        paths = {"chat": "/chat/completions", "images": "/images/generations"}
+        for endpoint, name, body, status, needle in cases:
+            if isinstance(body, bytes):
+                response = http.post(
+                    paths[endpoint], content=body, headers={"content-type": "application/json"}
+                )
+            else:
+                response = http.post(paths[endpoint], json=body)
+            assert response.status_code == status, (name, response.text)
+            error = response.json()["error"]
+            assert needle.lower() in error["message"].lower(), (name, error)
+            assert error["code"] == status
+        # Transport-level refusals.
+        response = http.post(paths["chat"], content=b"x", headers={"content-type": "text/plain"})
+        assert response.status_code == 415
+        assert "application/json" in response.json()["error"]["message"]
+        big = b'{"model": "tiny", "pad": "' + b"a" * (33 * 1024 * 1024) + b'"}'
+        response = http.post(
+            paths["chat"], content=big, headers={"content-type": "application/json"}
+        )
+        assert response.status_code == 413
+        assert "MiB" in response.json()["error"]["message"]
+        # And the router still serves.
+        response = http.post(paths["chat"], json=good_chat)
+        assert response.status_code == 200, response.text
+
+
+def test_health_names_a_stage_without_replicas(
+    stages_config: dict[str, Any], stage_procs: dict[str, list[StageProcess]]
+) -> None:
+    ids = [ENCODER, DIT]
+    with (
+        running_router(
+            pipeline(stages_config, ids, connector="shm"),
+            {ENCODER: addresses(stage_procs, ids)[ENCODER]},
+            wait_for_replicas=False,
+        ) as router,
+        httpx.Client(base_url=router.url, timeout=30) as http,
+    ):
+        health = http.get("/health")
+        assert health.status_code == 503
+        assert "dit" in health.json()["error"]
+        response = http.post("/v1/images/generations", json={"prompt": "a cat", "size": "32x32"})
+        assert response.status_code == 503
+        assert "dit" in response.json()["error"]["message"]
+        models = http.get("/v1/models").json()
+        assert [m["id"] for m in models["data"]] == ["tiny"]
+
+
+async def test_a_killed_replica_fails_only_its_requests_and_traffic_moves_on(
+    stages_config: dict[str, Any],
+    stage_procs: dict[str, list[StageProcess]],
+    config_file: Path,
+    workdir: Path,
+) -> None:
+    ids = [DIT]
+    (doomed,) = await asyncio.to_thread(start_stage_processes, config_file, [DIT], workdir)
+    live = stage_procs["dit"][0]
+    try:
+        with running_router(
+            pipeline(stages_config, ids), {DIT: [live.address, doomed.address]}
+        ) as router:
+            pool = router.state.pools[DIT]
+            async with httpx.AsyncClient(base_url=router.url, timeout=120) as http:
+                body = {"prompt": "a dark sky", "size": "64x64", "num_inference_steps": 20}
+                requests = [
+                    asyncio.create_task(http.post("/v1/images/generations", json=body))
+                    for _ in range(16)
+                ]
+                await asyncio.to_thread(
+                    wait_until,
+                    lambda: any(s.address == doomed.address and s.in_flight for s in pool.stats()),
+                    30,
+                    "requests in flight on the doomed replica",
+                )
+                doomed.proc.kill()
+                async with asyncio.timeout(120):
+                    responses = await asyncio.gather(*requests)
+                for response in responses:
+                    if response.status_code != 200:
+                        assert response.status_code == 503, response.text
+                        assert doomed.address in response.json()["error"]["message"]
+                assert pool.live_replica_count == 1
+                for _ in range(3):
+                    response = await http.post(
+                        "/v1/images/generations", json={**body, "num_inference_steps": 1}
+                    )
+                    assert response.status_code == 200, response.text
+                assert (await http.get("/health")).status_code == 200
+                metrics = (await http.get("/metrics")).text
+                assert 'omni_stage_live_replicas{stage="dit"} 1.0' in metrics
+                assert "omni_stage_request_duration_seconds_bucket" in metrics
+    finally:
+        doomed.stop()
