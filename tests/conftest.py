@@ -22,9 +22,26 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     return ensure_tiny_models(tmp_path_factory.mktemp("tiny-models"))
 
 
+_SHM = Path("/dev/shm")
+_shm_at_start: set[str] = set()
+
+
+def _omni_segments() -> set[str]:
+    try:
+        return {name for name in os.listdir(_SHM) if name.startswith("omni-")}
+    except OSError:
+        return set()
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    _shm_at_start.update(_omni_segments())
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    # Runs after every fixture is torn down: whatever child process is still here was
-    # leaked by the code under test (or a test). Report it, fail the run, and clean up.
+    # Runs after every fixture is torn down: whatever child process or shared-memory
+    # segment is still here was leaked by the code under test (or a test). Report it,
+    # fail the run, and clean up.
+    _check_shared_memory(session)
     leftovers = psutil.Process().children(recursive=True)
     if not leftovers:
         return
@@ -42,3 +59,16 @@ def _cmdline(proc: psutil.Process) -> list[str]:
         return proc.cmdline()
     except psutil.Error:
         return ["?"]
+
+
+def _check_shared_memory(session: pytest.Session) -> None:
+    leaked = sorted(_omni_segments() - _shm_at_start)
+    if not leaked:
+        return
+    session.config.get_terminal_writer().line(
+        f"FAILED: shared-memory segments survived the test session: {', '.join(leaked)}",
+        red=True,
+    )
+    for name in leaked:
+        (_SHM / name).unlink(missing_ok=True)
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED

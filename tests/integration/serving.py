@@ -19,11 +19,27 @@ from typing import Any
 import uvicorn
 
 from omni_runtime.config import PipelineConfig
+from omni_runtime.connectors.mooncake import with_mooncake_library_path
 from omni_runtime.entrypoints.router_process import build_router
 from omni_runtime.router.protocol import RouterLimits
 from omni_runtime.router.replicas import ReplicaConnector
 
 CLI = [sys.executable, "-m", "omni_runtime.entrypoints.cli"]
+
+
+def mooncake_unavailable() -> str | None:
+    """Why a child process cannot load Mooncake's engine here (None if it can)."""
+    probe = subprocess.run(
+        [sys.executable, "-c", "import mooncake.engine"],
+        env=with_mooncake_library_path(os.environ),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    if probe.returncode == 0:
+        return None
+    return (probe.stderr.strip().splitlines() or ["?"])[-1]
 
 
 def free_port() -> int:
@@ -87,7 +103,7 @@ def start_stage_processes(
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
+                env={**with_mooncake_library_path(os.environ), "VLLM_CPU_KVCACHE_SPACE": "1"},
             )  # fmt: skip
         started.append((stage_id, proc, ready, log))
     result: list[StageProcess] = []

@@ -64,3 +64,50 @@ def test_unwritable_models_dir_is_a_message(tmp_path: Path) -> None:
     assert result.returncode == 1
     assert "omni-runtime: error:" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_stage_and_router_refuse_bad_arguments_with_one_line_each(tmp_path: Path) -> None:
+    pipeline = str(REPO / "examples/tiny-chat.yaml")
+    cases = [
+        (("stage", "-f", pipeline, "--stages", "7"), "--stages: no stage [7]"),
+        (("stage", "-f", pipeline, "--stages", "x"), "--stages: expected stage ids"),
+        (
+            ("stage", "-f", pipeline, "--stages", "0", "--port", "0:1"),
+            "--port: expected STAGE=PORT",
+        ),
+        (("stage", "-f", pipeline, "--stages", "0", "--health-port", "x"), "--health-port"),
+        (("router", "-f", pipeline, "--replicas", "0"), "expected STAGE=HOST:PORT"),
+        (("router", "-f", pipeline, "--replicas", "9=h:1"), "no stage '9'"),
+        (("router", "-f", pipeline, "--replicas", "chat=h:x"), "is not HOST:PORT"),
+        (("serve", "-f", str(tmp_path / "missing.yaml")), "cannot read"),
+    ]
+    for args, needle in cases:
+        result = omni_runtime(*args)
+        assert result.returncode == 1, (args, result.stderr)
+        assert needle in result.stderr, (args, result.stderr)
+        assert "Traceback" not in result.stderr
+
+
+def test_serve_refuses_a_pipeline_the_router_cannot_run(tmp_path: Path) -> None:
+    # Stage 2 takes its input from stage 0, skipping stage 1: not a chain.
+    pipeline = tmp_path / "fan.yaml"
+    pipeline.write_text(
+        yaml.safe_dump(
+            {
+                "model": "m",
+                "stages": [
+                    {"stageId": 0, "type": "llm", "output": "hidden_states"},
+                    {"stageId": 1, "type": "llm"},
+                    {
+                        "stageId": 2,
+                        "type": "diffusion",
+                        "inputConnectors": {"from_stage_0": "c"},
+                    },
+                ],
+                "connectors": {"c": {"name": "SharedMemoryConnector"}},
+            }
+        )
+    )
+    result = omni_runtime("serve", "-f", str(pipeline))
+    assert result.returncode == 1
+    assert "takes input from stage(s) [0]" in result.stderr
