@@ -13,7 +13,10 @@ import numpy as np
 
 from omni_runtime.config import PipelineConfig, StageConfig
 from omni_runtime.connectors import ConnectorError, ConnectorHandle
-from omni_runtime.engine.stage.stage_core_client import StageCoreClientBase
+from omni_runtime.engine.stage.stage_core_client import (
+    StageCoreClientBase,
+    request_id_in_flight_error,
+)
 from omni_runtime.engine.stage.stage_core_types import (
     StageDiffusionCoreOutput,
     StageDiffusionCoreOutputs,
@@ -55,7 +58,7 @@ class StageDiffusionFrontend(StageFrontend):
         if request.messages is not None:
             return [refusal(request_id, "messages: a diffusion stage takes a prompt")]
         if request_id in self._in_flight:
-            return [refusal(request_id, f"request_id: {request_id!r} is in flight already")]
+            return [refusal(request_id, request_id_in_flight_error(request_id))]
         prompt_embeds = None
         if request.prompt_embeds is not None:
             try:

@@ -19,6 +19,7 @@ from vllm.v1.engine import FinishReason
 
 from omni_runtime.config import PipelineConfig, StageConfig
 from omni_runtime.connectors import ConnectorHandle
+from omni_runtime.engine.stage.stage_core_client import request_id_in_flight_error
 from omni_runtime.engine.stage.stage_core_types import (
     StageLLMCoreOutput,
     StageServerOutput,
@@ -101,11 +102,14 @@ class StageLLMFrontend(StageFrontend):
 
     async def add(self, request: StageServerRequest) -> list[StageServerOutput]:
         request_id = request.request_id
-        if request.image is not None or request.prompt_embeds is not None:
-            return [refusal(request_id, "image: an LLM stage takes text (prompt or messages)")]
+        for name in ("image", "prompt_embeds"):
+            if getattr(request, name) is not None:
+                return [
+                    refusal(request_id, f"{name}: an LLM stage takes text (prompt or messages)")
+                ]
         if request_id in self._requests:
             # The client refuses it too; answering here keeps the first request's state.
-            return [refusal(request_id, f"request_id: {request_id!r} is in flight already")]
+            return [refusal(request_id, request_id_in_flight_error(request_id))]
         builder = self.client.request_builder
         try:
             core_request = builder.build(

@@ -25,7 +25,10 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from omni_runtime.engine.stage.stage_core_client import StageCoreDeadError
+from omni_runtime.engine.stage.stage_core_client import (
+    StageCoreDeadError,
+    request_id_in_flight_error,
+)
 from omni_runtime.engine.stage.stage_core_types import (
     StageCoreRequestType,
     StageLoad,
@@ -160,8 +163,9 @@ class StageServer:
             await self._reply(identity, [refusal(request_id, self._dead_error(), UNAVAILABLE)])
             return
         if request_id in self._routes:
-            error = f"request_id: {request_id!r} is in flight already; use an id of its own"
-            await self._reply(identity, [refusal(request_id, error)])
+            await self._reply(
+                identity, [refusal(request_id, request_id_in_flight_error(request_id))]
+            )
             return
         self._routes[request_id] = identity
         try:

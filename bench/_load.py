@@ -1,0 +1,258 @@
+"""Helpers shared by the HTTP benchmarks: servers started and stopped for sure, readiness
+polling, a closed-loop load generator, percentiles and a markdown table.
+
+Not a benchmark itself; `router_vs_vllm.py` and `two_stage_overhead.py` import it (scripts
+in bench/ see this directory first on sys.path).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+
+import httpx
+import psutil
+
+TERMINATE_GRACE_S = 15.0
+LOG_TAIL_LINES = 40
+
+
+def free_port() -> int:
+    """A loopback port nobody listens on now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def exit_on_sigterm() -> None:
+    """Turn SIGTERM into SystemExit, so that `finally` blocks stop the servers we started
+    (by default SIGTERM ends the interpreter without unwinding anything)."""
+
+    def handler(signum: int, _frame: FrameType | None) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+class ServerStartError(RuntimeError):
+    """A server exited or did not become ready; the message ends with its log's tail."""
+
+
+class ManagedProcess:
+    """A server process in a session of its own, logging to a file.
+
+    Its own session keeps a Ctrl-C at the terminal away from it (this script stops it, in
+    order) and gives it a process group we can signal as a whole. Children that start a
+    session of their own (serve's stage processes) are found through psutil at stop time
+    and ended by pid if the graceful stop left them behind.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        command: Sequence[str],
+        log_file: Path,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.name = name
+        self.command = list(command)
+        self.log_file = log_file
+        with open(log_file, "wb") as log:
+            self.proc = subprocess.Popen(
+                self.command,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+            )
+
+    def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
+        try:
+            text = self.log_file.read_text(errors="replace")
+        except OSError:
+            return "(no log)"
+        return "\n".join(text.splitlines()[-lines:])
+
+    def check_alive(self) -> None:
+        code = self.proc.poll()
+        if code is not None:
+            raise ServerStartError(
+                f"{self.name} exited with code {code}; its log ({self.log_file}) ends:\n"
+                f"{self.log_tail()}"
+            )
+
+    def stop(self) -> None:
+        """SIGTERM to the process group (a graceful shutdown stops what it started), then
+        SIGKILL to the group if it hangs, and to every descendant still alive, by pid."""
+        try:
+            descendants = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            descendants = []
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=TERMINATE_GRACE_S)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        # Descendants that outlived the leader (an engine core, a stage process in a
+        # session of its own) are ended by pid: the group id may be free for reuse by now.
+        _gone, alive = psutil.wait_procs(descendants, timeout=TERMINATE_GRACE_S)
+        for child in alive:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                child.kill()
+        psutil.wait_procs(alive, timeout=5)
+
+
+@contextlib.contextmanager
+def running(processes: list[ManagedProcess]) -> Iterator[list[ManagedProcess]]:
+    """Stop every process in ``processes`` (appended to inside the block) on the way out,
+    the last started first, however the block ends."""
+    try:
+        yield processes
+    finally:
+        for process in reversed(processes):
+            process.stop()
+
+
+def wait_http_ok(
+    url: str,
+    timeout_s: float,
+    processes: Sequence[ManagedProcess] = (),
+    period_s: float = 0.25,
+) -> float:
+    """Poll ``url`` until it answers 200; the seconds waited. ServerStartError if one of
+    ``processes`` exits first or the deadline passes."""
+    start = time.monotonic()
+    deadline = start + timeout_s
+    with httpx.Client(timeout=5.0) as client:
+        while True:
+            for process in processes:
+                process.check_alive()
+            try:
+                if client.get(url).status_code == 200:
+                    return time.monotonic() - start
+            except httpx.HTTPError:
+                pass  # not listening yet
+            if time.monotonic() > deadline:
+                tails = "\n".join(
+                    f"--- {p.name} ({p.log_file}):\n{p.log_tail()}" for p in processes
+                )
+                raise ServerStartError(f"{url} not ready within {timeout_s:.0f} s\n{tails}")
+            time.sleep(period_s)
+
+
+# -- the load generator -----------------------------------------------------------------------
+
+
+@dataclass
+class LoadResult:
+    """One closed-loop run at one concurrency."""
+
+    concurrency: int
+    window_s: float
+    # Latencies (s) of the requests sent inside the measuring window, all run to the end.
+    latencies: list[float] = field(default_factory=list)
+    # Requests that finished inside the window: what throughput counts.
+    completed_in_window: int = 0
+    errors: int = 0
+    first_error: str | None = None
+    # What each successful request reported about itself (e.g. completion tokens).
+    tags: list[object] = field(default_factory=list)
+
+    @property
+    def throughput(self) -> float:
+        return self.completed_in_window / self.window_s if self.window_s > 0 else 0.0
+
+    def percentile(self, q: float) -> float:
+        return percentile(self.latencies, q)
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0-100), linear between the closest ranks; NaN when empty."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    rank = (len(ordered) - 1) * q / 100
+    low = math.floor(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+async def closed_loop(
+    send: Callable[[int], Awaitable[object]],
+    concurrency: int,
+    warmup_s: float,
+    duration_s: float,
+) -> LoadResult:
+    """``concurrency`` workers, each sending its next request as soon as the last returns.
+
+    The first ``warmup_s`` run at the same concurrency without counting, so the window
+    starts on a loaded server (batches formed, pools and caches warm). Requests sent inside
+    the window are all awaited, also past its end, so slow ones are not left out of the
+    percentiles; throughput counts those that finished inside it. ``send(i)`` returns a tag
+    kept per success; an exception counts as an error.
+    """
+    result = LoadResult(concurrency=concurrency, window_s=duration_s)
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    window_start = start + warmup_s
+    window_end = window_start + duration_s
+    counter = iter(range(sys.maxsize))
+
+    async def worker() -> None:
+        while (sent := loop.time()) < window_end:
+            index = next(counter)
+            try:
+                tag = await send(index)
+            except Exception as error:  # one failed request must not end the run
+                if sent >= window_start:
+                    result.errors += 1
+                    if result.first_error is None:
+                        result.first_error = f"{type(error).__name__}: {error}"
+                continue
+            done = loop.time()
+            if sent >= window_start:
+                result.latencies.append(done - sent)
+                result.tags.append(tag)
+            if window_start <= done <= window_end:
+                result.completed_in_window += 1
+
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return result
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    lines = [
+        "| " + " | ".join(headers) + " |",
+        "|" + "|".join("---" for _ in headers) + "|",
+    ]
+    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def ms(seconds: float) -> str:
+    return "-" if math.isnan(seconds) else f"{seconds * 1000:.1f}"
+
+
+def ratio_cell(value: float, target: float, higher_is_better: bool) -> str:
+    """``0.97x ok`` / ``0.90x MISS`` against ``target``."""
+    if math.isnan(value):
+        return "-"
+    met = value >= target if higher_is_better else value <= target
+    return f"{value:.2f}x {'ok' if met else 'MISS'}"
