@@ -12,7 +12,6 @@ An instance belongs to the event loop it is first used in.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import shutil
 import tempfile
@@ -35,6 +34,7 @@ from omni_runtime.engine.stage.stage_core_types import (
     StageDiffusionCoreRequest,
     StageUtilityCall,
 )
+from omni_runtime.engine.stage.stage_outputs_inbox import StageOutputsInbox
 from omni_runtime.wire import WireDecoder, WireEncoder, WireError
 
 logger = logging.getLogger(__name__)
@@ -55,9 +55,7 @@ class StageDiffusionCoreClient(StageCoreClientBase):
         self._output.bind(f"ipc://{self._ipc_dir}/output")
         self._encoder = WireEncoder()
         self._decoder = WireDecoder(StageDiffusionCoreOutputs)
-        self._outputs: asyncio.Queue[StageDiffusionCoreOutputs] = asyncio.Queue()
-        self._utility_calls: dict[int, asyncio.Future[Any]] = {}
-        self._call_ids = itertools.count()
+        self._inbox = StageOutputsInbox[StageDiffusionCoreOutputs](lambda reason: reason)
         self._output_task: asyncio.Task[None] | None = None
         self._dead_reason: str | None = None
         try:
@@ -82,25 +80,11 @@ class StageDiffusionCoreClient(StageCoreClientBase):
 
     async def get_outputs_async(self) -> StageDiffusionCoreOutputs:
         self._ensure_output_task()
-        if self._outputs.empty():
-            self.check_health()
-        outputs = await self._outputs.get()
-        if outputs.engine_dead is not None:
-            self._outputs.put_nowait(outputs)  # every later call fails the same way
-            raise StageCoreDeadError(outputs.engine_dead)
-        return outputs
+        return await self._inbox.get(self.check_health)
 
     def get_outputs_nowait(self) -> StageDiffusionCoreOutputs | None:
         self._ensure_output_task()
-        try:
-            outputs = self._outputs.get_nowait()
-        except asyncio.QueueEmpty:
-            self.check_health()
-            return None
-        if outputs.engine_dead is not None:
-            self._outputs.put_nowait(outputs)
-            raise StageCoreDeadError(outputs.engine_dead)
-        return outputs
+        return self._inbox.get_nowait(self.check_health)
 
     async def abort_requests_async(self, request_ids: list[str]) -> None:
         if request_ids:
@@ -114,17 +98,12 @@ class StageDiffusionCoreClient(StageCoreClientBase):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         self._ensure_output_task()
-        call_id = next(self._call_ids)
-        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._utility_calls[call_id] = future
-        try:
-            await self._send(
-                StageCoreRequestType.UTILITY,
-                StageUtilityCall(call_id, method, list(args), dict(kwargs or {})),
-            )
-            return await asyncio.wait_for(future, timeout)
-        finally:
-            self._utility_calls.pop(call_id, None)
+
+        async def send(call_id: int) -> None:
+            call = StageUtilityCall(call_id, method, list(args), dict(kwargs or {}))
+            await self._send(StageCoreRequestType.UTILITY, call)
+
+        return await self._inbox.call(send, timeout)
 
     def check_health(self) -> None:
         if self._dead_reason is None and self.proc_manager.exit_code() is not None:
@@ -161,23 +140,10 @@ class StageDiffusionCoreClient(StageCoreClientBase):
                 # bug to report, not a reason to stop reading the ones after it.
                 logger.error("dropping undecodable output message: %s", e)
                 continue
-            if outputs.utility_output is not None:
-                result = outputs.utility_output
-                future = self._utility_calls.get(result.call_id)
-                if future is not None and not future.done():
-                    if result.failure_message is None:
-                        future.set_result(result.result)
-                    else:
-                        future.set_exception(RuntimeError(result.failure_message))
+            self._inbox.deliver(outputs)
             if outputs.engine_dead is not None:
                 self._dead_reason = outputs.engine_dead
-                for future in self._utility_calls.values():
-                    if not future.done():
-                        future.set_exception(StageCoreDeadError(outputs.engine_dead))
-                self._outputs.put_nowait(outputs)
                 return
-            if outputs.outputs:
-                self._outputs.put_nowait(outputs)
 
 
 def _release(ctx: zmq.asyncio.Context, ipc_dir: str) -> None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import time
 import weakref
@@ -33,6 +32,7 @@ from omni_runtime.engine.stage.stage_core_types import (
     StageServerRequest,
     StageUtilityCall,
 )
+from omni_runtime.engine.stage.stage_outputs_inbox import StageOutputsInbox
 from omni_runtime.wire import WireDecoder, WireEncoder, WireError
 
 logger = logging.getLogger(__name__)
@@ -66,9 +66,9 @@ class RemoteStageClient(StageCoreClientBase):
         self._socket.connect(f"tcp://{address}")
         self._encoder = WireEncoder()
         self._decoder = WireDecoder(StageServerOutputs)
-        self._outputs: asyncio.Queue[StageServerOutputs] = asyncio.Queue()
-        self._utility_calls: dict[int, asyncio.Future[Any]] = {}
-        self._call_ids = itertools.count()
+        self._inbox = StageOutputsInbox[StageServerOutputs](
+            lambda reason: f"stage replica at {address} is gone: {reason}"
+        )
         self._tasks: list[asyncio.Task[None]] = []
         self._connected = asyncio.Event()
         self._last_heard = time.monotonic()
@@ -106,25 +106,11 @@ class RemoteStageClient(StageCoreClientBase):
 
     async def get_outputs_async(self) -> StageServerOutputs:
         self._start()
-        if self._outputs.empty():
-            self.check_health()
-        outputs = await self._outputs.get()
-        if outputs.engine_dead is not None:
-            self._outputs.put_nowait(outputs)  # every later call fails the same way
-            raise StageCoreDeadError(self._describe_death())
-        return outputs
+        return await self._inbox.get(self.check_health)
 
     def get_outputs_nowait(self) -> StageServerOutputs | None:
         self._start()
-        try:
-            outputs = self._outputs.get_nowait()
-        except asyncio.QueueEmpty:
-            self.check_health()
-            return None
-        if outputs.engine_dead is not None:
-            self._outputs.put_nowait(outputs)
-            raise StageCoreDeadError(self._describe_death())
-        return outputs
+        return self._inbox.get_nowait(self.check_health)
 
     async def abort_requests_async(self, request_ids: list[str]) -> None:
         if request_ids and self._dead_reason is None:
@@ -137,17 +123,12 @@ class RemoteStageClient(StageCoreClientBase):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        call_id = next(self._call_ids)
-        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self._utility_calls[call_id] = future
-        try:
-            await self._send(
-                StageCoreRequestType.UTILITY,
-                StageUtilityCall(call_id, method, list(args), dict(kwargs or {})),
-            )
-            return await asyncio.wait_for(future, timeout)
-        finally:
-            self._utility_calls.pop(call_id, None)
+
+        async def send(call_id: int) -> None:
+            call = StageUtilityCall(call_id, method, list(args), dict(kwargs or {}))
+            await self._send(StageCoreRequestType.UTILITY, call)
+
+        return await self._inbox.call(send, timeout)
 
     def check_health(self) -> None:
         if self._dead_reason is not None:
@@ -197,19 +178,10 @@ class RemoteStageClient(StageCoreClientBase):
                 if not outputs.load.alive:
                     self._die(f"its core is dead: {outputs.load.reason}")
                     return
-            if outputs.utility_output is not None:
-                answer = outputs.utility_output
-                future = self._utility_calls.get(answer.call_id)
-                if future is not None and not future.done():
-                    if answer.failure_message is None:
-                        future.set_result(answer.result)
-                    else:
-                        future.set_exception(RuntimeError(answer.failure_message))
             if outputs.engine_dead is not None:
                 self._die(f"its core died: {outputs.engine_dead}")
                 return
-            if outputs.outputs:
-                self._outputs.put_nowait(outputs)
+            self._inbox.deliver(outputs)
 
     async def _watch_connection(self) -> None:
         while True:
@@ -238,11 +210,8 @@ class RemoteStageClient(StageCoreClientBase):
         if self._dead_reason is not None:
             return
         self._dead_reason = reason
-        for future in self._utility_calls.values():
-            if not future.done():
-                future.set_exception(StageCoreDeadError(self._describe_death()))
-        # Wakes a reader blocked in get_outputs_async.
-        self._outputs.put_nowait(StageServerOutputs(engine_dead=reason, timestamp=time.time()))
+        # Fails waiting calls, and wakes a reader blocked in get_outputs_async.
+        self._inbox.deliver(StageServerOutputs(engine_dead=reason, timestamp=time.time()))
         current = asyncio.current_task() if _in_loop() else None
         for task in self._tasks:
             if task is not current:
