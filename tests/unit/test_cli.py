@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -111,3 +112,50 @@ def test_serve_refuses_a_pipeline_the_router_cannot_run(tmp_path: Path) -> None:
     result = omni_runtime("serve", "-f", str(pipeline))
     assert result.returncode == 1
     assert "takes input from stage(s) [0]" in result.stderr
+
+
+def test_a_stage_whose_connector_cannot_load_refuses_to_start(tmp_path: Path) -> None:
+    # A mooncake package whose engine cannot load, as where its system libraries are missing.
+    stub = tmp_path / "stub" / "mooncake"
+    stub.mkdir(parents=True)
+    (stub / "__init__.py").write_text("")
+    (stub / "engine.py").write_text(
+        "raise ImportError('libibverbs.so.1: cannot open shared object file')\n"
+    )
+    pipeline = tmp_path / "rdma.yaml"
+    pipeline.write_text(
+        yaml.safe_dump(
+            {
+                "model": str(tmp_path / "no-model"),
+                "stages": [
+                    {"stageId": 0, "type": "llm", "output": "hidden_states"},
+                    {
+                        "stageId": 1,
+                        "type": "diffusion",
+                        "inputConnectors": {"from_stage_0": "rdma"},
+                    },
+                ],
+                "connectors": {
+                    "rdma": {
+                        "name": "MooncakeTransferEngineConnector",
+                        "extra": {"protocol": "tcp", "zmq_port": 0},
+                    }
+                },
+            }
+        )
+    )
+    env = {**os.environ, "PYTHONPATH": str(stub.parent), "OMNI_MOONCAKE_LIBRARY_PATH": ""}
+    result = subprocess.run(
+        [
+            sys.executable, "-m", "omni_runtime.entrypoints.cli", "stage",
+            "-f", str(pipeline), "--stages", "1", "--health-port", "none",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+    )  # fmt: skip
+    assert result.returncode == 1, result.stderr
+    assert "stage 'stage-1': connector 'rdma':" in result.stderr
+    assert "mooncake-transfer-engine" in result.stderr
+    assert "Traceback" not in result.stderr

@@ -26,8 +26,13 @@ from pathlib import Path
 from typing import Any
 
 from omni_runtime.config import PipelineConfig, StageConfig
+from omni_runtime.connectors import ConnectorError
 from omni_runtime.engine.stage.stage_core_client import StageCoreClientBase, StageCoreStartupError
-from omni_runtime.engine.stage.stage_frontend import StageConnectors, StageFrontend
+from omni_runtime.engine.stage.stage_frontend import (
+    StageConnectors,
+    StageFrontend,
+    stage_connector_names,
+)
 from omni_runtime.engine.stage.stage_probes import start_probe_server
 from omni_runtime.engine.stage.stage_server import StageServer
 
@@ -67,6 +72,13 @@ def start_frontend(
 ) -> StageFrontend:
     """Start ``stage``'s core and wrap its client; StageStartError if it cannot start."""
     model = resolve_model(pipeline.stage_model(stage))
+    # Made now, so that a connector whose backend is missing stops the stage at start
+    # with what to install, not its first request.
+    for name in sorted(stage_connector_names(pipeline, stage)):
+        try:
+            connectors.get(name)
+        except ConnectorError as e:
+            raise StageStartError(f"stage {stage.name!r}: connector {name!r}: {e}") from None
     client: StageCoreClientBase
     try:
         if stage.type == "llm":

@@ -39,6 +39,17 @@ def refusal(request_id: str, error: str, code: int = BAD_REQUEST) -> StageServer
     )
 
 
+def stage_connector_names(pipeline: PipelineConfig, stage: StageConfig) -> set[str]:
+    """The connectors ``stage`` uses: those it takes input through, and those later
+    stages take its output through."""
+    names = set(stage.input_connectors.values())
+    for other in pipeline.stages:
+        connector = other.input_stages.get(stage.stage_id)
+        if connector is not None:
+            names.add(connector)
+    return names
+
+
 class StageConnectors:
     """The pipeline's connectors as one stage process uses them, each made on first use."""
 
