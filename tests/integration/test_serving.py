@@ -603,3 +603,28 @@ def test_probes_answer_liveness_and_readiness(config_file: Path, workdir: Path) 
     finally:
         stage.stop()
     assert proc.returncode == 0, log.read_text()[-2000:]
+
+
+async def test_a_stream_whose_client_goes_away_is_aborted_and_released(
+    stages_config: dict[str, Any], stage_procs: dict[str, list[StageProcess]]
+) -> None:
+    ids = [WRITER]
+    with running_router(pipeline(stages_config, ids), addresses(stage_procs, ids)) as router:
+        pool = router.state.pools[WRITER]
+        body = {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": "a red cat"}],
+            "max_tokens": 480,
+            "stream": True,
+        }
+        async with (
+            httpx.AsyncClient(base_url=router.base_url, timeout=60) as http,
+            http.stream("POST", "/chat/completions", json=body) as response,
+        ):
+            assert response.status_code == 200
+            async for line in response.aiter_lines():
+                if line.startswith("data: "):
+                    break  # one chunk, then the client leaves
+        await asyncio.to_thread(wait_until, lambda: pool.in_flight == 0, 30, "stream released")
+        assert sum(s.aborted for s in pool.stats()) == 1, pool.stats()
+        assert router.state.in_flight == 0

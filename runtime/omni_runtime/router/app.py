@@ -539,8 +539,27 @@ async def _stream_chat(
             }
             yield f"data: {json.dumps(error)}\n\n"
         finally:
-            await outputs.aclose()
-            admission.exit()
+            await release()
         yield "data: [DONE]\n\n"
 
-    return StreamingResponse(events(), media_type="text/event-stream")
+    async def release() -> None:
+        # Idempotent: runs when the stream ends, and again when the response does (a
+        # client gone before the first chunk never starts ``events``).
+        await outputs.aclose()
+        admission.exit()
+
+    return _StreamWithCleanup(events(), release)
+
+
+class _StreamWithCleanup(StreamingResponse):
+    """An SSE response that releases its request however the response ends."""
+
+    def __init__(self, content: AsyncIterator[str], cleanup: Callable[[], Awaitable[None]]) -> None:
+        super().__init__(content, media_type="text/event-stream")
+        self._cleanup = cleanup
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._cleanup()
