@@ -15,6 +15,7 @@ the answer is 429 with Retry-After, never an unbounded queue.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import logging
@@ -459,7 +460,6 @@ async def _run_to_end(
 async def _until_disconnected(
     http: Request, work: Awaitable[list[StageServerOutput]]
 ) -> list[StageServerOutput]:
-    import asyncio
 
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_wait_disconnect(http))
