@@ -7,7 +7,6 @@ SIGSTOP) to show what a dead or hung peer leaves behind, which a single process 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import queue
@@ -21,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from connector_arrays import described, expected, make_array
 
 pytestmark = pytest.mark.integration
 
@@ -29,46 +29,6 @@ MiB = 1 << 20
 START_TIMEOUT = 120.0
 CALL_TIMEOUT = 60.0
 SHM_DIR = "/dev/shm"
-
-
-# -- arrays both sides agree on ----------------------------------------------------------------
-
-
-def make_array(spec: dict[str, Any]) -> Any:
-    """The array ``spec`` names, the same in every process (seeded)."""
-    import torch
-
-    g = torch.Generator().manual_seed(int(spec["seed"]))
-    shape = tuple(spec["shape"])
-    kind = spec["kind"]
-    if kind == "int64":
-        tensor = torch.randint(-(2**62), 2**62, shape, generator=g, dtype=torch.int64)
-    else:
-        tensor = torch.randn(shape, generator=g).to(getattr(torch, kind))
-    if spec.get("numpy"):
-        # A strided numpy view: what a producer must copy, not assume contiguous.
-        return tensor.numpy()[::2]
-    return tensor
-
-
-def digest(tensor: Any) -> str:
-    import torch
-
-    flat = tensor.contiguous().reshape(-1).view(torch.uint8)
-    return hashlib.sha256(flat.numpy().tobytes()).hexdigest()
-
-
-def expected(spec: dict[str, Any]) -> tuple[str, list[int], str]:
-    """dtype, shape and digest of the array ``spec`` names, as a get must return them."""
-    import torch
-
-    array = make_array(spec)
-    tensor = array if isinstance(array, torch.Tensor) else torch.from_numpy(array.copy())
-    return str(tensor.dtype).removeprefix("torch."), list(tensor.shape), digest(tensor)
-
-
-def described(tensor: Any) -> tuple[str, list[int], str]:
-    return str(tensor.dtype).removeprefix("torch."), list(tensor.shape), digest(tensor)
 
 
 def segments_of(pid: int) -> list[str]:

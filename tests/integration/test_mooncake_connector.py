@@ -9,7 +9,6 @@ bytes, dtype and shape.
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import os
@@ -23,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from connector_arrays import digest, expected, make_array
 
 pytestmark = pytest.mark.integration
 
@@ -36,53 +36,6 @@ HOW_TO_GET_IT = (
     "project's `mooncake` extra) and its system libraries (scripts/mooncake_libs.sh, or "
     "apt-get install libibverbs1 librdmacm1 libnl-3-200 libnl-route-3-200)"
 )
-
-
-# -- arrays both sides agree on ------------------------------------------------------------
-
-
-def make_array(spec: dict[str, Any]) -> Any:
-    """The array a spec names, the same in every process (seeded)."""
-    import numpy as np
-    import torch
-
-    g = torch.Generator().manual_seed(int(spec["seed"]))
-    shape = tuple(spec["shape"])
-    kind = spec["kind"]
-    if kind == "float32":
-        t = torch.randn(shape, generator=g)
-    elif kind == "bfloat16":
-        t = torch.randn(shape, generator=g).to(torch.bfloat16)
-    elif kind == "int64":
-        t = torch.randint(-(2**62), 2**62, shape, generator=g, dtype=torch.int64)
-        flat = t.view(-1)
-        if flat.numel() >= 2:
-            # The extremes catch a transfer that narrows or sign-extends.
-            flat[0], flat[-1] = torch.iinfo(torch.int64).min, torch.iinfo(torch.int64).max
-    elif kind == "uint8":
-        t = torch.randint(0, 256, shape, generator=g, dtype=torch.uint8)
-    else:
-        raise ValueError(kind)
-    if spec.get("numpy"):
-        # A view with negative strides: what the producer must copy, not share.
-        return np.flip(t.numpy(), axis=0)
-    return t
-
-
-def digest(tensor: Any) -> str:
-    import torch
-
-    flat = tensor.contiguous().reshape(-1).view(torch.uint8)
-    return hashlib.sha256(flat.numpy().tobytes()).hexdigest()
-
-
-def expected(spec: dict[str, Any]) -> tuple[str, list[int], str]:
-    """dtype, shape and digest of the array ``spec`` names, as a get must return them."""
-    import torch
-
-    array = make_array(spec)
-    tensor = array if isinstance(array, torch.Tensor) else torch.from_numpy(array.copy())
-    return str(tensor.dtype).removeprefix("torch."), list(tensor.shape), digest(tensor)
 
 
 # -- the agent: one connector in a child process, driven by JSON lines on stdin -----------
