@@ -20,6 +20,13 @@ from .models import PipelineConfig
 WRAPPER_KEY = "pipeline"
 RESOURCE_KIND = "OmniPipeline"
 _RESOURCE_FIELDS = ("apiVersion", "kind", "metadata", "spec", "status")
+# What an OmniPipeline's spec adds to the pipeline to say where things run in a cluster
+# (omni_operator.api); a local run, and the config a pod loads, has none of it.
+KUBERNETES_ONLY_FIELDS = {
+    "spec": ("image", "imagePullPolicy"),
+    "stage": ("placement",),
+    "router": ("replicas", "serviceType", "placement"),
+}
 _STAGE_TYPE = re.compile(r"stages\[[0-9]+\]\.type")
 
 
@@ -59,6 +66,25 @@ def dump_pipeline(config: PipelineConfig) -> dict[str, Any]:
     Unset optional fields are left out rather than written as null.
     """
     return config.model_dump(mode="json", by_alias=True, exclude_none=True)
+
+
+def strip_kubernetes_fields(spec: Mapping[str, Any]) -> dict[str, Any]:
+    """``spec`` (an OmniPipeline's, camelCase) without its placement fields."""
+    result = {k: v for k, v in spec.items() if k not in KUBERNETES_ONLY_FIELDS["spec"]}
+    stages = result.get("stages")
+    if isinstance(stages, list):
+        result["stages"] = [
+            {k: v for k, v in stage.items() if k not in KUBERNETES_ONLY_FIELDS["stage"]}
+            if isinstance(stage, Mapping)
+            else stage
+            for stage in stages
+        ]
+    router = result.get("router")
+    if isinstance(router, Mapping):
+        result["router"] = {
+            k: v for k, v in router.items() if k not in KUBERNETES_ONLY_FIELDS["router"]
+        }
+    return result
 
 
 def _follows_from_missing_model(path: str, message: str, issues: list[tuple[str, str]]) -> bool:
@@ -126,7 +152,8 @@ def _unwrap(data: Any, origin: str | None) -> tuple[dict[str, Any], str]:
 
 
 def _unwrap_resource(data: Mapping[str, Any], origin: str | None) -> dict[str, Any]:
-    """The spec of an OmniPipeline resource; its metadata and status say nothing to a run."""
+    """The spec of an OmniPipeline resource, less where its pods run; its metadata and
+    status say nothing to a run either."""
     issues = []
     if data.get("kind") != RESOURCE_KIND:
         issues.append(("kind", f"expected {RESOURCE_KIND}, got {data.get('kind')!r}"))
@@ -140,7 +167,7 @@ def _unwrap_resource(data: Mapping[str, Any], origin: str | None) -> dict[str, A
     if issues:
         raise PipelineConfigError(issues, source=origin)
     assert isinstance(spec, Mapping)
-    return dict(spec)
+    return strip_kubernetes_fields(spec)
 
 
 def _kind(value: object) -> str:

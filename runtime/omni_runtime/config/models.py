@@ -55,20 +55,52 @@ class _Model(BaseModel):
     missing_hints: ClassVar[dict[str, str]] = {}
 
 
+# Connector classes a pipeline's ``connectors.<name>.name`` may give (omni_runtime.connectors
+# implements them; the schema lists them so that a typo is refused before anything starts).
+KNOWN_CONNECTORS = (
+    "SharedMemoryConnector",
+    "TCPConnector",
+    "TcpConnector",
+    "MooncakeTransferEngineConnector",
+)
+SHARED_MEMORY_CONNECTOR = "SharedMemoryConnector"
+
+
 class ConnectorConfig(_Model):
     """A connector that carries one stage's output to a later stage."""
 
-    name: str = Field(min_length=1, description="Connector class, e.g. SharedMemoryConnector.")
+    name: str = Field(
+        min_length=1,
+        description="Connector class: SharedMemoryConnector (stages in one pod), "
+        "TCPConnector, or MooncakeTransferEngineConnector (RDMA).",
+        json_schema_extra={"enum": list(KNOWN_CONNECTORS)},
+    )
     extra: dict[str, Any] = Field(default_factory=dict, description="Connector-specific options.")
 
     missing_hints = {"name": "the connector class, e.g. SharedMemoryConnector"}
+
+    @field_validator("name")
+    @classmethod
+    def _check_name(cls, value: str) -> str:
+        if value not in KNOWN_CONNECTORS:
+            raise ValueError(
+                f"unknown connector class {value!r}; known: {', '.join(KNOWN_CONNECTORS)}"
+            )
+        return value
 
 
 class RouterConfig(_Model):
     """The HTTP router in front of the stages."""
 
-    port: Annotated[StrictInt, Field(ge=1, le=65535)] = 8000
-    policy: RouterPolicy = "round-robin"
+    port: Annotated[StrictInt, Field(ge=1, le=65535)] = Field(
+        default=8000, description="The HTTP port the router listens on."
+    )
+    policy: RouterPolicy = Field(
+        default="round-robin",
+        description="How a request picks a stage replica: round-robin, "
+        "least-outstanding-requests, or sticky (requests with the same user field go to "
+        "the same replica).",
+    )
     served_model_name: str | None = Field(
         default=None,
         min_length=1,
@@ -102,9 +134,18 @@ ENGINE_ARG_FIELDS = (
 class StageConfig(_Model):
     """One stage of a pipeline: an LLM on vLLM or a diffusion transformer on diffusers."""
 
-    stage_id: NonNegativeInt
-    name: str = Field(description="Defaults to the topology's name, else stage-<stageId>.")
-    type: StageType = Field(description="Defaults to the model's known topology, if any.")
+    stage_id: NonNegativeInt = Field(
+        description="The stage's id, unique in the pipeline; a stage takes input only from "
+        "stages with lower ids."
+    )
+    name: str = Field(
+        description="A DNS label naming the stage's pods and Services; defaults to the "
+        "topology's name, else stage-<stageId>."
+    )
+    type: StageType = Field(
+        description="llm (vLLM) or diffusion (diffusers); defaults to the model's known "
+        "topology, if any."
+    )
     output: LLMOutput | None = Field(
         default=None,
         validate_default=True,
@@ -117,27 +158,63 @@ class StageConfig(_Model):
         description="This stage's own model (path or hub id), for pipelines whose stages "
         "load different checkpoints; defaults to the pipeline's model.",
     )
-    replicas: NonNegativeInt = 1
+    replicas: NonNegativeInt = Field(
+        default=1,
+        description="Copies of the stage; stages sharing a GPU (one placement group) must "
+        "have equal replicas.",
+    )
     devices: str = Field(
         default=CPU,
-        description="'cpu' or comma-separated GPU ids ('0', '0,1'); normalised, '' -> 'cpu'.",
+        description="'cpu' (or '') or comma-separated GPU ids such as '0' or '0,1'. Stages "
+        "whose devices share a GPU id run in one pod (a placement group).",
     )
-    tensor_parallel_size: PositiveInt = 1
-    data_parallel_size: PositiveInt = 1
-    max_num_batched_tokens: PositiveInt | None = None
-    max_num_seqs: PositiveInt | None = None
-    max_model_len: PositiveInt | None = None
-    gpu_memory_utilization: float | None = None
-    dtype: Dtype | None = None
-    trust_remote_code: bool = False
-    enable_prefix_caching: bool | None = None
-    enforce_eager: bool | None = None
-    default_sampling_params: dict[str, Any] = Field(default_factory=dict)
+    tensor_parallel_size: PositiveInt = Field(
+        default=1, description="GPUs one replica's model is split over (vLLM tensor parallel)."
+    )
+    data_parallel_size: PositiveInt = Field(
+        default=1, description="vLLM data-parallel engine ranks per replica."
+    )
+    max_num_batched_tokens: PositiveInt | None = Field(
+        default=None, description="Most tokens in one engine step; the engine's default if unset."
+    )
+    max_num_seqs: PositiveInt | None = Field(
+        default=None, description="Most requests in one batch; the engine's default if unset."
+    )
+    max_model_len: PositiveInt | None = Field(
+        default=None, description="Context length; the model's own if unset."
+    )
+    gpu_memory_utilization: float | None = Field(
+        default=None,
+        description="Fraction of each GPU's memory the engine may use, in (0, 1]; stages "
+        "sharing a GPU must leave room for each other.",
+        json_schema_extra={"exclusiveMinimum": 0, "maximum": 1},
+    )
+    dtype: Dtype | None = Field(
+        default=None, description="Weight and activation dtype; auto: the checkpoint's."
+    )
+    trust_remote_code: bool = Field(
+        default=False, description="Run the model repository's own code (Hugging Face)."
+    )
+    enable_prefix_caching: bool | None = Field(
+        default=None, description="Reuse the KV cache of shared prompt prefixes."
+    )
+    enforce_eager: bool | None = Field(
+        default=None, description="Run eagerly, without CUDA graphs (less memory, slower)."
+    )
+    default_sampling_params: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Sampling parameters for requests that give none (temperature, top_p, "
+        "max_tokens, seed, ...), as written.",
+    )
     input_connectors: dict[str, str] = Field(
-        default_factory=dict, description="from_stage_<id> -> name of a connector."
+        default_factory=dict,
+        description="Where this stage's input comes from: from_stage_<id> (a stage with a "
+        "lower id) -> the name of a connector in connectors.",
     )
     engine_args: dict[str, Any] = Field(
-        default_factory=dict, description="Further engine arguments, passed through as given."
+        default_factory=dict,
+        description="Further engine arguments, passed through as given; not those the stage "
+        "has fields for (maxNumSeqs, dtype, ...).",
     )
 
     missing_hints = {
@@ -272,10 +349,17 @@ class PipelineConfig(_Model):
     """A multi-stage pipeline: its model, stages, the connectors between them, the router."""
 
     model: str = Field(min_length=1, description="Model path or hub id, e.g. a BAGEL checkpoint.")
-    async_chunk: bool = False
-    stages: list[StageConfig] = Field(min_length=1)
-    connectors: dict[str, ConnectorConfig] = Field(default_factory=dict)
-    router: RouterConfig = Field(default_factory=RouterConfig)
+    async_chunk: bool = Field(
+        default=False,
+        description="The seed's async_chunk flag (stream a stage's output to the next in "
+        "chunks); accepted for compatibility, not used by this runtime.",
+    )
+    stages: list[StageConfig] = Field(min_length=1, description="The stages, by stageId.")
+    connectors: dict[str, ConnectorConfig] = Field(
+        default_factory=dict,
+        description="Named connectors; a stage's inputConnectors refer to them by name.",
+    )
+    router: RouterConfig = Field(default_factory=RouterConfig, description="The HTTP router.")
 
     missing_hints = {
         "model": "the model path or hub id (set model, or pass it apart from the file)",

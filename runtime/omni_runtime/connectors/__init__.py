@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from omni_runtime.config.models import KNOWN_CONNECTORS
 from omni_runtime.connectors.base import (
     ConnectorError,
     ConnectorHandle,
@@ -26,14 +27,6 @@ __all__ = [
     "OmniConnector",
     "make_connector",
 ]
-
-# Connector class names a pipeline's ``connectors.<name>.name`` may give.
-KNOWN_CONNECTORS = (
-    "SharedMemoryConnector",
-    "TCPConnector",
-    "TcpConnector",
-    "MooncakeTransferEngineConnector",
-)
 
 
 def make_connector(name: str, config: ConnectorConfig) -> OmniConnector:

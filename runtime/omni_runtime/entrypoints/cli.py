@@ -101,6 +101,20 @@ def main(argv: list[str] | None = None) -> int:
         metavar="STAGE=HOST:PORT[,...]",
         help="a stage's replica addresses (or OMNI_REPLICAS_<STAGE ID> in the environment)",
     )
+    router.add_argument(
+        "--discover-namespace",
+        metavar="NS",
+        help="find replicas from the EndpointSlices of the stages' Services in NS "
+        "(or OMNI_DISCOVERY_NAMESPACE)",
+    )
+    router.add_argument(
+        "--stage-service",
+        action="append",
+        default=[],
+        metavar="STAGE=SERVICE",
+        help="the Service whose ready endpoints are a stage's replicas, at its port named "
+        "stage-<id> (or OMNI_STAGE_SERVICE_<STAGE ID>)",
+    )
     router.add_argument("--host", default="0.0.0.0")
     router.add_argument(
         "--port", type=int, default=None, help="default: the pipeline's router.port"
@@ -219,7 +233,12 @@ def _stage(args: argparse.Namespace) -> int:
 
 
 def _router(args: argparse.Namespace) -> int:
-    from omni_runtime.entrypoints.router_process import ReplicaAddressError, run_router
+    from omni_runtime.entrypoints.router_process import (
+        DiscoveryConfigError,
+        ReplicaAddressError,
+        run_router,
+    )
+    from omni_runtime.kube import KubeConfigError
     from omni_runtime.router.orchestrator import stage_chain
 
     pipeline = _load(args)
@@ -230,9 +249,20 @@ def _router(args: argparse.Namespace) -> int:
     _configure_logging()
     port = args.port if args.port is not None else pipeline.router.port
     try:
-        return run_router(pipeline, args.replicas, host=args.host, port=port)
+        return run_router(
+            pipeline,
+            args.replicas,
+            host=args.host,
+            port=port,
+            discover_namespace=args.discover_namespace,
+            stage_service_args=args.stage_service,
+        )
     except ReplicaAddressError as e:
         raise UsageError(str(e)) from None
+    except (DiscoveryConfigError, KubeConfigError) as e:
+        # Exit 2, like argparse: the router cannot start with these settings.
+        print(f"omni-runtime router: error: {e}", file=sys.stderr)
+        return 2
 
 
 def _port(text: str, flag: str) -> int:

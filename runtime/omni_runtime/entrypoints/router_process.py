@@ -4,6 +4,11 @@ Replica addresses come from ``--replicas STAGE=HOST:PORT[,HOST:PORT...]`` (repea
 the environment, ``OMNI_REPLICAS_<STAGE ID>=HOST:PORT,...`` (what a pod spec sets). The
 router keeps reconnecting to an address whose replica is gone, so a restarted replica
 takes traffic again.
+
+In a cluster, ``--discover-namespace NS --stage-service STAGE=SERVICE`` (or
+``OMNI_DISCOVERY_NAMESPACE`` and ``OMNI_STAGE_SERVICE_<STAGE ID>``) has the router follow
+the EndpointSlices of each stage's Service instead: replicas come and go with their pods'
+readiness (``omni_runtime.router.discovery``).
 """
 
 from __future__ import annotations
@@ -11,25 +16,47 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 from collections.abc import AsyncIterator, Mapping, Sequence
-from contextlib import asynccontextmanager
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
 
 import uvicorn
 from fastapi import FastAPI
 
 from omni_runtime.config import PipelineConfig
 from omni_runtime.engine.stage.stage_replica_pool import StageReplicaPool
+from omni_runtime.kube import KubeClient, KubeConfig, load_kube_config
 from omni_runtime.router.app import create_app
+from omni_runtime.router.discovery import EndpointSliceDiscovery
 from omni_runtime.router.protocol import RouterLimits
 from omni_runtime.router.replicas import ReplicaConnector
 
 logger = logging.getLogger("omni_runtime.router")
 
 REPLICAS_ENV_PREFIX = "OMNI_REPLICAS_"
+DISCOVERY_NAMESPACE_ENV = "OMNI_DISCOVERY_NAMESPACE"
+STAGE_SERVICE_ENV_PREFIX = "OMNI_STAGE_SERVICE_"
+# A DNS-1123 label: what namespaces are, and the widest rule for Service names (newer
+# apiservers relax theirs from DNS-1035 to it; the apiserver stays the judge).
+_LABEL_RE = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 
 
 class ReplicaAddressError(ValueError):
     """A replica address list that cannot be used; the message says which and why."""
+
+
+class DiscoveryConfigError(ValueError):
+    """Discovery settings that cannot be used; the message says which and why."""
+
+
+@dataclass(frozen=True)
+class DiscoverySettings:
+    """Where the router finds its replicas in a cluster."""
+
+    namespace: str
+    services: dict[int, str]  # stage id -> Service name
+    kube_config: KubeConfig
 
 
 def parse_replica_args(
@@ -60,6 +87,76 @@ def parse_replica_args(
     return result
 
 
+def parse_stage_services(
+    pipeline: PipelineConfig,
+    namespace: str | None,
+    args: Sequence[str],
+    environ: Mapping[str, str],
+    static: Mapping[int, Sequence[str]],
+) -> tuple[str, dict[int, str]] | None:
+    """The namespace and stage id -> Service name to discover replicas from, or None when
+    discovery is off; ``static`` are the stages' ``--replicas`` addresses, which must not
+    overlap it. Arguments win over ``OMNI_DISCOVERY_NAMESPACE``/``OMNI_STAGE_SERVICE_<ID>``."""
+    by_name = {stage.name: stage.stage_id for stage in pipeline.stages}
+    names = {stage.stage_id: stage.name for stage in pipeline.stages}
+    known = ", ".join(f"{s.stage_id} ({s.name})" for s in pipeline.stages)
+    namespace = namespace or environ.get(DISCOVERY_NAMESPACE_ENV) or None
+    services: dict[int, str] = {}
+    for key, value in environ.items():
+        suffix = key[len(STAGE_SERVICE_ENV_PREFIX) :]
+        if key.startswith(STAGE_SERVICE_ENV_PREFIX) and suffix.isdigit() and value.strip():
+            if int(suffix) not in names:
+                raise DiscoveryConfigError(f"{key}: no stage {suffix}; stages: {known}")
+            services[int(suffix)] = _service(value.strip(), key)
+    for arg in args:
+        stage, sep, value = arg.partition("=")
+        named = int(stage) if stage.isdigit() else by_name.get(stage)
+        if not sep or not value.strip():
+            raise DiscoveryConfigError(
+                f"--stage-service {arg!r}: expected STAGE=SERVICE, e.g. 0=mypipeline-thinker"
+            )
+        if named is None or named not in names:
+            raise DiscoveryConfigError(
+                f"--stage-service {arg!r}: no stage {stage!r}; stages: {known}"
+            )
+        services[named] = _service(value.strip(), f"--stage-service {arg!r}")
+    if namespace is None:
+        if services:
+            raise DiscoveryConfigError(
+                "--stage-service needs --discover-namespace (or "
+                f"{DISCOVERY_NAMESPACE_ENV}): the namespace of the stages' Services"
+            )
+        return None
+    if len(namespace) > 63 or not _LABEL_RE.fullmatch(namespace):
+        raise DiscoveryConfigError(
+            f"--discover-namespace {namespace!r}: not a namespace name "
+            "(lowercase letters, digits and '-', at most 63)"
+        )
+    for stage_id, name in names.items():
+        if stage_id in services and static.get(stage_id):
+            raise DiscoveryConfigError(
+                f"stage {stage_id} ({name}) has both replica addresses (--replicas or "
+                f"{REPLICAS_ENV_PREFIX}{stage_id}) and a Service to discover them from; "
+                "give one of them"
+            )
+        if stage_id not in services and not static.get(stage_id):
+            raise DiscoveryConfigError(
+                f"stage {stage_id} ({name}) has no Service to discover its replicas from: "
+                f"add --stage-service {stage_id}=SERVICE (or {STAGE_SERVICE_ENV_PREFIX}{stage_id})"
+            )
+    # Every stage has static addresses: nothing to discover (and no empty selector).
+    return (namespace, services) if services else None
+
+
+def _service(value: str, where: str) -> str:
+    if len(value) > 63 or not _LABEL_RE.fullmatch(value):
+        raise DiscoveryConfigError(
+            f"{where}: {value!r} is not a Service name (lowercase letters, digits and '-', "
+            "starting and ending with a letter or digit, at most 63)"
+        )
+    return value
+
+
 def _addresses(value: str, where: str) -> list[str]:
     addresses = [part.strip() for part in value.split(",") if part.strip()]
     for address in addresses:
@@ -75,8 +172,10 @@ def build_router(
     *,
     limits: RouterLimits | None = None,
     model_name: str | None = None,
+    discovery: DiscoverySettings | None = None,
 ) -> tuple[FastAPI, ReplicaConnector]:
-    """The app and the connector that keeps its pools filled (started by the app)."""
+    """The app and the connector that keeps its pools filled (started by the app), fed by
+    EndpointSlice discovery too when ``discovery`` is given."""
     policy = pipeline.router.policy
     pools = {stage.stage_id: StageReplicaPool(stage.name, policy) for stage in pipeline.stages}
     replicas = ReplicaConnector(pools)
@@ -85,12 +184,21 @@ def build_router(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        task = asyncio.create_task(replicas.run(), name="replica-connector")
-        try:
-            yield
-        finally:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+        async with AsyncExitStack() as stack:
+            tasks = [asyncio.create_task(replicas.run(), name="replica-connector")]
+            if discovery is not None:
+                client = await stack.enter_async_context(KubeClient(discovery.kube_config))
+                watcher = EndpointSliceDiscovery(
+                    client, discovery.namespace, discovery.services, replicas
+                )
+                app.state.discovery = watcher
+                tasks.append(asyncio.create_task(watcher.run(), name="endpointslice-discovery"))
+            try:
+                yield
+            finally:
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
 
     app = create_app(pipeline, pools, limits=limits, model_name=model_name, lifespan=lifespan)
     app.state.replicas = replicas
@@ -104,12 +212,34 @@ def run_router(
     host: str,
     port: int,
     limits: RouterLimits | None = None,
+    discover_namespace: str | None = None,
+    stage_service_args: Sequence[str] = (),
 ) -> int:
+    """Serve until stopped. ReplicaAddressError, DiscoveryConfigError or KubeConfigError
+    (omni_runtime.kube) before serving when the settings cannot be used."""
     addresses = parse_replica_args(pipeline, replica_args, os.environ)
-    missing = [s.name for s in pipeline.stages if not addresses.get(s.stage_id)]
+    found = parse_stage_services(
+        pipeline, discover_namespace, stage_service_args, os.environ, addresses
+    )
+    discovery = None
+    if found is not None:
+        namespace, services = found
+        # Loaded before serving, so that a pod without credentials fails at once.
+        discovery = DiscoverySettings(namespace, services, load_kube_config())
+        logger.info(
+            "discovering replicas from EndpointSlices in %s (%s) via %s",
+            namespace,
+            ", ".join(f"stage {i}: service {name}" for i, name in sorted(services.items())),
+            discovery.kube_config.source,
+        )
+    missing = [
+        s.name
+        for s in pipeline.stages
+        if not addresses.get(s.stage_id) and not (found and s.stage_id in found[1])
+    ]
     if missing:
         logger.warning("no replica addresses yet for stage(s): %s", ", ".join(missing))
-    app, _ = build_router(pipeline, addresses, limits=limits)
+    app, _ = build_router(pipeline, addresses, limits=limits, discovery=discovery)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False)
     logger.info(
         "router on http://%s:%d/v1 (model %s)", host, port, app.state.router.served_model_name

@@ -39,6 +39,9 @@ from omni_runtime.engine.stage.stage_server import StageServer
 logger = logging.getLogger("omni_runtime.stage")
 
 DEFAULT_STAGE_PORT_BASE = 52000
+# Per stage, the CUDA_VISIBLE_DEVICES its engine sees, where one process runs several
+# stages on a pod's GPUs (the operator maps each stage's devices into the pod's numbering).
+STAGE_CUDA_DEVICES_ENV_PREFIX = "OMNI_CUDA_VISIBLE_DEVICES_"
 DEFAULT_HEALTH_PORT = 8081
 # vLLM's CPU build refuses to start without a KV cache size; 1 GiB serves small models.
 _DEFAULT_CPU_KVCACHE_GIB = "1"
@@ -72,6 +75,10 @@ def start_frontend(
 ) -> StageFrontend:
     """Start ``stage``'s core and wrap its client; StageStartError if it cannot start."""
     model = resolve_model(pipeline.stage_model(stage))
+    visible = os.environ.get(f"{STAGE_CUDA_DEVICES_ENV_PREFIX}{stage.stage_id}")
+    if visible is not None:
+        # The engine runs in a child process, which takes the environment as it is now.
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible
     # Made now, so that a connector whose backend is missing stops the stage at start
     # with what to install, not its first request.
     for name in sorted(stage_connector_names(pipeline, stage)):

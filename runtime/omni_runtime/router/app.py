@@ -5,6 +5,7 @@
     POST /v1/images/generations  b64_json images
     GET  /v1/models              the one served model
     GET  /health                 200 when every stage has a live replica, else 503 naming them
+    GET  /livez                  200 while the process serves (liveness: not about replicas)
     GET  /metrics                Prometheus
 
 Errors are OpenAI-shaped: ``{"error": {"message", "type", "param", "code"}}`` with a 4xx/5xx
@@ -169,6 +170,10 @@ def create_app(
                 status_code=503,
             )
         return JSONResponse({"status": "ok", "live_replicas": live})
+
+    @app.get("/livez")
+    async def livez() -> dict[str, str]:
+        return {"status": "ok"}
 
     @app.get("/metrics")
     async def prometheus() -> Response:

@@ -1,0 +1,511 @@
+"""The Kubernetes client's pure parts and router discovery's settings, without a cluster.
+
+Kubeconfigs and service-account files are written in tmp_path; certificates are made with
+the openssl command (a self-signed one serves as CA and client certificate alike). The
+HTTP behaviour that a real apiserver cannot be made to show on demand (a rotated token's
+401, a watch line split across chunks) runs against a small aiohttp server on loopback.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import os
+import ssl
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Iterable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from aiohttp import web
+
+from omni_runtime.config import PipelineConfig
+from omni_runtime.engine.stage.stage_replica_pool import StageReplicaPool
+from omni_runtime.entrypoints.router_process import DiscoveryConfigError, parse_stage_services
+from omni_runtime.kube import (
+    KubeApiError,
+    KubeClient,
+    KubeConfig,
+    KubeConfigError,
+    WatchExpired,
+    load_kube_config,
+    object_path,
+    resource_path_for,
+)
+from omni_runtime.router.discovery import EndpointSliceDiscovery, addresses_by_stage
+from omni_runtime.router.replicas import ReplicaConnector
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def cert(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    where = tmp_path_factory.mktemp("pki")
+    crt, key = where / "client.crt", where / "client.key"
+    subprocess.run(
+        [
+            "openssl", "req", "-x509", "-newkey", "ec",
+            "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+            "-keyout", str(key), "-out", str(crt), "-subj", "/CN=omni-test", "-days", "1",
+        ],
+        check=True,
+        capture_output=True,
+    )  # fmt: skip
+    return crt, key
+
+
+def write_kubeconfig(path: Path, users: dict[str, Any], **cluster: Any) -> Path:
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "current-context": "second",
+                "clusters": [
+                    {"name": "other", "cluster": {"server": "https://wrong:1"}},
+                    {"name": "c", "cluster": {"server": "https://10.0.0.1:6443/", **cluster}},
+                ],
+                "users": [{"name": "u", "user": users}],
+                "contexts": [
+                    {"name": "first", "context": {"cluster": "other", "user": "u"}},
+                    {"name": "second", "context": {"cluster": "c", "user": "u", "namespace": "ns"}},
+                ],
+            }
+        )
+    )
+    return path
+
+
+def b64(path: Path) -> str:
+    return base64.b64encode(path.read_bytes()).decode()
+
+
+def test_kubeconfig_with_inline_data_uses_the_current_context(
+    tmp_path: Path, cert: tuple[Path, Path]
+) -> None:
+    crt, key = cert
+    path = write_kubeconfig(
+        tmp_path / "config",
+        {"client-certificate-data": b64(crt), "client-key-data": b64(key), "token": "t0k"},
+        **{"certificate-authority-data": b64(crt)},
+    )
+    config = load_kube_config(str(path), environ={})
+    assert config.server == "https://10.0.0.1:6443"
+    assert config.namespace == "ns"
+    assert config.ca_data == crt.read_bytes()
+    assert config.client_key_data == key.read_bytes()
+    assert config.read_token() == "t0k"
+    ctx = config.ssl_context()
+    assert ctx is not None
+    assert ctx.verify_mode == ssl.CERT_REQUIRED
+    assert ctx.check_hostname
+
+
+def test_kubeconfig_files_are_relative_to_it_and_kubeconfig_env_takes_its_first_entry(
+    tmp_path: Path, cert: tuple[Path, Path]
+) -> None:
+    crt, key = cert
+    (tmp_path / "pki").mkdir()
+    (tmp_path / "pki/a.crt").write_bytes(crt.read_bytes())
+    (tmp_path / "pki/a.key").write_bytes(key.read_bytes())
+    path = write_kubeconfig(
+        tmp_path / "config",
+        {"client-certificate": "pki/a.crt", "client-key": "pki/a.key"},
+        **{"insecure-skip-tls-verify": True},
+    )
+    env = {"KUBECONFIG": f"{path}{os.pathsep}{tmp_path / 'missing'}", "HOME": str(tmp_path)}
+    config = load_kube_config(environ=env)
+    assert config.client_cert_file == str(tmp_path / "pki/a.crt")
+    assert "$KUBECONFIG" in config.source
+    ctx = config.ssl_context()
+    assert ctx is not None
+    assert ctx.verify_mode == ssl.CERT_NONE
+
+
+def test_in_cluster_config_rereads_the_rotating_token(
+    tmp_path: Path, cert: tuple[Path, Path]
+) -> None:
+    (tmp_path / "token").write_text("first\n")
+    (tmp_path / "ca.crt").write_bytes(cert[0].read_bytes())
+    (tmp_path / "namespace").write_text("team-a")
+    env = {"KUBERNETES_SERVICE_HOST": "fd00::1", "KUBERNETES_SERVICE_PORT": "443"}
+    config = load_kube_config(environ=env, service_account_dir=tmp_path)
+    assert config.server == "https://[fd00::1]:443"
+    assert config.namespace == "team-a"
+    assert config.read_token() == "first"
+    (tmp_path / "token").write_text("second")
+    assert config.read_token() == "second"
+
+
+@pytest.mark.parametrize(
+    ("users", "cluster", "needle"),
+    [
+        ({"exec": {"command": "aws"}}, {}, "uses exec, which this client does not support"),
+        ({"client-key-data": "***"}, {}, "client-key-data is not valid base64"),
+        ({}, {"server": ""}, "cluster 'c' has no server"),
+    ],
+)
+def test_kubeconfig_errors_say_what_and_where(
+    tmp_path: Path, users: dict[str, Any], cluster: dict[str, Any], needle: str
+) -> None:
+    path = write_kubeconfig(tmp_path / "config", users, **cluster)
+    with pytest.raises(KubeConfigError, match="config") as error:
+        load_kube_config(str(path), environ={})
+    assert needle in str(error.value)
+    assert str(path) in str(error.value)
+
+
+def test_kubeconfig_naming_a_missing_context_lists_the_known_ones(tmp_path: Path) -> None:
+    path = write_kubeconfig(tmp_path / "config", {})
+    data = yaml.safe_load(path.read_text())
+    data["current-context"] = "nope"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(KubeConfigError, match=r"no context named 'nope'.*has: first, second"):
+        load_kube_config(str(path), environ={})
+
+
+def test_no_credentials_anywhere_names_every_place_looked(tmp_path: Path) -> None:
+    with pytest.raises(KubeConfigError) as error:
+        load_kube_config(environ={"HOME": str(tmp_path)})
+    message = str(error.value)
+    assert "$KUBECONFIG is not set" in message
+    assert "$KUBERNETES_SERVICE_HOST" in message
+    assert str(tmp_path / ".kube/config") in message
+
+
+def test_in_cluster_without_a_token_says_which_file(tmp_path: Path) -> None:
+    with pytest.raises(KubeConfigError, match=f"{tmp_path / 'token'} is missing"):
+        load_kube_config(
+            environ={"KUBERNETES_SERVICE_HOST": "10.0.0.1"}, service_account_dir=tmp_path
+        )
+
+
+def test_object_paths() -> None:
+    assert object_path("v1", "services", "ns") == "/api/v1/namespaces/ns/services"
+    assert (
+        object_path("omni.dev/v1alpha1", "omnipipelines", "ns", "p", "status")
+        == "/apis/omni.dev/v1alpha1/namespaces/ns/omnipipelines/p/status"
+    )
+    assert object_path("v1", "namespaces", None, "ns") == "/api/v1/namespaces/ns"
+    deployment = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "d", "namespace": "ns"},
+    }
+    assert resource_path_for(deployment) == "/apis/apps/v1/namespaces/ns/deployments/d"
+    with pytest.raises(ValueError, match="kind 'Secret' is not one this client knows"):
+        resource_path_for({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "s"}})
+
+
+# --- EndpointSlices -> addresses -------------------------------------------------------
+
+
+def endpoint_slice(
+    name: str,
+    service: str,
+    endpoints: list[dict[str, Any]],
+    ports: dict[str, int],
+    address_type: str = "IPv4",
+) -> dict[str, Any]:
+    return {
+        "metadata": {"name": name, "labels": {"kubernetes.io/service-name": service}},
+        "addressType": address_type,
+        "endpoints": endpoints,
+        "ports": [{"name": n, "port": p, "protocol": "TCP"} for n, p in ports.items()],
+    }
+
+
+def ep(*addresses: str, **conditions: bool) -> dict[str, Any]:
+    return {"addresses": list(addresses), "conditions": conditions}
+
+
+def test_slices_to_addresses_by_readiness_port_name_and_service() -> None:
+    group_ports = {"stage-0": 52000, "stage-1": 52001}
+    slices = [
+        endpoint_slice(
+            "p-group-a",
+            "p-group",
+            [
+                ep("10.0.0.1", ready=True),
+                {"addresses": ["10.0.0.2"]},  # ready unknown: counts as ready
+                ep("10.0.0.3", ready=False),
+                ep("10.0.0.4", ready=True, terminating=True),
+                ep("10.0.0.5", "10.0.0.55", ready=True),  # fungible: the first only
+            ],
+            group_ports,
+        ),
+        # The same Service's second slice, repeating one endpoint (as during a handover).
+        endpoint_slice("p-group-b", "p-group", [ep("10.0.0.1"), ep("10.0.0.6")], group_ports),
+        endpoint_slice("other", "other-svc", [ep("10.9.9.9")], group_ports),
+        endpoint_slice("p-v6", "p-v6", [ep("fd00::7", ready=True)], {"stage-2": 52002}, "IPv6"),
+        endpoint_slice("p-fqdn", "p-v6", [ep("a.example")], {"stage-2": 52002}, "FQDN"),
+        endpoint_slice("p-noport", "p-none", [ep("10.0.0.8")], {"http": 80}),
+    ]
+    services = {0: "p-group", 1: "p-group", 2: "p-v6", 3: "p-none", 4: "p-absent"}
+    assert addresses_by_stage(slices, services) == {
+        0: ["10.0.0.1:52000", "10.0.0.2:52000", "10.0.0.5:52000", "10.0.0.6:52000"],
+        1: ["10.0.0.1:52001", "10.0.0.2:52001", "10.0.0.5:52001", "10.0.0.6:52001"],
+        2: ["[fd00::7]:52002"],
+        3: [],
+        4: [],
+    }
+
+
+class RecordingConnector(ReplicaConnector):
+    def __init__(self, stage_ids: Iterable[int]) -> None:
+        super().__init__({i: StageReplicaPool(f"s{i}") for i in stage_ids})
+        self.calls: list[tuple[int, list[str]]] = []
+
+    def set_addresses(self, stage_id: int, addresses: Iterable[str]) -> None:
+        self.calls.append((stage_id, list(addresses)))
+        super().set_addresses(stage_id, addresses)
+
+
+class ScriptedClient:
+    """Lists and watches from a script; each step a list result, events, or an error."""
+
+    def __init__(self, lists: list[Any], watches: list[Any]) -> None:
+        self.lists, self.watches = lists, watches
+        self.watched_from: list[str | None] = []
+        self.done = asyncio.Event()
+
+    async def list(self, path: str, *, label_selector: str | None = None) -> dict[str, Any]:
+        assert label_selector == "kubernetes.io/service-name in (svc)"
+        step = self.lists.pop(0)
+        if isinstance(step, Exception):
+            raise step
+        return {"metadata": {"resourceVersion": step[0]}, "items": step[1]}
+
+    async def watch(
+        self, path: str, *, label_selector: str | None = None, resource_version: str | None = None,
+        timeout_seconds: int = 0,
+    ) -> AsyncIterator[tuple[str, dict[str, Any]]]:  # fmt: skip
+        self.watched_from.append(resource_version)
+        if not self.watches:
+            self.done.set()
+            await asyncio.Event().wait()
+        step = self.watches.pop(0)
+        if isinstance(step, Exception):
+            raise step
+        for event in step:
+            yield event
+
+
+async def test_discovery_follows_the_watch_and_relists_after_expiry_and_errors() -> None:
+    ports = {"stage-0": 52000}
+    one = endpoint_slice("s1", "svc", [ep("10.0.0.1")], ports)
+    one["metadata"]["resourceVersion"] = "11"
+    two = endpoint_slice("s2", "svc", [ep("10.0.0.2")], ports)
+    two["metadata"]["resourceVersion"] = "12"
+    unready = endpoint_slice("s1", "svc", [ep("10.0.0.1", ready=False)], ports)
+    unready["metadata"]["resourceVersion"] = "13"
+    client = ScriptedClient(
+        lists=[("10", [one]), KubeApiError(0, "ConnectionError", "refused", method="", path=""),
+               ("20", [two])],
+        watches=[
+            [("ADDED", two), ("BOOKMARK", {"metadata": {"resourceVersion": "12b"}})],
+            [("MODIFIED", unready)],
+            WatchExpired(410, "Expired", "too old", method="", path=""),
+        ],
+    )  # fmt: skip
+    connector = RecordingConnector([0])
+    discovery = EndpointSliceDiscovery(
+        client,  # type: ignore[arg-type]
+        "ns",
+        {0: "svc"},
+        connector,
+        backoff_initial=0.01,
+    )
+    task = asyncio.create_task(discovery.run())
+    try:
+        await asyncio.wait_for(client.done.wait(), 10)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    # A watch continues from the last version seen (bookmarks included); after expiry and
+    # a failed relist, the next list's version.
+    assert client.watched_from == ["10", "12b", "13", "20"]
+    assert connector.calls == [
+        (0, ["10.0.0.1:52000"]),
+        (0, ["10.0.0.1:52000", "10.0.0.2:52000"]),
+        (0, ["10.0.0.2:52000"]),
+    ]
+    assert discovery.current == {0: ["10.0.0.2:52000"]}
+
+
+# --- the client over HTTP (a loopback aiohttp server) -----------------------------------
+
+
+async def test_client_surfaces_status_messages_and_splits_watch_lines(
+    aiohttp_server_factory: Any,
+) -> None:
+    async def handler(request: web.Request) -> web.StreamResponse:
+        if request.headers.get("Authorization") != "Bearer t":
+            return web.json_response({"kind": "Status", "reason": "Unauthorized"}, status=401)
+        if request.path.endswith("/missing"):
+            body = {"kind": "Status", "reason": "NotFound", "message": 'pods "missing" not found'}
+            return web.json_response(body, status=404)
+        if request.path.endswith("/bad"):
+            body = {"kind": "Status", "reason": "Invalid", "message": "spec.x: Invalid value"}
+            return web.json_response(body, status=422)
+        if request.query.get("watch") == "true":
+            response = web.StreamResponse()
+            await response.prepare(request)
+            line = json.dumps({"type": "ADDED", "object": {"metadata": {"name": "a"}}})
+            await response.write(line[:10].encode())  # a line split across chunks
+            await response.write((line[10:] + "\n").encode())
+            gone = {"kind": "Status", "code": 410, "reason": "Expired", "message": "too old"}
+            await response.write((json.dumps({"type": "ERROR", "object": gone}) + "\n").encode())
+            return response
+        return web.json_response({"kind": "Pod", "metadata": {"name": "p"}})
+
+    url = await aiohttp_server_factory(handler)
+    async with KubeClient(KubeConfig(server=url, source="test", token="t")) as client:
+        assert await client.get("/api/v1/namespaces/ns/pods/p") == {
+            "kind": "Pod",
+            "metadata": {"name": "p"},
+        }
+        assert await client.get("/api/v1/namespaces/ns/pods/missing") is None
+        with pytest.raises(KubeApiError) as error:
+            await client.request("GET", "/api/v1/bad")
+        assert (error.value.status, error.value.reason) == (422, "Invalid")
+        assert error.value.message == "spec.x: Invalid value"
+        events: list[tuple[str, dict[str, Any]]] = []
+
+        async def follow() -> None:
+            async for event in client.watch("/api/v1/namespaces/ns/pods"):
+                events.append(event)
+
+        with pytest.raises(WatchExpired):
+            await follow()
+        assert events == [("ADDED", {"metadata": {"name": "a"}})]
+
+
+async def test_token_rotation_mid_session_is_picked_up_by_the_401_retry(
+    tmp_path: Path, aiohttp_server_factory: Any
+) -> None:
+    token = tmp_path / "token"
+    token.write_text("old")
+    seen: list[str] = []
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        seen.append(request.headers.get("Authorization", ""))
+        if request.headers.get("Authorization") != f"Bearer {token.read_text()}":
+            return web.json_response({"kind": "Status", "reason": "Unauthorized"}, status=401)
+        return web.json_response({"items": []})
+
+    url = await aiohttp_server_factory(handler)
+    async with KubeClient(KubeConfig(server=url, source="test", token_file=str(token))) as client:
+        assert await client.list("/api/v1/pods") == {"items": []}
+        token.write_text("new")  # within the re-read period: the cached one is now refused
+        assert await client.list("/api/v1/pods") == {"items": []}
+    assert seen == ["Bearer old", "Bearer old", "Bearer new"]
+
+
+@pytest.fixture
+async def aiohttp_server_factory() -> AsyncIterator[Any]:
+    runners: list[web.AppRunner] = []
+
+    async def start(handler: Any) -> str:
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", handler)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        runners.append(runner)
+        port = runner.addresses[0][1]
+        return f"http://127.0.0.1:{port}"
+
+    yield start
+    for runner in runners:
+        await runner.cleanup()
+
+
+# --- router settings --------------------------------------------------------------------
+
+
+@pytest.fixture
+def two_stages() -> PipelineConfig:
+    return PipelineConfig.model_validate(
+        yaml.safe_load((REPO / "examples/tiny-text-to-image.yaml").read_text())
+    )
+
+
+def test_stage_services_from_arguments_and_environment(two_stages: PipelineConfig) -> None:
+    env = {"OMNI_DISCOVERY_NAMESPACE": "team-a", "OMNI_STAGE_SERVICE_1": "p-dit"}
+    assert parse_stage_services(two_stages, None, ["thinker=p-thinker"], env, {}) == (
+        "team-a",
+        {0: "p-thinker", 1: "p-dit"},
+    )
+    # Arguments win; a stage may keep static addresses instead of a Service.
+    assert parse_stage_services(two_stages, "ns", ["1=x"], env, {0: ["h:1"]}) == ("ns", {1: "x"})
+    assert parse_stage_services(two_stages, None, [], {}, {}) is None
+    assert parse_stage_services(two_stages, "ns", [], {}, {0: ["h:1"], 1: ["h:2"]}) is None
+
+
+@pytest.mark.parametrize(
+    ("namespace", "args", "static", "needle"),
+    [
+        (None, ["0=a"], {}, "--stage-service needs --discover-namespace"),
+        ("ns", ["7=a", "1=b"], {}, "--stage-service '7=a': no stage '7'; stages: 0 (thinker)"),
+        ("ns", ["0=a"], {}, "stage 1 (dit) has no Service to discover its replicas from"),
+        ("ns", ["0=a", "1=b"], {1: ["h:1"]}, "stage 1 (dit) has both replica addresses"),
+        ("ns", ["0=A_b", "1=b"], {}, "'A_b' is not a Service name"),
+        ("ns", ["0", "1=b"], {}, "expected STAGE=SERVICE"),
+        ("Bad_NS", ["0=a", "1=b"], {}, "--discover-namespace 'Bad_NS': not a namespace"),
+    ],
+)
+def test_stage_service_errors(
+    two_stages: PipelineConfig,
+    namespace: str | None,
+    args: list[str],
+    static: dict[int, list[str]],
+    needle: str,
+) -> None:
+    with pytest.raises(DiscoveryConfigError) as error:
+        parse_stage_services(two_stages, namespace, args, {}, static)
+    assert needle in str(error.value)
+
+
+def omni_runtime(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "omni_runtime.entrypoints.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+
+
+def test_router_refuses_discovery_it_cannot_do_with_exit_2_and_one_line(tmp_path: Path) -> None:
+    pipeline = str(REPO / "examples/tiny-text-to-image.yaml")
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("KUBE", "OMNI_STAGE"))}
+    cases = [
+        (
+            ["--replicas", "0=127.0.0.1:1", "--stage-service", "0=a", "--stage-service", "1=b"],
+            {},
+            "stage 0 (thinker) has both replica addresses",
+        ),
+        (
+            ["--stage-service", "0=a", "--stage-service", "1=b"],
+            {"KUBECONFIG": str(tmp_path / "absent")},
+            f"cannot read kubeconfig {tmp_path / 'absent'} ($KUBECONFIG)",
+        ),
+        (
+            ["--stage-service", "0=a", "--stage-service", "1=b"],
+            {"HOME": str(tmp_path)},
+            "no Kubernetes credentials",
+        ),
+    ]
+    for args, env, needle in cases:
+        result = omni_runtime(
+            "router", "-f", pipeline, "--discover-namespace", "ns", *args, env={**base, **env}
+        )
+        assert result.returncode == 2, (args, result.stderr)
+        assert needle in result.stderr, (args, result.stderr)
+        assert "Traceback" not in result.stderr
