@@ -1,0 +1,240 @@
+"""The OmniPipeline API: what `kubectl apply` takes and what the operator reports back.
+
+The spec is the runtime's pipeline schema (``omni_runtime.config``) plus where things run:
+per stage a ``placement`` (image, resources, nodeSelector, tolerations, affinity, env), and
+for the router its replicas, Service type and placement. ``runtime_config`` drops the
+Kubernetes-only fields again, giving exactly the pipeline the stage and router processes
+load from the rendered ConfigMap.
+
+The CRD's schema (crds/omnipipelines.yaml) is generated from these models by
+``python -m omni_operator.crd``; a field's description here is what ``kubectl explain``
+shows.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic.alias_generators import to_camel
+
+from omni_runtime.config import PipelineConfig, RouterConfig, StageConfig
+from omni_runtime.config.loader import strip_kubernetes_fields
+
+GROUP = "omni.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "OmniPipeline"
+PLURAL = "omnipipelines"
+SINGULAR = "omnipipeline"
+SHORT_NAMES = ("omnip",)
+
+# What pods run when neither the pipeline nor the stage names an image; the operator's
+# Deployment overrides it with $OMNI_RUNTIME_IMAGE (see handlers.py).
+DEFAULT_RUNTIME_IMAGE = "omni-operator/omni-runtime:0.1.0"
+
+PullPolicy = Literal["Always", "IfNotPresent", "Never"]
+ServiceType = Literal["ClusterIP", "NodePort", "LoadBalancer"]
+Phase = Literal["Pending", "Progressing", "Ready", "Degraded", "Failed"]
+ConditionType = Literal["Ready", "Progressing", "Degraded", "SpecValid"]
+ConditionStatus = Literal["True", "False", "Unknown"]
+
+# A Kubernetes quantity ("500m", "4Gi", 2); checked by the apiserver's own grammar in the CRD.
+Quantity = str | int
+
+_ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
+_LABEL_VALUE = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
+
+
+class _ApiModel(BaseModel):
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        validate_by_name=True,
+        validate_by_alias=True,
+        serialize_by_alias=True,
+        extra="forbid",
+    )
+
+
+class EnvVar(_ApiModel):
+    """An environment variable of the container."""
+
+    name: str = Field(pattern=_ENV_NAME, description="The variable's name, e.g. HF_HOME.")
+    value: str | None = Field(default=None, description="A literal value.")
+    value_from: dict[str, Any] | None = Field(
+        default=None,
+        description="A Kubernetes EnvVarSource (secretKeyRef, configMapKeyRef, fieldRef, "
+        "resourceFieldRef), as in a Pod spec.",
+    )
+
+
+class Toleration(_ApiModel):
+    """A Kubernetes toleration, as in a Pod spec."""
+
+    key: str | None = Field(default=None, description="The taint key; empty with Exists: all.")
+    operator: Literal["Exists", "Equal"] | None = Field(
+        default=None, description="Exists or Equal (the default)."
+    )
+    value: str | None = Field(default=None, description="The taint value, with Equal.")
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = Field(
+        default=None, description="The taint effect to tolerate; empty: all."
+    )
+    toleration_seconds: StrictInt | None = Field(
+        default=None, description="With NoExecute: how long the pod stays after the taint."
+    )
+
+
+class Resources(_ApiModel):
+    """CPU, memory and other requests and limits of a container."""
+
+    requests: dict[str, Quantity] = Field(
+        default_factory=dict, description="Minimum resources, e.g. {cpu: '4', memory: 32Gi}."
+    )
+    limits: dict[str, Quantity] = Field(
+        default_factory=dict,
+        description="Maximum resources. nvidia.com/gpu is set by the operator from the "
+        "stages' devices and must not be given here.",
+    )
+
+
+class VolumeMount(_ApiModel):
+    """Where a volume of the placement's volumes appears in the container."""
+
+    name: str = Field(min_length=1, description="The volume's name, from volumes.")
+    mount_path: str = Field(pattern=r"^/", description="An absolute path in the container.")
+    read_only: bool = Field(default=False, description="Mount read-only.")
+    sub_path: str | None = Field(default=None, description="A path inside the volume.")
+
+
+class Placement(_ApiModel):
+    """Where and how a component's pods run. Stages of one placement group share a pod:
+    their images must agree, and their other settings are merged."""
+
+    image: str | None = Field(
+        default=None, min_length=1, description="Container image; defaults to spec.image."
+    )
+    image_pull_policy: PullPolicy | None = Field(
+        default=None, description="Always, IfNotPresent or Never; defaults to spec's."
+    )
+    resources: Resources = Field(
+        default_factory=Resources, description="Requests and limits (summed over a group)."
+    )
+    node_selector: dict[str, str] = Field(
+        default_factory=dict, description="Node labels the pod must match."
+    )
+    tolerations: list[Toleration] = Field(
+        default_factory=list, description="Taints the pod tolerates."
+    )
+    affinity: dict[str, Any] | None = Field(
+        default=None,
+        description="A Kubernetes Affinity (nodeAffinity, podAffinity, podAntiAffinity), as "
+        "in a Pod spec.",
+    )
+    env: list[EnvVar] = Field(default_factory=list, description="Extra environment variables.")
+    volumes: list[dict[str, Any]] = Field(
+        default_factory=list,
+        description="Extra pod volumes (Kubernetes Volume objects), e.g. a PVC holding models.",
+    )
+    volume_mounts: list[VolumeMount] = Field(
+        default_factory=list, description="Where the volumes appear in the container."
+    )
+
+
+class StageSpec(StageConfig):
+    """One stage of the pipeline, and where its pods run."""
+
+    placement: Placement = Field(
+        default_factory=Placement, description="Where this stage's pods run."
+    )
+
+
+class RouterSpec(RouterConfig):
+    """The OpenAI-compatible HTTP router: the pipeline's endpoint."""
+
+    replicas: Annotated[StrictInt, Field(ge=1, le=100)] = Field(
+        default=1, description="Router pods behind the pipeline's Service."
+    )
+    service_type: ServiceType = Field(
+        default="ClusterIP", description="Type of the pipeline's Service."
+    )
+    placement: Placement = Field(
+        default_factory=Placement, description="Where the router's pods run."
+    )
+
+
+class OmniPipelineSpec(PipelineConfig):
+    """A multi-stage pipeline and where it runs."""
+
+    stages: list[StageSpec] = Field(  # type: ignore[assignment]
+        min_length=1, description="The stages, each an LLM (vLLM) or a diffusion stage."
+    )
+    router: RouterSpec = Field(default_factory=RouterSpec, description="The HTTP router.")
+    image: str | None = Field(
+        default=None,
+        min_length=1,
+        description="The runtime image every pod runs unless its placement names another; "
+        "defaults to the operator's $OMNI_RUNTIME_IMAGE.",
+    )
+    image_pull_policy: PullPolicy = Field(
+        default="IfNotPresent", description="Always, IfNotPresent or Never."
+    )
+
+
+def runtime_config(spec: OmniPipelineSpec) -> PipelineConfig:
+    """The runtime's pipeline for ``spec``: the same stages, without the placement."""
+    dumped = spec.model_dump(mode="json", by_alias=True, exclude_none=True)
+    return PipelineConfig.model_validate(strip_kubernetes_fields(dumped))
+
+
+class Condition(_ApiModel):
+    """One aspect of the pipeline's state, as Kubernetes conditions are."""
+
+    type: ConditionType = Field(description="Ready, Progressing, Degraded or SpecValid.")
+    status: ConditionStatus = Field(description="True, False or Unknown.")
+    reason: str = Field(description="A CamelCase reason, for machines.")
+    message: str = Field(default="", description="What happened, for people.")
+    last_transition_time: str | None = Field(
+        default=None, description="When status last changed (RFC 3339)."
+    )
+    observed_generation: StrictInt | None = Field(
+        default=None, description="The spec generation this condition was computed from."
+    )
+
+
+class StageStatus(_ApiModel):
+    """The pods of one stage."""
+
+    name: str = Field(description="The stage's name.")
+    stage_id: StrictInt = Field(description="The stage's id.")
+    placement_group: str = Field(description="The placement group (Deployment) it runs in.")
+    replicas: StrictInt = Field(default=0, description="Pods wanted.")
+    ready_replicas: StrictInt = Field(default=0, description="Pods ready to serve.")
+    updated_replicas: StrictInt = Field(default=0, description="Pods of the current spec.")
+
+
+class RouterStatus(_ApiModel):
+    """The router's pods."""
+
+    replicas: StrictInt = Field(default=0, description="Pods wanted.")
+    ready_replicas: StrictInt = Field(default=0, description="Pods ready to serve.")
+    ready: bool = Field(default=False, description="At least one router pod is ready.")
+
+
+class OmniPipelineStatus(_ApiModel):
+    """What the operator observed of the pipeline."""
+
+    phase: Phase = Field(
+        default="Pending", description="Pending, Progressing, Ready, Degraded or Failed."
+    )
+    observed_generation: StrictInt | None = Field(
+        default=None, description="The spec generation this status describes."
+    )
+    ready: str = Field(default="0/0", description="Ready stages / stages, e.g. 2/2.")
+    endpoint: str | None = Field(
+        default=None, description="The in-cluster URL: http://<name>.<namespace>.svc:<port>."
+    )
+    conditions: list[Condition] = Field(
+        default_factory=list, description="Ready, Progressing, Degraded and SpecValid."
+    )
+    stages: list[StageStatus] = Field(default_factory=list, description="Per stage counts.")
+    router: RouterStatus | None = Field(default=None, description="The router's pods.")

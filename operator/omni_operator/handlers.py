@@ -1,0 +1,196 @@
+"""The kopf handlers: when to converge a pipeline, and when to re-report its status.
+
+Run with ``kopf run --standalone -m omni_operator.handlers --all-namespaces`` (or
+``--namespace NS``); add ``--liveness=http://0.0.0.0:8080/healthz`` for a probe.
+
+- An OmniPipeline created, changed (spec) or found at start-up is converged: rendered,
+  applied with server-side apply, pruned, and its status written (reconciler.py).
+- A watch on the Deployments the operator made keeps an index of them per pipeline; each
+  change re-computes that pipeline's status (no polling).
+- A child deleted by hand is put back, unless its pipeline is going away.
+- Deleting a pipeline needs no handler: every child has an ownerReference to it, so the
+  garbage collector removes them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable, Mapping
+from typing import Any, cast
+
+import kopf
+
+from omni_runtime.kube import KubeClient, load_kube_config
+
+from .api import DEFAULT_RUNTIME_IMAGE, GROUP, PLURAL, VERSION
+from .reconciler import EventSink, PipelineRef, Reconciler
+from .render import CHILD_KINDS, LABEL_MANAGED_BY, LABEL_PIPELINE, MANAGED_BY
+
+logger = logging.getLogger("omni_operator")
+
+RUNTIME_IMAGE_ENV = "OMNI_RUNTIME_IMAGE"
+ANNOTATION_PREFIX = "omni.dev"
+_OURS = {LABEL_MANAGED_BY: MANAGED_BY}
+
+
+@kopf.on.startup()
+async def start(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
+    # kopf's bookkeeping goes in annotations under our own prefix, not its default one.
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(
+        prefix=ANNOTATION_PREFIX
+    )
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=ANNOTATION_PREFIX, key="last-handled-configuration"
+    )
+    # Our own Events say what was done; kopf's per-handler "succeeded" ones would be noise.
+    settings.posting.level = logging.INFO
+    settings.posting.loggers = False
+    kube = KubeClient(load_kube_config())
+    memo.kube = kube
+    memo.reconciler = Reconciler(
+        kube=kube, default_image=os.environ.get(RUNTIME_IMAGE_ENV) or DEFAULT_RUNTIME_IMAGE
+    )
+
+
+@kopf.on.cleanup()
+async def stop(memo: Any, **_: Any) -> None:
+    kube: KubeClient | None = getattr(memo, "kube", None)
+    if kube is not None:
+        await kube.close()
+
+
+@kopf.index("apps", "v1", "deployments", labels=_OURS)
+def deployments_by_pipeline(
+    namespace: str | None, name: str, labels: Mapping[str, str], body: kopf.Body, **_: Any
+) -> dict[tuple[str, str], dict[str, Any]]:
+    """(namespace, pipeline) -> the Deployment's name, labels, replicas and status."""
+    pipeline = labels.get(LABEL_PIPELINE)
+    if not pipeline or namespace is None:
+        return {}
+    return {
+        (namespace, pipeline): {
+            "metadata": {
+                "name": name,
+                "labels": dict(labels),
+                "generation": body.metadata.get("generation", 0),
+            },
+            "spec": {"replicas": body.spec.get("replicas", 1)},
+            "status": dict(body.status),
+        }
+    }
+
+
+@kopf.on.resume(GROUP, VERSION, PLURAL)
+@kopf.on.create(GROUP, VERSION, PLURAL)
+@kopf.on.update(GROUP, VERSION, PLURAL, field="spec")
+async def converge(
+    body: kopf.Body,
+    name: str,
+    namespace: str | None,
+    uid: str,
+    spec: kopf.Spec,
+    status: kopf.Status,
+    memo: Any,
+    **_: Any,
+) -> None:
+    assert namespace is not None  # OmniPipelines are namespaced
+    reconciler: Reconciler = memo.reconciler
+    ref = PipelineRef(name, namespace, uid, int(body.metadata.get("generation", 0)))
+    await reconciler.converge(ref, spec, status, _events(body))
+
+
+@kopf.on.event(GROUP, VERSION, PLURAL)
+def pipeline_gone(
+    event: kopf.RawEvent, name: str, namespace: str | None, memo: Any, **_: Any
+) -> None:
+    if event.get("type") == "DELETED" and namespace is not None:
+        reconciler: Reconciler = memo.reconciler
+        reconciler.forget(namespace, name)
+
+
+@kopf.on.event("apps", "v1", "deployments", labels=_OURS)
+async def deployment_changed(
+    event: kopf.RawEvent,
+    namespace: str | None,
+    labels: Mapping[str, str],
+    memo: Any,
+    **kwargs: Any,
+) -> None:
+    # kopf passes each index as a keyword argument named after its function.
+    index: kopf.Index[tuple[str, str], dict[str, Any]] = kwargs["deployments_by_pipeline"]
+    pipeline = labels.get(LABEL_PIPELINE)
+    if not pipeline or namespace is None:
+        return
+    reconciler: Reconciler = memo.reconciler
+    ref = reconciler.known(namespace, pipeline)
+    if ref is None:
+        return
+    store: Iterable[dict[str, Any]] = index.get((namespace, pipeline), [])
+    deployments = {item["metadata"]["name"]: item for item in store}
+    await reconciler.report(ref, deployments, None, _events(_pipeline_body(ref)))
+    if event.get("type") == "DELETED":
+        await _put_back(reconciler, ref)
+
+
+def _child_deleted(kind: str) -> Any:
+    async def handler(
+        event: kopf.RawEvent,
+        namespace: str | None,
+        labels: Mapping[str, str],
+        memo: Any,
+        **_: Any,
+    ) -> None:
+        if event.get("type") != "DELETED" or not labels.get(LABEL_PIPELINE) or namespace is None:
+            return
+        reconciler: Reconciler = memo.reconciler
+        ref = reconciler.known(namespace, labels[LABEL_PIPELINE])
+        if ref is not None:
+            await _put_back(reconciler, ref)
+
+    handler.__name__ = f"{kind.lower()}_deleted"
+    return handler
+
+
+for _kind in CHILD_KINDS:
+    if _kind.kind == "Deployment":
+        continue
+    _group, _, _version = _kind.api_version.rpartition("/")
+    kopf.on.event(_group, _version, _kind.plural, labels=_OURS, id=f"{_kind.kind}-deleted")(
+        _child_deleted(_kind.kind)
+    )
+
+
+async def _put_back(reconciler: Reconciler, ref: PipelineRef) -> None:
+    """Converge again after a child was deleted, unless the pipeline itself is going."""
+    if not await reconciler.still_wants(ref.namespace, ref.name, ref.uid):
+        return
+    await reconciler.reconverge(ref, _events(_pipeline_body(ref)))
+
+
+def _pipeline_body(ref: PipelineRef) -> dict[str, Any]:
+    return {
+        "apiVersion": f"{GROUP}/{VERSION}",
+        "kind": "OmniPipeline",
+        "metadata": {"name": ref.name, "namespace": ref.namespace, "uid": ref.uid},
+    }
+
+
+def _events(body: Mapping[str, Any]) -> EventSink:
+    def post(type_: str, reason: str, message: str) -> None:
+        log = logger.warning if type_ == "Warning" else logger.info
+        meta = body.get("metadata", {})
+        log("%s/%s: %s: %s", meta.get("namespace"), meta.get("name"), reason, message)
+        if type_ == "Warning":
+            kopf.warn(kopf.Body(cast(kopf.RawBody, dict(body))), reason=reason, message=message)
+        else:
+            kopf.info(kopf.Body(cast(kopf.RawBody, dict(body))), reason=reason, message=message)
+
+    return post
+
+
+@kopf.on.probe(id="pipelines")
+def pipelines_known(memo: Any, **_: Any) -> int:
+    """The liveness endpoint's payload: how many pipelines this operator converges."""
+    reconciler: Reconciler | None = getattr(memo, "reconciler", None)
+    return reconciler.count() if reconciler is not None else 0

@@ -1,0 +1,291 @@
+"""Converging one OmniPipeline: check, render, apply, prune, report.
+
+The I/O edge of the operator: everything here is a Kubernetes call through ``KubeClient``
+or an Event; what to create comes from ``render`` and what to report from ``status``, both
+pure. kopf's handlers (handlers.py) decide when to call it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from pydantic import ValidationError
+
+from omni_runtime.config import PipelineConfigError
+from omni_runtime.config.errors import join_path
+from omni_runtime.kube import KubeApiError, KubeClient, object_path
+
+from .api import API_VERSION, KIND, PLURAL, OmniPipelineSpec, OmniPipelineStatus
+from .placement import check_spec, placement_groups
+from .render import (
+    CHILD_KINDS,
+    FIELD_MANAGER,
+    LABEL_COMPONENT,
+    LABEL_PIPELINE,
+    endpoint_url,
+    group_object_name,
+    object_key,
+    prune_set,
+    render,
+)
+from .status import StagePlacement, invalid_status, pipeline_status, status_body
+
+logger = logging.getLogger("omni_operator")
+
+ObjectKey = tuple[str, str, str]
+# Posts a Kubernetes Event about the pipeline: (type Normal|Warning, reason, message).
+EventSink = Callable[[str, str, str], None]
+
+
+@dataclass(frozen=True)
+class PipelineRef:
+    """Which OmniPipeline, as the handlers know it."""
+
+    name: str
+    namespace: str
+    uid: str
+    generation: int
+
+
+class SpecRefused(Exception):
+    """The spec passed the CRD but cannot be deployed; the message says why."""
+
+
+@dataclass
+class Reconciler:
+    """Converges pipelines; one per operator process."""
+
+    kube: KubeClient
+    default_image: str
+    # Per pipeline: serialises status writes, and remembers what was last written so that
+    # an unchanged status is not written again.
+    _locks: dict[tuple[str, str], asyncio.Lock] = field(default_factory=dict)
+    _written: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
+    _applied: dict[tuple[str, str], tuple[int, OmniPipelineSpec]] = field(default_factory=dict)
+    # The pipelines seen by converge, with their spec as given, for child watches to use.
+    _seen: dict[tuple[str, str], tuple[PipelineRef, dict[str, Any]]] = field(default_factory=dict)
+
+    def lock(self, ref: PipelineRef) -> asyncio.Lock:
+        return self._locks.setdefault((ref.namespace, ref.name), asyncio.Lock())
+
+    def forget(self, namespace: str, name: str) -> None:
+        """Drop what is remembered of a deleted pipeline."""
+        key = (namespace, name)
+        self._seen.pop(key, None)
+        self._locks.pop(key, None)
+        self._written.pop(key, None)
+        self._applied.pop(key, None)
+
+    def known(self, namespace: str, name: str) -> PipelineRef | None:
+        """The pipeline ``namespace/name`` as last converged, or None."""
+        seen = self._seen.get((namespace, name))
+        return seen[0] if seen is not None else None
+
+    def count(self) -> int:
+        return len(self._seen)
+
+    async def reconverge(self, ref: PipelineRef, event: EventSink) -> None:
+        """Converge ``ref`` again with the spec it was last converged with."""
+        seen = self._seen.get((ref.namespace, ref.name))
+        if seen is not None and seen[0] == ref:
+            await self.converge(ref, seen[1], None, event)
+
+    async def converge(
+        self,
+        ref: PipelineRef,
+        raw_spec: Mapping[str, Any],
+        previous: Mapping[str, Any] | None,
+        event: EventSink,
+    ) -> None:
+        """Make the children match ``raw_spec`` and write the status.
+
+        A spec the operator refuses changes no child: the status says why. API errors
+        propagate (kopf retries with backoff) after an Event names them.
+        """
+        self._seen[(ref.namespace, ref.name)] = (ref, dict(raw_spec))
+        try:
+            spec = parse_spec(raw_spec)
+        except SpecRefused as e:
+            event("Warning", "InvalidSpec", str(e))
+            # Until a valid spec comes, child changes must not overwrite this status.
+            self._applied.pop((ref.namespace, ref.name), None)
+            last = self._written.get((ref.namespace, ref.name))
+            before = _status(last if last is not None else previous)
+            await self._write_status(ref, invalid_status(str(e), ref.generation, before, _now()))
+            return
+        desired = render(ref.name, ref.namespace, ref.uid, spec, default_image=self.default_image)
+        existing = await self._list_children(ref)
+        applied: dict[ObjectKey, dict[str, Any]] = {}
+        for obj in desired:
+            key = object_key(obj)
+            try:
+                result = await self.kube.apply(obj, field_manager=FIELD_MANAGER)
+            except KubeApiError as e:
+                event("Warning", "ApplyFailed", f"{key[1]} {key[2]}: {e}")
+                raise
+            applied[key] = result
+            found = existing.get(key)
+            if found is None:
+                event("Normal", "Created", f"created {key[1]} {key[2]}")
+            elif _version(found) != _version(result):
+                event("Normal", "Updated", f"updated {key[1]} {key[2]}")
+        for obj in prune_set(desired, list(existing.values())):
+            key = object_key(obj)
+            path = object_path(key[0], _plural(key[1]), ref.namespace, key[2])
+            try:
+                if await self.kube.delete(path):
+                    event("Normal", "Pruned", f"deleted {key[1]} {key[2]}: no longer in the spec")
+            except KubeApiError as e:
+                event("Warning", "PruneFailed", f"{key[1]} {key[2]}: {e}")
+                raise
+        self._applied[(ref.namespace, ref.name)] = (ref.generation, spec)
+        deployments = {key[2]: body for key, body in applied.items() if key[1] == "Deployment"}
+        await self.report(ref, deployments, previous, event)
+
+    async def report(
+        self,
+        ref: PipelineRef,
+        deployments: Mapping[str, Mapping[str, Any]],
+        previous: Mapping[str, Any] | None,
+        event: EventSink,
+    ) -> None:
+        """Write the status computed from ``deployments`` (by name), if the spec of
+        ``ref.generation`` has been applied; otherwise converge will."""
+        applied = self._applied.get((ref.namespace, ref.name))
+        if applied is None:
+            return
+        generation, spec = applied
+        groups = placement_groups(spec)
+        stages = [
+            StagePlacement(
+                name=stage.name,
+                stage_id=stage.stage_id,
+                group=group.name,
+                deployment=group_object_name(ref.name, group),
+            )
+            for group in groups
+            for stage in group.stages
+        ]
+        router = next(
+            (
+                name
+                for name, body in deployments.items()
+                if _labels(body).get(LABEL_COMPONENT) == "router"
+            ),
+            f"{ref.name}-router",
+        )
+        async with self.lock(ref):
+            last = self._written.get((ref.namespace, ref.name))
+            before = _status(last if last is not None else previous)
+            status = pipeline_status(
+                stages=stages,
+                router_deployment=router,
+                deployments=deployments,
+                generation=generation,
+                endpoint=endpoint_url(ref.name, ref.namespace, spec.router.port),
+                previous=before,
+                now=_now(),
+            )
+            if before is None or before.phase != status.phase:
+                kind = "Warning" if status.phase in ("Degraded", "Failed") else "Normal"
+                was = before.phase if before is not None else "none"
+                ready = next(c for c in status.conditions if c.type == "Ready")
+                event(kind, status.phase, f"phase {was} -> {status.phase}: {ready.message}")
+            await self._write_status_locked(ref, status)
+
+    async def _write_status(self, ref: PipelineRef, status: OmniPipelineStatus) -> None:
+        async with self.lock(ref):
+            await self._write_status_locked(ref, status)
+
+    async def _write_status_locked(self, ref: PipelineRef, status: OmniPipelineStatus) -> None:
+        body = status_body(status)
+        if self._written.get((ref.namespace, ref.name)) == body:
+            return
+        path = object_path(API_VERSION, PLURAL, ref.namespace, ref.name, "status")
+        try:
+            await self.kube.patch_merge(path, {"status": body})
+        except KubeApiError as e:
+            if e.status == 404:  # deleted meanwhile: nothing to report to
+                return
+            raise
+        self._written[(ref.namespace, ref.name)] = body
+
+    async def _list_children(self, ref: PipelineRef) -> dict[ObjectKey, dict[str, Any]]:
+        found: dict[ObjectKey, dict[str, Any]] = {}
+        for kind in CHILD_KINDS:
+            listed = await self.kube.list(
+                object_path(kind.api_version, kind.plural, ref.namespace),
+                label_selector=f"{LABEL_PIPELINE}={ref.name}",
+            )
+            for item in listed.get("items", []):
+                # Lists leave apiVersion and kind out of their items.
+                obj = {"apiVersion": kind.api_version, "kind": kind.kind, **item}
+                found[object_key(obj)] = obj
+        return found
+
+    async def still_wants(self, namespace: str, name: str, uid: str) -> bool:
+        """Whether the pipeline ``namespace/name`` with ``uid`` exists and is not being
+        deleted (a child deleted by garbage collection must not be put back)."""
+        body = await self.kube.get(object_path(API_VERSION, PLURAL, namespace, name))
+        if body is None:
+            return False
+        meta = body.get("metadata", {})
+        return bool(meta.get("uid") == uid and not meta.get("deletionTimestamp"))
+
+
+def parse_spec(raw_spec: Mapping[str, Any]) -> OmniPipelineSpec:
+    """The validated spec; SpecRefused listing every problem, each with its field."""
+    try:
+        spec = OmniPipelineSpec.model_validate(dict(raw_spec))
+    except ValidationError as e:
+        issues = PipelineConfigError.from_validation_error(e, OmniPipelineSpec).issues
+        raise SpecRefused(_describe(issues)) from None
+    except PipelineConfigError as e:
+        raise SpecRefused(_describe(e.issues)) from None
+    issues = check_spec(spec)
+    if issues:
+        raise SpecRefused(_describe(issues))
+    return spec
+
+
+def _describe(issues: Iterable[tuple[str, str]]) -> str:
+    return "; ".join(f"{join_path('spec', path)}: {message}" for path, message in issues)
+
+
+def _status(body: Mapping[str, Any] | None) -> OmniPipelineStatus | None:
+    if not body:
+        return None
+    try:
+        return OmniPipelineStatus.model_validate(dict(body))
+    except ValidationError:
+        # A status written by someone else or an older operator: start afresh.
+        return None
+
+
+def _labels(body: Mapping[str, Any]) -> Mapping[str, str]:
+    labels: Mapping[str, str] = (body.get("metadata") or {}).get("labels") or {}
+    return labels
+
+
+def _version(body: Mapping[str, Any]) -> str | None:
+    version: str | None = (body.get("metadata") or {}).get("resourceVersion")
+    return version
+
+
+def _plural(kind: str) -> str:
+    for child in CHILD_KINDS:
+        if child.kind == kind:
+            return child.plural
+    raise KeyError(kind)
+
+
+def _now() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+__all__ = ["KIND", "PipelineRef", "Reconciler", "SpecRefused", "parse_spec"]

@@ -1,0 +1,816 @@
+"""The renderer: one OmniPipeline in, every child object it needs out. Pure: no I/O, no
+clock, no environment; the same spec always gives the same objects, in the same order.
+
+For a pipeline P in namespace N (all children in N, owned by P, labelled with it):
+
+- ConfigMap ``P-config``: ``pipeline.json``, the runtime's own pipeline (the spec less its
+  placement), which every pod mounts read-only at /etc/omni. Its hash, as the pod templates'
+  ``omni.dev/config-hash`` annotation, rolls every pod when the pipeline changes.
+- Per placement group G (placement.py: stages that share a GPU share a pod):
+  Deployment ``P-G``, whose pod runs ``omni-runtime stage`` for the group's stages in one
+  container, with the group's GPUs and each stage's CUDA_VISIBLE_DEVICES within them; and a
+  headless Service ``P-G``, one port per stage, whose EndpointSlices tell the router which
+  replicas are ready.
+- The router: ServiceAccount, Role (get/list/watch EndpointSlices, nothing else) and
+  RoleBinding ``P-router``, so that it can follow the stages' replicas; Deployment
+  ``P-router`` running ``omni-runtime router``; and Service ``P``, the pipeline's endpoint
+  (``http://P.N.svc:<port>``).
+- PodDisruptionBudget ``P-G`` / ``P-router`` (maxUnavailable 1) where a Deployment has more
+  than one replica, so that a node drain leaves the others serving.
+
+Decisions a reader would otherwise have to reverse-engineer:
+
+- Environment: the operator's variables (HOME, HF_HOME, CUDA_VISIBLE_DEVICES or
+  OMNI_CUDA_VISIBLE_DEVICES_<id>, OMNI_NAMESPACE) come first and a placement's ``env``
+  after. A placement naming one of them is refused by ``placement.check_spec`` (SpecValid
+  False, with the reason), never overridden silently; should an unchecked spec get here, the
+  operator's value is kept and the placement's dropped.
+- Resources of a group: per resource, requests are summed over its stages (a stage that
+  gives only a limit requests its limit, as Kubernetes would), limits are summed (check_spec
+  requires all of a group's stages or none to limit a resource). Quantities are summed
+  exactly and written back canonical (``1536Mi``, ``1500m``); when one does not parse, the
+  first stage's value is kept as written and the apiserver judges it.
+- Rollouts: a GPU group replaces its pods one at a time without a surge (maxSurge 0,
+  maxUnavailable 1), as a cluster has no spare GPUs for an extra pod; CPU groups and the
+  router keep Kubernetes' default (25%/25%).
+- Names longer than a DNS label (63), or not one, are cut and given a hash of the full name,
+  so they stay unique; label values likewise.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import math
+import re
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any
+
+from omni_runtime.config import dump_pipeline
+from omni_runtime.config.models import SHARED_MEMORY_CONNECTOR
+
+from .api import API_VERSION, KIND, EnvVar, OmniPipelineSpec, Placement, Quantity, runtime_config
+from .placement import (
+    CONFIG_DIR,
+    GPU_RESOURCE,
+    HF_HOME_DIR,
+    HOME_DIR,
+    SHM_DIR,
+    STAGE_PORT_BASE,
+    TMP_DIR,
+    PlacementGroup,
+    is_reserved_env,
+    placement_groups,
+)
+
+FIELD_MANAGER = "omni-operator"
+MANAGED_BY = "omni-operator"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+LABEL_PART_OF = "app.kubernetes.io/part-of"
+LABEL_PIPELINE = "omni.dev/pipeline"
+LABEL_COMPONENT = "omni.dev/component"
+LABEL_GROUP = "omni.dev/placement-group"
+LABEL_STAGES = "omni.dev/stages"
+ANNOTATION_CONFIG_HASH = "omni.dev/config-hash"
+COMPONENT_CONFIG = "config"
+COMPONENT_STAGES = "stages"
+COMPONENT_ROUTER = "router"
+
+CONFIG_KEY = "pipeline.json"
+CONFIG_FILE = f"{CONFIG_DIR}/{CONFIG_KEY}"
+STAGE_CONTAINER = "stages"
+ROUTER_CONTAINER = "router"
+HEALTH_PORT = 8081
+# The runtime images run as this user (Dockerfile.runtime: USER 65532:65532).
+RUNTIME_UID = 65532
+NAMESPACE_ENV = "OMNI_NAMESPACE"
+STAGE_CUDA_DEVICES_ENV_PREFIX = "OMNI_CUDA_VISIBLE_DEVICES_"
+GPU_TOLERATION: dict[str, Any] = {
+    "key": GPU_RESOURCE,
+    "operator": "Exists",
+    "effect": "NoSchedule",
+}
+
+_MAX_NAME = 63
+_HASH_CHARS = 8
+_DNS_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
+_LABEL_VALUE = re.compile(r"([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?")
+
+
+@dataclass(frozen=True)
+class ChildKind:
+    """A kind of object the operator creates for a pipeline, as its API lists them."""
+
+    api_version: str
+    kind: str
+    plural: str
+
+
+CHILD_KINDS: tuple[ChildKind, ...] = (
+    ChildKind("v1", "ConfigMap", "configmaps"),
+    ChildKind("v1", "Service", "services"),
+    ChildKind("apps/v1", "Deployment", "deployments"),
+    ChildKind("v1", "ServiceAccount", "serviceaccounts"),
+    ChildKind("rbac.authorization.k8s.io/v1", "Role", "roles"),
+    ChildKind("rbac.authorization.k8s.io/v1", "RoleBinding", "rolebindings"),
+    ChildKind("policy/v1", "PodDisruptionBudget", "poddisruptionbudgets"),
+)
+
+
+# ---------------------------------------------------------------------------------- names
+
+
+def _short_hash(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:_HASH_CHARS]
+
+
+def object_name(*parts: str) -> str:
+    """``parts`` joined by '-' as an RFC 1035 label (what a Service name must be): as is
+    when it is one, else cleaned, cut, and suffixed with a hash of the full name."""
+    full = "-".join(parts)
+    if len(full) <= _MAX_NAME and _DNS_LABEL.fullmatch(full):
+        return full
+    cleaned = re.sub(r"[^a-z0-9-]+", "-", full.lower()).strip("-")
+    if not cleaned[:1].isalpha():
+        cleaned = f"p-{cleaned}".rstrip("-")
+    head = cleaned[: _MAX_NAME - _HASH_CHARS - 1].rstrip("-")
+    return f"{head}-{_short_hash(full)}"
+
+
+def label_value(text: str) -> str:
+    """``text`` as a label value (at most 63 characters): cut and hashed when too long."""
+    if len(text) <= _MAX_NAME and _LABEL_VALUE.fullmatch(text):
+        return text
+    cleaned = re.sub(r"[^-A-Za-z0-9_.]+", "-", text)
+    head = cleaned[: _MAX_NAME - _HASH_CHARS - 1].strip("-_.")
+    return f"{head}-{_short_hash(text)}" if head else _short_hash(text)
+
+
+def pipeline_selector(pipeline: str) -> str:
+    """The label selector of every child of ``pipeline`` (what to list before pruning)."""
+    return f"{LABEL_PIPELINE}={label_value(pipeline)}"
+
+
+def config_map_name(pipeline: str) -> str:
+    return object_name(pipeline, "config")
+
+
+def group_object_name(pipeline: str, group: PlacementGroup | str) -> str:
+    """The Deployment, Service and PodDisruptionBudget of a placement group."""
+    return object_name(pipeline, group if isinstance(group, str) else group.name)
+
+
+def router_object_name(pipeline: str) -> str:
+    """The router's Deployment, ServiceAccount, Role, RoleBinding and PodDisruptionBudget."""
+    return object_name(pipeline, "router")
+
+
+def router_service_name(pipeline: str) -> str:
+    """The pipeline's endpoint Service: the pipeline's own name."""
+    return object_name(pipeline)
+
+
+def endpoint_url(name: str, namespace: str, port: int) -> str:
+    """The in-cluster URL of pipeline ``name``'s router."""
+    return f"http://{router_service_name(name)}.{namespace}.svc:{port}"
+
+
+def stage_port(stage_id: int) -> int:
+    return STAGE_PORT_BASE + stage_id
+
+
+def object_key(obj: Mapping[str, Any]) -> tuple[str, str, str]:
+    """(apiVersion, kind, name): what identifies a child within its namespace."""
+    return (str(obj["apiVersion"]), str(obj["kind"]), str(obj["metadata"]["name"]))
+
+
+def prune_set(
+    desired: Sequence[Mapping[str, Any]], existing: Iterable[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """The objects of ``existing`` to delete: labelled as this pipeline's children by the
+    operator, not in ``desired``, and owned by no one else; sorted by key."""
+    if not desired:
+        # Without a desired object there is no pipeline (label, uid) to compare with.
+        return []
+    labels = desired[0]["metadata"]["labels"]
+    pipeline, uid = labels[LABEL_PIPELINE], desired[0]["metadata"]["ownerReferences"][0]["uid"]
+    wanted = {object_key(obj) for obj in desired}
+    stale = [
+        obj
+        for obj in existing
+        if object_key(obj) not in wanted and _is_child_of(obj, pipeline, uid)
+    ]
+    return sorted(stale, key=object_key)
+
+
+def _is_child_of(obj: Mapping[str, Any], pipeline: str, uid: str) -> bool:
+    meta = obj.get("metadata") or {}
+    labels = meta.get("labels") or {}
+    if labels.get(LABEL_PIPELINE) != pipeline or labels.get(LABEL_MANAGED_BY) != MANAGED_BY:
+        return False
+    # An object with no owner left (orphaned by `kubectl delete --cascade=orphan`) is still
+    # ours by its labels; one that names another owner is not.
+    return all(ref.get("uid") == uid for ref in meta.get("ownerReferences") or [])
+
+
+# ----------------------------------------------------------------------------- quantities
+
+_QUANTITY = re.compile(
+    r"(?P<number>[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+))"
+    r"(?P<suffix>Ki|Mi|Gi|Ti|Pi|Ei|n|u|m|k|M|G|T|P|E|[eE][+-]?[0-9]+)?"
+)
+_BINARY = {"Ki": 1, "Mi": 2, "Gi": 3, "Ti": 4, "Pi": 5, "Ei": 6}
+_DECIMAL = {"n": -9, "u": -6, "m": -3, "": 0, "k": 3, "M": 6, "G": 9, "T": 12, "P": 15, "E": 18}
+
+
+@dataclass(frozen=True)
+class ParsedQuantity:
+    value: Fraction
+    binary: bool  # written with a binary suffix (Ki, Mi, ...): written back that way
+
+
+def parse_quantity(quantity: Quantity) -> ParsedQuantity | None:
+    """A Kubernetes quantity ('500m', '1.5Gi', '1e3', 2) exactly; None if it is not one."""
+    if isinstance(quantity, bool):
+        return None
+    match = _QUANTITY.fullmatch(str(quantity).strip())
+    if match is None:
+        return None
+    number, suffix = Fraction(match["number"]), match["suffix"] or ""
+    if suffix in _BINARY:
+        return ParsedQuantity(number * 1024 ** _BINARY[suffix], binary=True)
+    if suffix in _DECIMAL:
+        return ParsedQuantity(number * Fraction(10) ** _DECIMAL[suffix], binary=False)
+    return ParsedQuantity(number * Fraction(10) ** int(suffix[1:]), binary=False)
+
+
+def format_quantity(value: Fraction, *, binary: bool) -> str:
+    """``value`` in Kubernetes' canonical form: the largest suffix that keeps it whole."""
+    if binary and value.denominator == 1 and abs(value) >= 1024:
+        for suffix, power in sorted(_BINARY.items(), key=lambda item: -item[1]):
+            scaled = value / 1024**power
+            if scaled.denominator == 1:
+                return f"{scaled.numerator}{suffix}"
+        return str(value.numerator)
+    # Kubernetes keeps nothing finer than 1n, rounding up.
+    nanos = math.ceil(value * 10**9)
+    if nanos == 0:
+        return "0"
+    for suffix, exponent in sorted(_DECIMAL.items(), key=lambda item: -item[1]):
+        scaled = Fraction(nanos, 10**9) / Fraction(10) ** exponent
+        if scaled.denominator == 1:
+            return f"{scaled.numerator}{suffix}"
+    raise AssertionError("unreachable: every value in nanos is whole in n")
+
+
+def sum_quantities(quantities: Sequence[Quantity]) -> str:
+    """The sum of ``quantities``, canonical; a single one as written; when one does not
+    parse, the first as written (the apiserver then says what is wrong with it)."""
+    if len(quantities) == 1:
+        return str(quantities[0])
+    parsed = [parse_quantity(q) for q in quantities]
+    if any(p is None for p in parsed):
+        return str(quantities[0])
+    values = [p for p in parsed if p is not None]
+    return format_quantity(sum((p.value for p in values), Fraction(0)), binary=values[0].binary)
+
+
+def pod_resources(placements: Sequence[Placement], gpu_count: int) -> dict[str, dict[str, str]]:
+    """The container resources of a pod running components with ``placements``: each
+    resource's requests summed, a component that gives only a limit requesting its limit
+    (as Kubernetes would), and limits summed; ``gpu_count`` GPUs requested and limited."""
+    requests: dict[str, list[Quantity]] = {}
+    limits: dict[str, list[Quantity]] = {}
+    for placement in placements:
+        given = placement.resources
+        for name in sorted(set(given.requests) | set(given.limits)):
+            requests.setdefault(name, []).append(
+                given.requests.get(name, given.limits.get(name, 0))
+            )
+        for name, quantity in sorted(given.limits.items()):
+            limits.setdefault(name, []).append(quantity)
+    result = {
+        kind: {
+            name: sum_quantities(values)
+            for name, values in sorted(found.items())
+            if name != GPU_RESOURCE
+        }
+        for kind, found in (("requests", requests), ("limits", limits))
+    }
+    if gpu_count:
+        for values in result.values():
+            values[GPU_RESOURCE] = str(gpu_count)
+    return {kind: values for kind, values in result.items() if values}
+
+
+# ---------------------------------------------------------------------------- placement
+
+
+@dataclass(frozen=True)
+class _PodPlacement:
+    """The placements of a pod's components, merged into what one pod spec can say."""
+
+    image: str
+    image_pull_policy: str
+    resources: dict[str, dict[str, str]]
+    node_selector: dict[str, str]
+    tolerations: list[dict[str, Any]]
+    affinity: dict[str, Any] | None
+    env: list[dict[str, Any]]
+    volumes: list[dict[str, Any]]
+    volume_mounts: list[dict[str, Any]]
+
+
+def _merge_placements(
+    placements: Sequence[Placement],
+    spec: OmniPipelineSpec,
+    default_image: str,
+    *,
+    gpu_count: int,
+) -> _PodPlacement:
+    # check_spec refuses conflicting placements in one pod; the first one wins here.
+    tolerations = [
+        t.model_dump(mode="json", exclude_none=True) for p in placements for t in p.tolerations
+    ]
+    if gpu_count:
+        tolerations.append(dict(GPU_TOLERATION))
+    return _PodPlacement(
+        image=next((p.image for p in placements if p.image), spec.image or default_image),
+        image_pull_policy=next(
+            (p.image_pull_policy for p in placements if p.image_pull_policy),
+            spec.image_pull_policy,
+        ),
+        resources=pod_resources(placements, gpu_count),
+        node_selector=dict(
+            sorted({k: v for p in reversed(placements) for k, v in p.node_selector.items()}.items())
+        ),
+        tolerations=_first_of_each(tolerations, lambda t: json.dumps(t, sort_keys=True)),
+        affinity=copy.deepcopy(next((p.affinity for p in placements if p.affinity), None)),
+        env=_first_of_each(
+            # The operator's variables are not the placement's to set (see the docstring).
+            [_env(var) for p in placements for var in p.env if not is_reserved_env(var.name)],
+            lambda var: str(var["name"]),
+        ),
+        volumes=_first_of_each(
+            [copy.deepcopy(volume) for p in placements for volume in p.volumes],
+            lambda volume: str(volume.get("name")),
+        ),
+        volume_mounts=_first_of_each(
+            [
+                m.model_dump(mode="json", exclude_none=True)
+                for p in placements
+                for m in p.volume_mounts
+            ],
+            lambda mount: str(mount["mountPath"]),
+        ),
+    )
+
+
+def _first_of_each(
+    items: Iterable[dict[str, Any]], key: Callable[[dict[str, Any]], str]
+) -> list[dict[str, Any]]:
+    """``items`` in order, each key's first only."""
+    seen: set[str] = set()
+    result = []
+    for item in items:
+        if key(item) not in seen:
+            seen.add(key(item))
+            result.append(item)
+    return result
+
+
+def _env(var: EnvVar) -> dict[str, Any]:
+    result: dict[str, Any] = {"name": var.name}
+    if var.value_from is not None:
+        result["valueFrom"] = copy.deepcopy(var.value_from)
+    else:
+        result["value"] = var.value or ""
+    return result
+
+
+def _needs_shm(group: PlacementGroup, spec: OmniPipelineSpec) -> bool:
+    """Whether the group's pod needs a real /dev/shm (a container's default is 64 MiB)."""
+    ids = set(group.stage_ids)
+    for stage in group.stages:
+        # vLLM's workers of one engine talk through shared memory.
+        if stage.tensor_parallel_size * stage.data_parallel_size > 1:
+            return True
+        for upstream, connector in stage.input_stages.items():
+            config = spec.connectors.get(connector)
+            if upstream in ids and config is not None and config.name == SHARED_MEMORY_CONNECTOR:
+                return True
+    return False
+
+
+# -------------------------------------------------------------------------------- objects
+
+
+def config_data(spec: OmniPipelineSpec) -> dict[str, str]:
+    """The ConfigMap's data: the runtime pipeline, as the stage and router processes load it.
+
+    Replica counts are left out: in a cluster they live in the Deployments (a pod runs one
+    replica; the router discovers them all), and with them in the config, scaling a stage
+    would change the config hash and roll every pod of the pipeline.
+    """
+    pipeline = dump_pipeline(runtime_config(spec))
+    for stage in pipeline["stages"]:
+        stage.pop("replicas", None)
+    text = json.dumps(pipeline, indent=2, sort_keys=True)
+    return {CONFIG_KEY: text + "\n"}
+
+
+def config_hash(data: Mapping[str, str]) -> str:
+    """The pod templates' config-hash annotation for ConfigMap ``data``."""
+    canonical = json.dumps(dict(data), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class _Context:
+    """What every object of one pipeline shares."""
+
+    name: str
+    namespace: str
+    uid: str
+    spec: OmniPipelineSpec
+    default_image: str
+    config_hash: str
+
+    def labels(self, component: str, group: PlacementGroup | None = None) -> dict[str, str]:
+        labels = {
+            LABEL_MANAGED_BY: MANAGED_BY,
+            LABEL_PART_OF: label_value(self.name),
+            LABEL_PIPELINE: label_value(self.name),
+            LABEL_COMPONENT: component,
+        }
+        if group is not None:
+            labels[LABEL_GROUP] = label_value(group.name)
+            labels[LABEL_STAGES] = label_value(".".join(stage.name for stage in group.stages))
+        return dict(sorted(labels.items()))
+
+    def metadata(self, name: str, labels: Mapping[str, str]) -> dict[str, Any]:
+        return {
+            "name": name,
+            "namespace": self.namespace,
+            "labels": dict(labels),
+            "ownerReferences": [
+                {
+                    "apiVersion": API_VERSION,
+                    "kind": KIND,
+                    "name": self.name,
+                    "uid": self.uid,
+                    "controller": True,
+                    "blockOwnerDeletion": True,
+                }
+            ],
+        }
+
+
+def render(
+    name: str, namespace: str, uid: str, spec: OmniPipelineSpec, *, default_image: str
+) -> list[dict[str, Any]]:
+    """Every child object of pipeline ``name`` (uid ``uid``) in ``namespace``, in the order
+    to apply them: config and RBAC first, then each placement group, then the router.
+
+    ``default_image`` runs where neither the spec nor a placement names an image. Assumes a
+    spec that ``placement.check_spec`` passes.
+    """
+    data = config_data(spec)
+    ctx = _Context(name, namespace, uid, spec, default_image, config_hash(data))
+    groups = placement_groups(spec)
+    objects: list[dict[str, Any]] = [_config_map(ctx, data), *_router_rbac(ctx)]
+    for group in groups:
+        objects.append(_group_service(ctx, group))
+        objects.append(_group_deployment(ctx, group))
+        if group.replicas > 1:
+            objects.append(_pdb(ctx, group_object_name(name, group), _group_labels(ctx, group)))
+    objects.append(_router_service(ctx))
+    objects.append(_router_deployment(ctx, groups))
+    if spec.router.replicas > 1:
+        objects.append(_pdb(ctx, router_object_name(name), _router_labels(ctx)))
+    return objects
+
+
+def _config_map(ctx: _Context, data: dict[str, str]) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": ctx.metadata(config_map_name(ctx.name), ctx.labels(COMPONENT_CONFIG)),
+        "data": data,
+    }
+
+
+def _group_labels(ctx: _Context, group: PlacementGroup) -> dict[str, str]:
+    return ctx.labels(COMPONENT_STAGES, group)
+
+
+def _router_labels(ctx: _Context) -> dict[str, str]:
+    return ctx.labels(COMPONENT_ROUTER)
+
+
+def _selector(labels: Mapping[str, str]) -> dict[str, str]:
+    # Only what never changes for a Deployment's life: its selector is immutable.
+    return {
+        key: labels[key] for key in (LABEL_COMPONENT, LABEL_GROUP, LABEL_PIPELINE) if key in labels
+    }
+
+
+def _group_service(ctx: _Context, group: PlacementGroup) -> dict[str, Any]:
+    labels = _group_labels(ctx, group)
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": ctx.metadata(group_object_name(ctx.name, group), labels),
+        "spec": {
+            # Headless: the router picks replicas itself, from the EndpointSlices.
+            "clusterIP": "None",
+            "publishNotReadyAddresses": False,
+            "selector": _selector(labels),
+            "ports": [
+                {
+                    "name": f"stage-{stage_id}",
+                    "port": stage_port(stage_id),
+                    "targetPort": stage_port(stage_id),
+                    "protocol": "TCP",
+                }
+                for stage_id in group.stage_ids
+            ],
+        },
+    }
+
+
+def _group_deployment(ctx: _Context, group: PlacementGroup) -> dict[str, Any]:
+    labels = _group_labels(ctx, group)
+    placement = _merge_placements(
+        [stage.placement for stage in group.stages],
+        ctx.spec,
+        ctx.default_image,
+        gpu_count=group.gpu_count,
+    )
+    shm = _needs_shm(group, ctx.spec)
+    ports = [
+        {"name": f"stage-{i}", "containerPort": stage_port(i), "protocol": "TCP"}
+        for i in group.stage_ids
+    ]
+    container = _container(
+        STAGE_CONTAINER,
+        placement,
+        args=_stage_args(group),
+        env=_stage_env(group),
+        ports=[*ports, {"name": "health", "containerPort": HEALTH_PORT, "protocol": "TCP"}],
+        probes=_stage_probes(),
+        shm=shm,
+    )
+    pod = _pod_spec(ctx, placement, container, shm=shm, service_account=None)
+    name = group_object_name(ctx.name, group)
+    return _deployment(ctx, name, labels, group.replicas, _strategy(group.gpu_count > 0), pod)
+
+
+def _strategy(gpu: bool) -> dict[str, Any]:
+    if gpu:
+        # No spare GPUs for a surge pod: replace one pod at a time.
+        return {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}
+    return {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": "25%", "maxUnavailable": "25%"}}
+
+
+def _stage_args(group: PlacementGroup) -> list[str]:
+    args = ["stage", "-f", CONFIG_FILE, "--stages", ",".join(map(str, group.stage_ids))]
+    for stage_id in group.stage_ids:
+        args += ["--port", f"{stage_id}={stage_port(stage_id)}"]
+    return [*args, "--health-port", str(HEALTH_PORT)]
+
+
+def _stage_env(group: PlacementGroup) -> list[dict[str, Any]]:
+    env = _home_env()
+    if not group.gpu_count:
+        # No GPU in the pod: CUDA libraries in the image see none rather than probe for one.
+        return [*env, {"name": "CUDA_VISIBLE_DEVICES", "value": ""}]
+    return env + [
+        {
+            "name": f"{STAGE_CUDA_DEVICES_ENV_PREFIX}{stage.stage_id}",
+            "value": group.visible_devices(stage),
+        }
+        for stage in group.stages
+    ]
+
+
+def _home_env() -> list[dict[str, Any]]:
+    return [{"name": "HOME", "value": HOME_DIR}, {"name": "HF_HOME", "value": HF_HOME_DIR}]
+
+
+def _http_probe(path: str, port: int | str, *, period: int, failures: int) -> dict[str, Any]:
+    return {
+        "httpGet": {"path": path, "port": port},
+        "periodSeconds": period,
+        "timeoutSeconds": 5,
+        "failureThreshold": failures,
+    }
+
+
+def _stage_probes() -> dict[str, Any]:
+    return {
+        # The probe port opens once every stage has loaded its model (minutes for a 7B
+        # one). 15 minutes: beyond the stage process's own startup timeout (600 s), so that
+        # a stage that cannot start exits saying why rather than being killed unheard.
+        "startupProbe": _http_probe("/livez", "health", period=10, failures=90),
+        "livenessProbe": _http_probe("/livez", "health", period=10, failures=3),
+        "readinessProbe": _http_probe("/readyz", "health", period=5, failures=3),
+    }
+
+
+def _container(
+    name: str,
+    placement: _PodPlacement,
+    *,
+    args: list[str],
+    env: list[dict[str, Any]],
+    ports: list[dict[str, Any]],
+    probes: dict[str, Any],
+    shm: bool,
+) -> dict[str, Any]:
+    mounts: list[dict[str, Any]] = [
+        {"name": "omni-config", "mountPath": CONFIG_DIR, "readOnly": True},
+        {"name": "omni-home", "mountPath": HOME_DIR},
+        {"name": "omni-tmp", "mountPath": TMP_DIR},
+    ]
+    if shm:
+        mounts.append({"name": "omni-shm", "mountPath": SHM_DIR})
+    container: dict[str, Any] = {
+        "name": name,
+        "image": placement.image,
+        "imagePullPolicy": placement.image_pull_policy,
+        "command": ["omni-runtime"],
+        "args": args,
+        "env": env + placement.env,
+        "ports": ports,
+        "volumeMounts": mounts + placement.volume_mounts,
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"]},
+            "readOnlyRootFilesystem": True,
+            "runAsNonRoot": True,
+        },
+        **probes,
+    }
+    if placement.resources:
+        container["resources"] = placement.resources
+    return container
+
+
+def _pod_spec(
+    ctx: _Context,
+    placement: _PodPlacement,
+    container: dict[str, Any],
+    *,
+    shm: bool,
+    service_account: str | None,
+) -> dict[str, Any]:
+    volumes: list[dict[str, Any]] = [
+        {"name": "omni-config", "configMap": {"name": config_map_name(ctx.name)}},
+        {"name": "omni-home", "emptyDir": {}},
+        {"name": "omni-tmp", "emptyDir": {}},
+    ]
+    if shm:
+        volumes.append({"name": "omni-shm", "emptyDir": {"medium": "Memory"}})
+    pod: dict[str, Any] = {
+        "containers": [container],
+        # Service links would put <SERVICE>_PORT variables of every Service in the
+        # namespace into the environment, where they could shadow the runtime's OMNI_*.
+        "enableServiceLinks": False,
+        "automountServiceAccountToken": service_account is not None,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": RUNTIME_UID,
+            "runAsGroup": RUNTIME_UID,
+            "fsGroup": RUNTIME_UID,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "terminationGracePeriodSeconds": 30,
+        "volumes": volumes + placement.volumes,
+    }
+    if service_account is not None:
+        pod["serviceAccountName"] = service_account
+    if placement.node_selector:
+        pod["nodeSelector"] = placement.node_selector
+    if placement.tolerations:
+        pod["tolerations"] = placement.tolerations
+    if placement.affinity is not None:
+        pod["affinity"] = placement.affinity
+    return pod
+
+
+def _deployment(
+    ctx: _Context,
+    name: str,
+    labels: dict[str, str],
+    replicas: int,
+    strategy: dict[str, Any],
+    pod: dict[str, Any],
+) -> dict[str, Any]:
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": ctx.metadata(name, labels),
+        "spec": {
+            "replicas": replicas,
+            "revisionHistoryLimit": 3,
+            "strategy": strategy,
+            "selector": {"matchLabels": _selector(labels)},
+            "template": {
+                "metadata": {
+                    "labels": dict(labels),
+                    "annotations": {ANNOTATION_CONFIG_HASH: ctx.config_hash},
+                },
+                "spec": pod,
+            },
+        },
+    }
+
+
+def _pdb(ctx: _Context, name: str, labels: dict[str, str]) -> dict[str, Any]:
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": ctx.metadata(name, labels),
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": _selector(labels)}},
+    }
+
+
+def _router_rbac(ctx: _Context) -> list[dict[str, Any]]:
+    name, labels = router_object_name(ctx.name), _router_labels(ctx)
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": ctx.metadata(name, labels)},
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "Role",
+            "metadata": ctx.metadata(name, labels),
+            "rules": [
+                {
+                    "apiGroups": ["discovery.k8s.io"],
+                    "resources": ["endpointslices"],
+                    "verbs": ["get", "list", "watch"],
+                }
+            ],
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": ctx.metadata(name, labels),
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+            "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": ctx.namespace}],
+        },
+    ]
+
+
+def _router_service(ctx: _Context) -> dict[str, Any]:
+    labels = _router_labels(ctx)
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": ctx.metadata(router_service_name(ctx.name), labels),
+        "spec": {
+            "type": ctx.spec.router.service_type,
+            "selector": _selector(labels),
+            "ports": [
+                {
+                    "name": "http",
+                    "port": ctx.spec.router.port,
+                    "targetPort": "http",
+                    "protocol": "TCP",
+                }
+            ],
+        },
+    }
+
+
+def _router_deployment(ctx: _Context, groups: Sequence[PlacementGroup]) -> dict[str, Any]:
+    router = ctx.spec.router
+    placement = _merge_placements([router.placement], ctx.spec, ctx.default_image, gpu_count=0)
+    args = ["router", "-f", CONFIG_FILE, "--port", str(router.port)]
+    args += ["--discover-namespace", f"$({NAMESPACE_ENV})"]
+    services = {i: group_object_name(ctx.name, group) for group in groups for i in group.stage_ids}
+    for stage_id, service in sorted(services.items()):
+        args += ["--stage-service", f"{stage_id}={service}"]
+    namespace_env = {
+        "name": NAMESPACE_ENV,
+        "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}},
+    }
+    container = _container(
+        ROUTER_CONTAINER,
+        placement,
+        args=args,
+        env=[namespace_env, *_home_env()],
+        ports=[{"name": "http", "containerPort": router.port, "protocol": "TCP"}],
+        probes={
+            # /health answers 503 until every stage has a live replica: not ready, alive.
+            "readinessProbe": _http_probe("/health", "http", period=5, failures=3),
+            "livenessProbe": _http_probe("/livez", "http", period=10, failures=3),
+        },
+        shm=False,
+    )
+    name = router_object_name(ctx.name)
+    pod = _pod_spec(ctx, placement, container, shm=False, service_account=name)
+    return _deployment(ctx, name, _router_labels(ctx), router.replicas, _strategy(False), pod)

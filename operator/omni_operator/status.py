@@ -1,0 +1,214 @@
+"""The OmniPipeline's status, computed from its Deployments: a pure function.
+
+Phase, from the most to the least serious:
+- Failed: the spec cannot be deployed (SpecValid=False); nothing was changed.
+- Ready: every stage and the router have all their replicas ready, on the current spec.
+- Progressing: a rollout is under way (a Deployment has not caught up with its spec, or
+  not every pod is of the current template).
+- Pending: nothing has been ready yet since the pipeline was created.
+- Degraded: it was serving, and now some replicas are missing (a pod died, went unready,
+  or cannot be scheduled).
+
+A stage counts as ready (the READY column, ready stages / stages) when all its replicas
+are. Conditions keep their lastTransitionTime while their status stays the same.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .api import Condition, ConditionStatus, OmniPipelineStatus, Phase, RouterStatus, StageStatus
+
+
+@dataclass(frozen=True)
+class DeploymentState:
+    """What the status needs of one Deployment."""
+
+    replicas: int
+    ready_replicas: int
+    updated_replicas: int
+    available_replicas: int
+    # The Deployment controller has seen the latest template.
+    observed: bool
+
+    @classmethod
+    def of(cls, deployment: Mapping[str, Any]) -> DeploymentState:
+        spec = deployment.get("spec") or {}
+        status = deployment.get("status") or {}
+        generation = (deployment.get("metadata") or {}).get("generation", 0)
+        return cls(
+            replicas=int(spec.get("replicas", 1)),
+            ready_replicas=int(status.get("readyReplicas", 0)),
+            updated_replicas=int(status.get("updatedReplicas", 0)),
+            available_replicas=int(status.get("availableReplicas", 0)),
+            observed=int(status.get("observedGeneration", 0)) >= int(generation),
+        )
+
+    @property
+    def rolling(self) -> bool:
+        return not self.observed or self.updated_replicas < self.replicas
+
+    @property
+    def all_ready(self) -> bool:
+        return self.replicas > 0 and self.ready_replicas >= self.replicas
+
+
+@dataclass(frozen=True)
+class StagePlacement:
+    """A stage and the Deployment (placement group) it runs in."""
+
+    name: str
+    stage_id: int
+    group: str
+    deployment: str
+
+
+def invalid_status(
+    message: str, generation: int, previous: OmniPipelineStatus | None, now: str
+) -> OmniPipelineStatus:
+    """The status of a spec the operator refuses: Failed, SpecValid=False with why."""
+    base = previous or OmniPipelineStatus()
+    conditions = _merge_conditions(
+        base.conditions,
+        [
+            _condition("SpecValid", "False", "InvalidSpec", message, generation),
+            _condition("Ready", "False", "InvalidSpec", "the spec cannot be deployed", generation),
+        ],
+        now,
+    )
+    return base.model_copy(
+        update={"phase": "Failed", "observed_generation": generation, "conditions": conditions}
+    )
+
+
+def pipeline_status(
+    *,
+    stages: Sequence[StagePlacement],
+    router_deployment: str,
+    deployments: Mapping[str, Mapping[str, Any]],
+    generation: int,
+    endpoint: str,
+    previous: OmniPipelineStatus | None,
+    now: str,
+) -> OmniPipelineStatus:
+    """The status of a valid pipeline whose Deployments (by name) are ``deployments``;
+    a Deployment not there yet counts as wanted but with nothing ready."""
+    states = {name: DeploymentState.of(body) for name, body in deployments.items()}
+    missing = DeploymentState(0, 0, 0, 0, observed=False)
+    stage_statuses: list[StageStatus] = []
+    not_ready: list[str] = []
+    rolling: list[str] = []
+    for stage in sorted(stages, key=lambda s: s.stage_id):
+        state = states.get(stage.deployment, missing)
+        stage_statuses.append(
+            StageStatus(
+                name=stage.name,
+                stage_id=stage.stage_id,
+                placement_group=stage.group,
+                replicas=state.replicas,
+                ready_replicas=state.ready_replicas,
+                updated_replicas=state.updated_replicas,
+            )
+        )
+        if not state.all_ready:
+            not_ready.append(f"stage {stage.name}: {state.ready_replicas}/{state.replicas} ready")
+    for name in sorted({s.deployment for s in stages} | {router_deployment}):
+        state = states.get(name, missing)
+        if name not in states:
+            rolling.append(f"{name}: not created yet")
+        elif state.rolling:
+            rolling.append(f"{name}: {state.updated_replicas}/{state.replicas} updated")
+    router = states.get(router_deployment, missing)
+    if not router.all_ready:
+        not_ready.append(f"router: {router.ready_replicas}/{router.replicas} ready")
+    ready_stages = sum(
+        1 for s in stage_statuses if s.replicas > 0 and s.ready_replicas >= s.replicas
+    )
+
+    was_serving = previous is not None and previous.phase in ("Ready", "Degraded")
+    phase: Phase
+    if not not_ready and not rolling:
+        phase = "Ready"
+    elif rolling:
+        phase = "Progressing"
+    elif was_serving:
+        phase = "Degraded"
+    else:
+        phase = "Pending"
+
+    def flag(value: bool) -> ConditionStatus:
+        return "True" if value else "False"
+
+    conditions = [
+        _condition("SpecValid", "True", "Valid", "the spec is valid", generation),
+        _condition(
+            "Ready",
+            flag(phase == "Ready"),
+            "AllReplicasReady" if phase == "Ready" else "ReplicasNotReady",
+            "; ".join(not_ready) or "every stage and the router are ready",
+            generation,
+        ),
+        _condition(
+            "Progressing",
+            flag(bool(rolling)),
+            "RollingOut" if rolling else "RolloutComplete",
+            "; ".join(rolling) or "every Deployment runs the current spec",
+            generation,
+        ),
+        _condition(
+            "Degraded",
+            flag(phase == "Degraded"),
+            "ReplicasUnavailable" if phase == "Degraded" else "AsExpected",
+            "; ".join(not_ready) if phase == "Degraded" else "",
+            generation,
+        ),
+    ]
+    return OmniPipelineStatus(
+        phase=phase,
+        observed_generation=generation,
+        ready=f"{ready_stages}/{len(stage_statuses)}",
+        endpoint=endpoint,
+        conditions=_merge_conditions(previous.conditions if previous else [], conditions, now),
+        stages=stage_statuses,
+        router=RouterStatus(
+            replicas=router.replicas,
+            ready_replicas=router.ready_replicas,
+            ready=router.ready_replicas > 0,
+        ),
+    )
+
+
+def _condition(
+    type_: str, status: ConditionStatus, reason: str, message: str, generation: int
+) -> Condition:
+    return Condition.model_validate(
+        {
+            "type": type_,
+            "status": status,
+            "reason": reason,
+            "message": message,
+            "observedGeneration": generation,
+        }
+    )
+
+
+def _merge_conditions(
+    previous: Sequence[Condition], current: Sequence[Condition], now: str
+) -> list[Condition]:
+    """``current`` with each lastTransitionTime kept from ``previous`` where the status did
+    not change; conditions of ``previous`` that ``current`` does not mention stay."""
+    before: dict[str, Condition] = {c.type: c for c in previous}
+    merged = dict(before)
+    for condition in current:
+        old = before.get(condition.type)
+        since = old.last_transition_time if old and old.status == condition.status else None
+        merged[condition.type] = condition.model_copy(update={"last_transition_time": since or now})
+    order = ("Ready", "Progressing", "Degraded", "SpecValid")
+    return sorted(merged.values(), key=lambda c: order.index(c.type))
+
+
+def status_body(status: OmniPipelineStatus) -> dict[str, Any]:
+    """``status`` as the JSON the status subresource takes."""
+    return status.model_dump(mode="json", by_alias=True, exclude_none=True)

@@ -1,0 +1,283 @@
+"""Unit tests of omni_operator.placement: placement groups and the checks that need them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from omni_operator.api import OmniPipelineSpec
+from omni_operator.placement import (
+    MAX_STAGE_ID,
+    check_spec,
+    group_of,
+    is_reserved_env,
+    placement_groups,
+)
+
+
+def _spec(stages: list[dict[str, Any]], **extra: Any) -> OmniPipelineSpec:
+    return OmniPipelineSpec.model_validate(
+        {
+            "model": "some/model",
+            "stages": stages,
+            "connectors": {
+                "shm": {"name": "SharedMemoryConnector"},
+                "tcp": {"name": "TCPConnector"},
+            },
+            **extra,
+        }
+    )
+
+
+def _stage(stage_id: int, devices: str = "cpu", **fields: Any) -> dict[str, Any]:
+    return {
+        "stageId": stage_id,
+        "name": f"s{stage_id}",
+        "type": "llm",
+        "devices": devices,
+        **fields,
+    }
+
+
+def _messages(spec: OmniPipelineSpec) -> dict[str, str]:
+    return dict(check_spec(spec))
+
+
+# ---------------------------------------------------------------------- placement groups
+
+
+def test_stages_sharing_a_gpu_transitively_form_one_group() -> None:
+    # 0 and 2 share no GPU, but both share one with 1: one pod for all three.
+    spec = _spec([_stage(0, "0,1"), _stage(1, "1,2"), _stage(2, "2"), _stage(3, "3")])
+    groups = placement_groups(spec)
+    assert [g.stage_ids for g in groups] == [(0, 1, 2), (3,)]
+    assert groups[0].gpu_ids == (0, 1, 2)
+    assert groups[0].gpu_count == 3
+    assert groups[0].name == "s0-s1-s2"
+    assert groups[1].gpu_count == 1
+
+
+def test_a_chain_joined_late_still_forms_one_group() -> None:
+    # Stage 2 joins the groups of 0 and 1, which are apart until it comes.
+    spec = _spec([_stage(0, "0"), _stage(1, "1"), _stage(2, "1,0")])
+    assert [g.stage_ids for g in placement_groups(spec)] == [(0, 1, 2)]
+
+
+def test_each_cpu_stage_is_a_group_of_its_own() -> None:
+    spec = _spec([_stage(0), _stage(1, ""), _stage(2, "0")])
+    groups = placement_groups(spec)
+    assert [g.stage_ids for g in groups] == [(0,), (1,), (2,)]
+    assert [g.gpu_count for g in groups] == [0, 0, 1]
+    assert groups[0].visible_devices(groups[0].stages[0]) == ""
+
+
+def test_groups_are_ordered_by_lowest_stage_id_whatever_the_spec_order() -> None:
+    spec = _spec([_stage(3, "1"), _stage(1, "0"), _stage(2, "1"), _stage(0)])
+    groups = placement_groups(spec)
+    assert [g.stage_ids for g in groups] == [(0,), (1,), (2, 3)]
+    assert group_of(groups, 3) is groups[2]
+    with pytest.raises(KeyError):
+        group_of(groups, 9)
+
+
+def test_visible_devices_are_renumbered_into_the_pods_gpus() -> None:
+    # The pod sees its GPUs as 0..n-1 in ascending order of the ids in devices.
+    spec = _spec([_stage(0, "5,2"), _stage(1, "5"), _stage(2, "7,2")])
+    group = placement_groups(spec)[0]
+    assert group.gpu_ids == (2, 5, 7)
+    by_id = {stage.stage_id: group.visible_devices(stage) for stage in group.stages}
+    assert by_id == {0: "1,0", 1: "1", 2: "2,0"}
+
+
+def test_group_replicas_come_from_its_stages() -> None:
+    spec = _spec([_stage(0, "0", replicas=3), _stage(1, "0", replicas=3)])
+    assert placement_groups(spec)[0].replicas == 3
+
+
+# ---------------------------------------------------------------------------- check_spec
+
+
+def test_a_deployable_spec_has_no_issues() -> None:
+    spec = _spec(
+        [
+            _stage(0, "0", output="hidden_states"),
+            _stage(1, "0", type="diffusion", inputConnectors={"from_stage_0": "shm"}),
+        ]
+    )
+    assert check_spec(spec) == []
+
+
+def test_unequal_replicas_in_a_group_are_refused_with_both_counts() -> None:
+    spec = _spec([_stage(0, "0,1", replicas=2), _stage(1, "1", replicas=3)])
+    message = _messages(spec)["stages[1].replicas"]
+    assert "same replicas (2), not 3" in message
+    assert "GPUs 0,1" in message
+
+
+def test_shared_memory_between_groups_is_refused_naming_both_groups() -> None:
+    spec = _spec(
+        [_stage(0, "0"), _stage(1, "1", type="diffusion", inputConnectors={"from_stage_0": "shm"})]
+    )
+    message = _messages(spec)["stages[1].inputConnectors.from_stage_0"]
+    assert "SharedMemoryConnector" in message
+    assert "'s0'" in message
+    assert "'s1'" in message
+    assert "TCPConnector" in message
+
+
+def test_tcp_between_groups_is_fine() -> None:
+    spec = _spec([_stage(0), _stage(1, type="diffusion", inputConnectors={"from_stage_0": "tcp"})])
+    assert check_spec(spec) == []
+
+
+def test_gpu_resources_set_by_hand_are_refused() -> None:
+    spec = _spec(
+        [_stage(0, "0", placement={"resources": {"limits": {"nvidia.com/gpu": 2}}})],
+        router={"placement": {"resources": {"requests": {"nvidia.com/gpu": 1}}}},
+    )
+    messages = _messages(spec)
+    assert "set by the operator from devices" in messages["stages[0].placement.resources.limits"]
+    assert "router.placement.resources.requests" in messages
+
+
+@pytest.mark.parametrize(
+    "name", ["HOME", "HF_HOME", "CUDA_VISIBLE_DEVICES", "OMNI_CUDA_VISIBLE_DEVICES_0"]
+)
+def test_the_operators_variables_cannot_be_set_in_env(name: str) -> None:
+    spec = _spec([_stage(0, placement={"env": [{"name": "OK", "value": "1"}, {"name": name}]})])
+    message = _messages(spec)["stages[0].placement.env[1].name"]
+    assert f"{name} is set by the operator" in message
+    assert "mount a volume at /var/lib/omni/hf" in message
+    assert is_reserved_env(name)
+    assert not is_reserved_env("HF_TOKEN")
+
+
+def test_router_env_is_checked_too() -> None:
+    spec = _spec([_stage(0)], router={"placement": {"env": [{"name": "OMNI_NAMESPACE"}]}})
+    assert "router.placement.env[0].name" in _messages(spec)
+
+
+def test_reserved_volume_names_and_mount_paths_are_refused() -> None:
+    placement = {
+        "volumes": [{"name": "omni-home", "emptyDir": {}}, {"name": "models", "emptyDir": {}}],
+        "volumeMounts": [
+            {"name": "models", "mountPath": "/tmp/"},
+            {"name": "models", "mountPath": "/etc/omni/extra"},
+            {"name": "models", "mountPath": "/var/lib/omni/hf"},
+        ],
+    }
+    messages = _messages(_spec([_stage(0, placement=placement)]))
+    assert "volume the operator adds" in messages["stages[0].placement.volumes[0].name"]
+    assert (
+        "/tmp/ is where the operator mounts"
+        in messages["stages[0].placement.volumeMounts[0].mountPath"]
+    )
+    assert "stages[0].placement.volumeMounts[1].mountPath" in messages
+    # Below the writable HOME is the documented place for a model cache.
+    assert "stages[0].placement.volumeMounts[2].mountPath" not in messages
+
+
+def test_a_mount_may_use_a_volume_of_another_stage_of_its_pod_but_not_an_unknown_one() -> None:
+    spec = _spec(
+        [
+            _stage(0, "0", placement={"volumes": [{"name": "models", "emptyDir": {}}]}),
+            _stage(
+                1,
+                "0",
+                placement={
+                    "volumeMounts": [
+                        {"name": "models", "mountPath": "/models"},
+                        {"name": "cache", "mountPath": "/cache"},
+                    ]
+                },
+            ),
+        ]
+    )
+    messages = _messages(spec)
+    assert list(messages) == ["stages[1].placement.volumeMounts[1].name"]
+    assert "no volume named 'cache'" in messages["stages[1].placement.volumeMounts[1].name"]
+    assert "declared: models" in messages["stages[1].placement.volumeMounts[1].name"]
+
+
+def test_conflicting_placements_in_one_pod_are_refused() -> None:
+    spec = _spec(
+        [
+            _stage(
+                0,
+                "0",
+                placement={
+                    "image": "a:1",
+                    "imagePullPolicy": "Always",
+                    "nodeSelector": {"zone": "a"},
+                    "env": [{"name": "X", "value": "1"}],
+                    "volumes": [{"name": "v", "emptyDir": {}}],
+                    "volumeMounts": [{"name": "v", "mountPath": "/v"}],
+                },
+            ),
+            _stage(
+                1,
+                "0",
+                placement={
+                    "image": "b:1",
+                    "imagePullPolicy": "Never",
+                    "nodeSelector": {"zone": "b"},
+                    "env": [{"name": "X", "value": "2"}],
+                    "volumes": [{"name": "v", "emptyDir": {"medium": "Memory"}}],
+                    "volumeMounts": [{"name": "v", "mountPath": "/v", "readOnly": True}],
+                },
+            ),
+        ]
+    )
+    messages = _messages(spec)
+    assert "its image must be s0's (a:1), not b:1" in messages["stages[1].placement.image"]
+    assert (
+        "imagePullPolicy must be s0's (Always)" in messages["stages[1].placement.imagePullPolicy"]
+    )
+    assert "zone=b conflicts with s0's a" in messages["stages[1].placement.nodeSelector"]
+    assert "X differs from s0's" in messages["stages[1].placement.env"]
+    assert "volume 'v' differs" in messages["stages[1].placement.volumes"]
+    assert "/v is mounted differently" in messages["stages[1].placement.volumeMounts"]
+
+
+def test_a_limit_on_some_stages_of_a_pod_only_is_refused() -> None:
+    spec = _spec(
+        [
+            _stage(0, "0", placement={"resources": {"limits": {"memory": "8Gi"}}}),
+            _stage(1, "0", placement={"resources": {"requests": {"memory": "8Gi"}}}),
+        ]
+    )
+    message = _messages(spec)["stages[1].placement.resources.limits"]
+    assert "needs a memory limit too (s0 set one)" in message
+
+
+def test_a_group_named_like_the_routers_objects_is_refused() -> None:
+    spec = OmniPipelineSpec.model_validate(
+        {"model": "m", "stages": [{"stageId": 0, "name": "router", "type": "llm"}]}
+    )
+    assert "router's" in _messages(spec)["stages[0].name"]
+
+
+def test_two_groups_of_one_name_are_refused() -> None:
+    # a-b + c and a + b-c both join to "a-b-c".
+    names = ["a-b", "c", "a", "b-c"]
+    devices = ["0", "0", "1", "1"]
+    spec = OmniPipelineSpec.model_validate(
+        {
+            "model": "m",
+            "stages": [
+                {"stageId": i, "name": name, "type": "llm", "devices": device}
+                for i, (name, device) in enumerate(zip(names, devices, strict=True))
+            ],
+        }
+    )
+    message = _messages(spec)["stages[2].name"]
+    assert "both named 'a-b-c'" in message
+
+
+def test_a_stage_id_beyond_the_port_range_is_refused() -> None:
+    fine = _spec([_stage(MAX_STAGE_ID)])
+    assert check_spec(fine) == []
+    message = _messages(_spec([_stage(MAX_STAGE_ID + 1)]))["stages[0].stageId"]
+    assert "above 65535" in message
+    assert f"ids up to {MAX_STAGE_ID}" in message

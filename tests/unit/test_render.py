@@ -1,0 +1,770 @@
+"""Unit tests of omni_operator.render: the objects one OmniPipeline becomes.
+
+The rendered objects of the two example pipelines (manifests/examples/) are compared with
+golden files in tests/unit/golden/. After a deliberate change to the renderer, regenerate
+them and review the diff:
+
+    OMNI_UPDATE_GOLDEN=1 .venv/bin/python -m pytest tests/unit/test_render.py -k golden
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import re
+from collections.abc import Iterator
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from omni_operator.api import (
+    API_VERSION,
+    DEFAULT_RUNTIME_IMAGE,
+    KIND,
+    OmniPipelineSpec,
+    runtime_config,
+)
+from omni_operator.placement import check_spec
+from omni_operator.render import (
+    ANNOTATION_CONFIG_HASH,
+    CHILD_KINDS,
+    FIELD_MANAGER,
+    LABEL_COMPONENT,
+    LABEL_GROUP,
+    LABEL_MANAGED_BY,
+    LABEL_PIPELINE,
+    LABEL_STAGES,
+    endpoint_url,
+    format_quantity,
+    group_object_name,
+    label_value,
+    object_key,
+    object_name,
+    parse_quantity,
+    pipeline_selector,
+    prune_set,
+    render,
+    router_object_name,
+    sum_quantities,
+)
+from omni_runtime.config import dump_pipeline, load_pipeline
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLES = ROOT / "manifests" / "examples"
+GOLDEN = Path(__file__).parent / "golden"
+UPDATE_GOLDEN = os.environ.get("OMNI_UPDATE_GOLDEN") == "1"
+NAMESPACE = "omni"
+UID = "00000000-0000-4000-8000-000000000001"
+IMAGE = DEFAULT_RUNTIME_IMAGE
+DNS_LABEL = re.compile(r"[a-z]([-a-z0-9]{0,61}[a-z0-9])?")
+GPU = "nvidia.com/gpu"
+
+
+def _manifest(name: str) -> dict[str, Any]:
+    data: dict[str, Any] = yaml.safe_load((EXAMPLES / name).read_text())
+    return data
+
+
+def _example(name: str) -> tuple[str, OmniPipelineSpec]:
+    data = _manifest(name)
+    return data["metadata"]["name"], OmniPipelineSpec.model_validate(data["spec"])
+
+
+def _spec(stages: list[dict[str, Any]], **extra: Any) -> OmniPipelineSpec:
+    return OmniPipelineSpec.model_validate(
+        {
+            "model": "some/model",
+            "stages": stages,
+            "connectors": {
+                "shm": {"name": "SharedMemoryConnector"},
+                "tcp": {"name": "TCPConnector"},
+            },
+            **extra,
+        }
+    )
+
+
+def _stage(stage_id: int, devices: str = "cpu", **fields: Any) -> dict[str, Any]:
+    return {
+        "stageId": stage_id,
+        "name": f"s{stage_id}",
+        "type": "llm",
+        "devices": devices,
+        **fields,
+    }
+
+
+def _render(spec: OmniPipelineSpec, name: str = "p") -> list[dict[str, Any]]:
+    return render(name, NAMESPACE, UID, spec, default_image=IMAGE)
+
+
+def _by_key(objects: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
+    return {(obj["kind"], obj["metadata"]["name"]): obj for obj in objects}
+
+
+def _deployments(objects: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    return (obj for obj in objects if obj["kind"] == "Deployment")
+
+
+def _container(deployment: dict[str, Any]) -> dict[str, Any]:
+    containers = deployment["spec"]["template"]["spec"]["containers"]
+    assert len(containers) == 1
+    container: dict[str, Any] = containers[0]
+    return container
+
+
+def _env(container: dict[str, Any]) -> dict[str, Any]:
+    return {var["name"]: var.get("value", var.get("valueFrom")) for var in container["env"]}
+
+
+def _config_hash(objects: list[dict[str, Any]]) -> set[str]:
+    return {
+        d["spec"]["template"]["metadata"]["annotations"][ANNOTATION_CONFIG_HASH]
+        for d in _deployments(objects)
+    }
+
+
+# ----------------------------------------------------------------------------- golden
+
+
+class _GoldenDumper(yaml.SafeDumper):
+    """Multi-line strings (the pipeline.json) as literal blocks, readable in a diff."""
+
+
+def _represent_str(dumper: yaml.SafeDumper, value: str) -> yaml.ScalarNode:
+    style = "|" if "\n" in value else None
+    return dumper.represent_scalar("tag:yaml.org,2002:str", value, style=style)
+
+
+_GoldenDumper.add_representer(str, _represent_str)
+
+
+@pytest.mark.parametrize("example", ["bagel-pipeline.yaml", "tiny-pipeline.yaml"])
+def test_golden(example: str) -> None:
+    name, spec = _example(example)
+    text = yaml.dump_all(_render(spec, name), Dumper=_GoldenDumper, sort_keys=True)
+    golden = GOLDEN / example
+    if UPDATE_GOLDEN:
+        golden.parent.mkdir(exist_ok=True)
+        golden.write_text(text)
+    assert golden.exists(), f"no {golden}; create it with OMNI_UPDATE_GOLDEN=1"
+    assert text == golden.read_text(), (
+        f"render of {example} differs from {golden.name}; if intended, regenerate with "
+        "OMNI_UPDATE_GOLDEN=1 and review the diff"
+    )
+
+
+def test_rendering_is_deterministic_and_json_able() -> None:
+    name, spec = _example("bagel-pipeline.yaml")
+    first = json.dumps(_render(spec, name))
+    again = json.dumps(
+        render(name, NAMESPACE, UID, spec.model_copy(deep=True), default_image=IMAGE)
+    )
+    assert first == again
+
+
+# ------------------------------------------------------------------------- the examples
+
+
+def test_bagel_example_is_the_seeds_config() -> None:
+    _, spec = _example("bagel-pipeline.yaml")
+    assert check_spec(spec) == []
+    ours = dump_pipeline(runtime_config(spec))
+    seed = dump_pipeline(
+        load_pipeline(ROOT / "examples" / "bagel.yaml", model="ByteDance-Seed/BAGEL-7B-MoT")
+    )
+    # What the example adds to the seed's file: the thinker's output kind, the router's
+    # port (the seed serves on 8091).
+    assert ours["stages"][0].pop("output") == "hidden_states"
+    seed["stages"][0].pop("output")
+    assert ours.pop("router")["port"] == 8091
+    seed.pop("router")
+    assert ours == seed
+
+
+def test_bagel_renders_one_gpu_pod_for_both_stages() -> None:
+    name, spec = _example("bagel-pipeline.yaml")
+    objects = _by_key(_render(spec, name))
+    assert sorted(objects) == [
+        ("ConfigMap", "bagel-config"),
+        ("Deployment", "bagel-router"),
+        ("Deployment", "bagel-thinker-dit"),
+        ("Role", "bagel-router"),
+        ("RoleBinding", "bagel-router"),
+        ("Service", "bagel"),
+        ("Service", "bagel-thinker-dit"),
+        ("ServiceAccount", "bagel-router"),
+    ]
+    stages = objects[("Deployment", "bagel-thinker-dit")]
+    container = _container(stages)
+    assert container["resources"]["limits"][GPU] == "1"
+    assert container["resources"]["requests"][GPU] == "1"
+    assert container["resources"]["requests"]["cpu"] == "8"
+    assert container["resources"]["requests"]["memory"] == "64Gi"
+    env = _env(container)
+    assert env["OMNI_CUDA_VISIBLE_DEVICES_0"] == "0"
+    assert env["OMNI_CUDA_VISIBLE_DEVICES_1"] == "0"
+    assert "CUDA_VISIBLE_DEVICES" not in env
+    pod = stages["spec"]["template"]["spec"]
+    assert {"name": "omni-shm", "emptyDir": {"medium": "Memory"}} in pod["volumes"]
+    assert {"key": GPU, "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+    assert stages["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 0, "maxUnavailable": 1}
+    endpoint = objects[("Service", "bagel")]["spec"]["ports"]
+    assert endpoint == [{"name": "http", "port": 8091, "targetPort": "http", "protocol": "TCP"}]
+
+
+def test_tiny_example_loads_locally_and_runs_its_stages_apart() -> None:
+    # The local serve reads the same file, without its Kubernetes-only fields.
+    local = load_pipeline(EXAMPLES / "tiny-pipeline.yaml")
+    name, spec = _example("tiny-pipeline.yaml")
+    assert check_spec(spec) == []
+    assert dump_pipeline(local) == dump_pipeline(runtime_config(spec))
+    assert local.connectors["tcp_connector"].name == "TCPConnector"
+    deployments = {d["metadata"]["name"]: d for d in _deployments(_render(spec, name))}
+    assert sorted(deployments) == ["tiny-dit", "tiny-router", "tiny-thinker"]
+    for group in ("tiny-thinker", "tiny-dit"):
+        container = _container(deployments[group])
+        assert _env(container)["CUDA_VISIBLE_DEVICES"] == ""
+        assert GPU not in json.dumps(container)
+        volumes = deployments[group]["spec"]["template"]["spec"]["volumes"]
+        assert "omni-shm" not in {v["name"] for v in volumes}
+
+
+# ------------------------------------------------------------------- ownership, labels
+
+
+@pytest.mark.parametrize("example", ["bagel-pipeline.yaml", "tiny-pipeline.yaml"])
+def test_every_child_is_owned_labelled_and_a_listed_kind(example: str) -> None:
+    name, spec = _example(example)
+    kinds = {(kind.api_version, kind.kind) for kind in CHILD_KINDS}
+    objects = _render(spec, name)
+    for obj in objects:
+        meta = obj["metadata"]
+        assert (obj["apiVersion"], obj["kind"]) in kinds
+        assert meta["namespace"] == NAMESPACE
+        assert meta["ownerReferences"] == [
+            {
+                "apiVersion": API_VERSION,
+                "kind": KIND,
+                "name": name,
+                "uid": UID,
+                "controller": True,
+                "blockOwnerDeletion": True,
+            }
+        ]
+        assert meta["labels"][LABEL_PIPELINE] == name
+        assert meta["labels"][LABEL_MANAGED_BY] == FIELD_MANAGER
+        assert meta["labels"]["app.kubernetes.io/part-of"] == name
+        assert meta["labels"][LABEL_COMPONENT] in ("config", "stages", "router")
+        assert DNS_LABEL.fullmatch(meta["name"])
+    assert len({object_key(obj) for obj in objects}) == len(objects)
+
+
+def test_stage_groups_carry_their_group_and_stages() -> None:
+    spec = _spec([_stage(0, "0"), _stage(1, "0"), _stage(2)])
+    objects = _by_key(_render(spec))
+    labels = objects[("Deployment", "p-s0-s1")]["spec"]["template"]["metadata"]["labels"]
+    assert labels[LABEL_GROUP] == "s0-s1"
+    assert labels[LABEL_STAGES] == "s0.s1"
+    assert objects[("Service", "p-s2")]["metadata"]["labels"][LABEL_STAGES] == "s2"
+
+
+@pytest.mark.parametrize("example", ["bagel-pipeline.yaml", "tiny-pipeline.yaml"])
+def test_selectors_select_their_own_pods_only(example: str) -> None:
+    name, spec = _example(example)
+    objects = _render(spec, name)
+    templates = {
+        d["metadata"]["name"]: d["spec"]["template"]["metadata"]["labels"]
+        for d in _deployments(objects)
+    }
+    for deployment in _deployments(objects):
+        selector = deployment["spec"]["selector"]["matchLabels"]
+        assert selector.items() <= templates[deployment["metadata"]["name"]].items()
+    for obj in objects:
+        if obj["kind"] not in ("Service", "PodDisruptionBudget"):
+            continue
+        spec_selector = obj["spec"]["selector"]
+        selector = spec_selector.get("matchLabels", spec_selector)
+        matching = [n for n, labels in templates.items() if selector.items() <= labels.items()]
+        expected = (
+            router_object_name(name)
+            if obj["metadata"]["name"] == name
+            else (obj["metadata"]["name"])
+        )
+        assert matching == [expected], obj["metadata"]["name"]
+
+
+def test_pipeline_selector_matches_the_labels() -> None:
+    spec = _spec([_stage(0)])
+    long_name = "p" * 100
+    for name in ("p", long_name):
+        key, value = pipeline_selector(name).split("=")
+        assert all(obj["metadata"]["labels"][key] == value for obj in _render(spec, name))
+
+
+# ----------------------------------------------------------------- pods and containers
+
+
+def test_stage_command_runs_the_groups_stages_on_their_ports() -> None:
+    spec = _spec([_stage(0, "0"), _stage(2, "0"), _stage(1)])
+    container = _container(_by_key(_render(spec))[("Deployment", "p-s0-s2")])
+    assert container["name"] == "stages"
+    assert container["command"] == ["omni-runtime"]
+    assert container["args"] == [
+        "stage",
+        "-f",
+        "/etc/omni/pipeline.json",
+        "--stages",
+        "0,2",
+        "--port",
+        "0=52000",
+        "--port",
+        "2=52002",
+        "--health-port",
+        "8081",
+    ]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports == {"stage-0": 52000, "stage-2": 52002, "health": 8081}
+    assert container["livenessProbe"]["httpGet"] == {"path": "/livez", "port": "health"}
+    assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "health"}
+    assert container["startupProbe"]["httpGet"]["path"] == "/livez"
+    startup = container["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] > 600
+
+
+def test_headless_service_has_a_port_per_stage() -> None:
+    spec = _spec([_stage(0, "0"), _stage(3, "0")])
+    service = _by_key(_render(spec))[("Service", "p-s0-s3")]["spec"]
+    assert service["clusterIP"] == "None"
+    assert service["publishNotReadyAddresses"] is False
+    assert service["ports"] == [
+        {"name": "stage-0", "port": 52000, "targetPort": 52000, "protocol": "TCP"},
+        {"name": "stage-3", "port": 52003, "targetPort": 52003, "protocol": "TCP"},
+    ]
+
+
+def test_router_discovers_every_stage_through_its_groups_service() -> None:
+    spec = _spec(
+        [_stage(0, "0"), _stage(1), _stage(2, "0")],
+        router={"port": 9000, "serviceType": "NodePort"},
+    )
+    objects = _by_key(_render(spec))
+    deployment = objects[("Deployment", "p-router")]
+    container = _container(deployment)
+    assert container["args"] == [
+        "router",
+        "-f",
+        "/etc/omni/pipeline.json",
+        "--port",
+        "9000",
+        "--discover-namespace",
+        "$(OMNI_NAMESPACE)",
+        "--stage-service",
+        "0=p-s0-s2",
+        "--stage-service",
+        "1=p-s1",
+        "--stage-service",
+        "2=p-s0-s2",
+    ]
+    assert _env(container)["OMNI_NAMESPACE"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
+    assert container["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert container["livenessProbe"]["httpGet"] == {"path": "/livez", "port": "http"}
+    pod = deployment["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == "p-router"
+    assert pod["automountServiceAccountToken"] is True
+    assert objects[("Service", "p")]["spec"]["type"] == "NodePort"
+    role = objects[("Role", "p-router")]
+    assert role["rules"] == [
+        {
+            "apiGroups": ["discovery.k8s.io"],
+            "resources": ["endpointslices"],
+            "verbs": ["get", "list", "watch"],
+        }
+    ]
+    binding = objects[("RoleBinding", "p-router")]
+    assert binding["roleRef"]["name"] == "p-router"
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "p-router", "namespace": NAMESPACE}
+    ]
+
+
+def test_pods_run_unprivileged_on_a_read_only_root() -> None:
+    spec = _spec([_stage(0, "0"), _stage(1)])
+    for deployment in _deployments(_render(spec)):
+        pod = deployment["spec"]["template"]["spec"]
+        assert pod["securityContext"] == {
+            "runAsNonRoot": True,
+            "runAsUser": 65532,
+            "runAsGroup": 65532,
+            "fsGroup": 65532,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        }
+        assert pod["terminationGracePeriodSeconds"] == 30
+        assert pod["enableServiceLinks"] is False
+        container = _container(deployment)
+        assert container["securityContext"]["readOnlyRootFilesystem"] is True
+        assert container["securityContext"]["allowPrivilegeEscalation"] is False
+        assert container["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+        mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+        assert mounts["/tmp"] == "omni-tmp"
+        assert mounts["/var/lib/omni"] == "omni-home"
+        assert mounts["/etc/omni"] == "omni-config"
+        assert _env(container)["HOME"] == "/var/lib/omni"
+        assert _env(container)["HF_HOME"] == "/var/lib/omni/hf"
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        assert volumes["omni-config"] == {"name": "omni-config", "configMap": {"name": "p-config"}}
+        if deployment["metadata"]["name"] != "p-router":
+            assert pod["automountServiceAccountToken"] is False
+            assert "serviceAccountName" not in pod
+
+
+def test_config_map_holds_the_runtime_pipeline() -> None:
+    spec = _spec([_stage(0, placement={"image": "x:1"})], router={"replicas": 2})
+    config = _by_key(_render(spec))[("ConfigMap", "p-config")]
+    loaded = load_pipeline(json.loads(config["data"]["pipeline.json"]))
+    assert dump_pipeline(loaded) == dump_pipeline(runtime_config(spec))
+    assert "placement" not in config["data"]["pipeline.json"]
+
+
+def test_gpu_counts_and_visible_devices_per_group() -> None:
+    spec = _spec([_stage(0, "4,6"), _stage(1, "6"), _stage(2, "3"), _stage(3)])
+    deployments = {d["metadata"]["name"]: d for d in _deployments(_render(spec))}
+    big = _container(deployments["p-s0-s1"])
+    assert big["resources"] == {"requests": {GPU: "2"}, "limits": {GPU: "2"}}
+    assert _env(big)["OMNI_CUDA_VISIBLE_DEVICES_0"] == "0,1"
+    assert _env(big)["OMNI_CUDA_VISIBLE_DEVICES_1"] == "1"
+    small = _container(deployments["p-s2"])
+    assert small["resources"]["limits"][GPU] == "1"
+    assert _env(small)["OMNI_CUDA_VISIBLE_DEVICES_2"] == "0"
+    cpu = deployments["p-s3"]
+    assert "resources" not in _container(cpu)
+    assert "tolerations" not in cpu["spec"]["template"]["spec"]
+    assert cpu["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": "25%", "maxUnavailable": "25%"}
+    assert deployments["p-router"]["spec"]["strategy"]["rollingUpdate"]["maxSurge"] == "25%"
+
+
+@pytest.mark.parametrize(
+    ("stages", "shm"),
+    [
+        ([_stage(0, "0"), _stage(1, "0", inputConnectors={"from_stage_0": "shm"})], True),
+        ([_stage(0, "0"), _stage(1, "0", inputConnectors={"from_stage_0": "tcp"})], False),
+        ([_stage(0, "0,1", tensorParallelSize=2)], True),
+        ([_stage(0, "0,1", dataParallelSize=2)], True),
+        ([_stage(0, "0")], False),
+    ],
+)
+def test_dev_shm_only_where_shared_memory_is_used(stages: list[dict[str, Any]], shm: bool) -> None:
+    deployment = next(_deployments(_render(_spec(stages))))
+    volumes = {v["name"] for v in deployment["spec"]["template"]["spec"]["volumes"]}
+    mounts = {m["mountPath"] for m in _container(deployment)["volumeMounts"]}
+    assert ("omni-shm" in volumes) is shm
+    assert ("/dev/shm" in mounts) is shm
+
+
+def test_placement_is_merged_over_a_group() -> None:
+    gpu_taint = {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}
+    spot = {"key": "spot", "operator": "Equal", "value": "yes", "effect": "NoSchedule"}
+    affinity: dict[str, Any] = {
+        "nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {}}
+    }
+    spec = _spec(
+        [
+            _stage(
+                0,
+                "0",
+                placement={
+                    "nodeSelector": {"b": "2"},
+                    "tolerations": [spot, gpu_taint],
+                    "env": [{"name": "X", "value": "1"}],
+                    "volumes": [{"name": "models", "persistentVolumeClaim": {"claimName": "c"}}],
+                    "volumeMounts": [{"name": "models", "mountPath": "/models", "readOnly": True}],
+                    "resources": {"requests": {"cpu": "500m", "memory": "1Gi"}},
+                },
+            ),
+            _stage(
+                1,
+                "0",
+                placement={
+                    "nodeSelector": {"a": "1"},
+                    "tolerations": [spot],
+                    "affinity": affinity,
+                    "env": [
+                        {"name": "Y", "valueFrom": {"secretKeyRef": {"name": "s", "key": "k"}}}
+                    ],
+                    "volumes": [{"name": "models", "persistentVolumeClaim": {"claimName": "c"}}],
+                    "volumeMounts": [{"name": "models", "mountPath": "/models", "readOnly": True}],
+                    "resources": {"requests": {"cpu": "1", "memory": "512Mi"}},
+                },
+            ),
+        ],
+        image="base:1",
+        imagePullPolicy="Always",
+    )
+    assert check_spec(spec) == []
+    deployment = next(_deployments(_render(spec)))
+    pod = deployment["spec"]["template"]["spec"]
+    container = _container(deployment)
+    assert container["image"] == "base:1"
+    assert container["imagePullPolicy"] == "Always"
+    assert pod["nodeSelector"] == {"a": "1", "b": "2"}
+    assert pod["tolerations"] == [spot, gpu_taint]
+    assert pod["affinity"] == affinity
+    assert [v["name"] for v in pod["volumes"]].count("models") == 1
+    assert [m["mountPath"] for m in container["volumeMounts"]].count("/models") == 1
+    assert container["resources"]["requests"] == {"cpu": "1500m", "memory": "1536Mi", GPU: "1"}
+    # The operator's variables first, then the placement's.
+    names = [var["name"] for var in container["env"]]
+    assert names[-2:] == ["X", "Y"]
+    assert names.index("HOME") < names.index("X")
+
+
+def test_an_unchecked_reserved_variable_never_overrides_the_operators() -> None:
+    spec = _spec(
+        [
+            _stage(
+                0, placement={"env": [{"name": "HOME", "value": "/"}, {"name": "Z", "value": "z"}]}
+            )
+        ]
+    )
+    assert check_spec(spec)  # refused before rendering, normally
+    container = _container(next(_deployments(_render(spec))))
+    homes = [var for var in container["env"] if var["name"] == "HOME"]
+    assert homes == [{"name": "HOME", "value": "/var/lib/omni"}]
+    assert _env(container)["Z"] == "z"
+
+
+def test_image_defaults_from_stage_to_spec_to_the_operator() -> None:
+    stages = [_stage(0, placement={"image": "own:1"}), _stage(1)]
+    with_spec = {
+        d["metadata"]["name"]: _container(d)["image"]
+        for d in _deployments(_render(_spec(stages, image="spec:1")))
+    }
+    assert with_spec == {"p-s0": "own:1", "p-s1": "spec:1", "p-router": "spec:1"}
+    bare = {
+        d["metadata"]["name"]: _container(d)["image"] for d in _deployments(_render(_spec(stages)))
+    }
+    assert bare["p-s1"] == IMAGE
+    assert bare["p-router"] == IMAGE
+
+
+def test_limits_are_summed_and_requests_default_to_limits() -> None:
+    spec = _spec(
+        [
+            _stage(0, "0", placement={"resources": {"limits": {"memory": "2Gi", "cpu": 2}}}),
+            _stage(
+                1,
+                "0",
+                placement={
+                    "resources": {
+                        "requests": {"memory": "1Gi"},
+                        "limits": {"memory": "3Gi", "cpu": "500m"},
+                    }
+                },
+            ),
+        ]
+    )
+    resources = _container(next(_deployments(_render(spec))))["resources"]
+    assert resources["limits"] == {"cpu": "2500m", "memory": "5Gi", GPU: "1"}
+    assert resources["requests"] == {"cpu": "2500m", "memory": "3Gi", GPU: "1"}
+
+
+# ------------------------------------------------------------------------ PDB, replicas
+
+
+def test_pdb_only_where_replicas_exceed_one() -> None:
+    spec = _spec(
+        [_stage(0, "0", replicas=2), _stage(1, replicas=1), _stage(2, replicas=0)],
+        router={"replicas": 3},
+    )
+    objects = _render(spec)
+    pdbs = {o["metadata"]["name"]: o for o in objects if o["kind"] == "PodDisruptionBudget"}
+    assert sorted(pdbs) == ["p-router", "p-s0"]
+    assert pdbs["p-s0"]["spec"]["maxUnavailable"] == 1
+    assert pdbs["p-s0"]["apiVersion"] == "policy/v1"
+    replicas = {d["metadata"]["name"]: d["spec"]["replicas"] for d in _deployments(objects)}
+    assert replicas == {"p-s0": 2, "p-s1": 1, "p-s2": 0, "p-router": 3}
+    assert all(d["spec"]["revisionHistoryLimit"] == 3 for d in _deployments(objects))
+
+
+# --------------------------------------------------------------------------- config hash
+
+
+def test_config_hash_changes_with_the_config_only() -> None:
+    base: dict[str, Any] = {
+        "stages": [_stage(0, defaultSamplingParams={"seed": 1})],
+        "router": {"replicas": 1},
+    }
+    before = _config_hash(_render(_spec(**copy.deepcopy(base))))
+    assert len(before) == 1
+    assert re.fullmatch(r"[0-9a-f]{16}", next(iter(before)))
+
+    scaled = copy.deepcopy(base)
+    scaled["router"]["replicas"] = 4
+    scaled["stages"][0]["replicas"] = 3
+    assert _config_hash(_render(_spec(**scaled))) == before
+
+    placed = copy.deepcopy(base)
+    placed["stages"][0]["placement"] = {"image": "other:2"}
+    assert _config_hash(_render(_spec(**placed))) == before
+
+    changed = copy.deepcopy(base)
+    changed["stages"][0]["defaultSamplingParams"]["seed"] = 2
+    assert _config_hash(_render(_spec(**changed))) != before
+
+
+# ------------------------------------------------------------------------------- names
+
+
+def test_long_names_are_cut_and_hashed_into_valid_unique_names() -> None:
+    spec = _spec([_stage(0, name="a" * 40), _stage(1, name="b" * 40)])
+    one, two = "x" * 60 + "-one", "x" * 60 + "-two"
+    names_one = {obj["metadata"]["name"] for obj in _render(spec, one)}
+    names_two = {obj["metadata"]["name"] for obj in _render(spec, two)}
+    assert not names_one & names_two
+    for obj in _render(spec, one):
+        assert DNS_LABEL.fullmatch(obj["metadata"]["name"]), obj["metadata"]["name"]
+        for value in obj["metadata"]["labels"].values():
+            assert len(value) <= 63
+    assert group_object_name("short", "a" * 40) == "short-" + "a" * 40
+    assert len(group_object_name("p" * 30, "a" * 40)) == 63
+
+
+@pytest.mark.parametrize(
+    ("parts", "expected"),
+    [(("bagel", "router"), "bagel-router"), (("a1",), "a1")],
+)
+def test_valid_names_are_kept(parts: tuple[str, ...], expected: str) -> None:
+    assert object_name(*parts) == expected
+
+
+@pytest.mark.parametrize("name", ["my.pipeline", "1pipeline", "Big"])
+def test_names_that_are_no_dns_label_become_one(name: str) -> None:
+    result = object_name(name)
+    assert DNS_LABEL.fullmatch(result)
+    assert result != object_name(name + "x")
+
+
+def test_label_values_are_kept_or_cut() -> None:
+    assert label_value("thinker.dit") == "thinker.dit"
+    cut = label_value("s" * 80)
+    assert len(cut) <= 63
+    assert re.fullmatch(r"[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?", cut)
+    assert cut != label_value("s" * 81)
+
+
+def test_endpoint_url_names_the_router_service() -> None:
+    assert endpoint_url("bagel", "ml", 8091) == "http://bagel.ml.svc:8091"
+
+
+# ------------------------------------------------------------------------------ pruning
+
+
+def _child(kind: str, name: str, *, pipeline: str = "p", uid: str | None = UID) -> dict[str, Any]:
+    meta: dict[str, Any] = {
+        "name": name,
+        "labels": {LABEL_PIPELINE: pipeline, LABEL_MANAGED_BY: "omni-operator"},
+    }
+    if uid is not None:
+        meta["ownerReferences"] = [{"kind": KIND, "name": pipeline, "uid": uid}]
+    api_version = "apps/v1" if kind == "Deployment" else "v1"
+    return {"apiVersion": api_version, "kind": kind, "metadata": meta}
+
+
+def test_prune_set_is_what_is_ours_and_no_longer_desired() -> None:
+    desired = _render(_spec([_stage(0)]))
+    stale_deployment = _child("Deployment", "p-old")
+    stale_service = _child("Service", "p-old")
+    orphan = _child("Deployment", "p-orphan", uid=None)  # its owner link removed
+    existing = [
+        *copy.deepcopy(desired),
+        stale_service,
+        stale_deployment,
+        orphan,
+        _child("Deployment", "p-theirs", uid="another-uid"),
+        _child("Deployment", "q-old", pipeline="q"),
+        {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": {"name": "p-unmanaged", "labels": {LABEL_PIPELINE: "p"}},
+        },
+    ]
+    pruned = prune_set(desired, existing)
+    assert [object_key(o) for o in pruned] == [
+        object_key(stale_deployment),
+        object_key(orphan),
+        object_key(stale_service),
+    ]
+
+
+def test_a_desired_object_of_another_kind_with_the_same_name_is_still_pruned() -> None:
+    desired = _render(_spec([_stage(0)]))
+    # A Service p-s0 is desired; a ConfigMap p-s0 is not.
+    stale = _child("ConfigMap", "p-s0")
+    assert prune_set(desired, [stale]) == [stale]
+
+
+def test_prune_set_of_nothing_desired_is_empty() -> None:
+    assert prune_set([], [_child("Deployment", "p-old")]) == []
+
+
+def test_removing_a_stage_prunes_its_group() -> None:
+    two = _render(_spec([_stage(0), _stage(1, inputConnectors={"from_stage_0": "tcp"})]))
+    one = _render(_spec([_stage(0)]))
+    pruned = {object_key(o) for o in prune_set(one, two)}
+    assert pruned == {("apps/v1", "Deployment", "p-s1"), ("v1", "Service", "p-s1")}
+
+
+# --------------------------------------------------------------------------- quantities
+
+
+@pytest.mark.parametrize(
+    ("text", "value", "binary"),
+    [
+        ("500m", Fraction(1, 2), False),
+        ("2", Fraction(2), False),
+        (3, Fraction(3), False),
+        ("1.5Gi", Fraction(3 * 2**29), True),
+        ("1e3", Fraction(1000), False),
+        ("1E", Fraction(10**18), False),
+        ("100n", Fraction(1, 10**7), False),
+        (".5k", Fraction(500), False),
+    ],
+)
+def test_quantities_parse_exactly(text: str | int, value: Fraction, binary: bool) -> None:
+    parsed = parse_quantity(text)
+    assert parsed is not None
+    assert (parsed.value, parsed.binary) == (value, binary)
+
+
+@pytest.mark.parametrize("text", ["", "1.2.3", "5Gb", "lots", "1 Gi"])
+def test_non_quantities_do_not_parse(text: str) -> None:
+    assert parse_quantity(text) is None
+
+
+@pytest.mark.parametrize(
+    ("values", "expected"),
+    [
+        (["500m", "1"], "1500m"),
+        (["1Gi", "512Mi"], "1536Mi"),
+        (["1Gi", "1Gi"], "2Gi"),
+        (["1000", "1000"], "2k"),
+        (["1Gi", "500M"], "1573741824"),
+        (["100m", "1e-1"], "200m"),
+        (["1", "1u"], "1000001u"),
+        (["5Gi", "not-a-quantity"], "5Gi"),
+        (["only"], "only"),
+        ([2], "2"),
+    ],
+)
+def test_quantities_sum_canonically(values: list[str | int], expected: str) -> None:
+    assert sum_quantities(values) == expected
+
+
+def test_format_rounds_up_below_a_nano() -> None:
+    assert format_quantity(Fraction(1, 10**10), binary=False) == "1n"
+    assert format_quantity(Fraction(0), binary=True) == "0"
+    assert format_quantity(Fraction(1000), binary=True) == "1k"
