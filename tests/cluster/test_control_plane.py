@@ -367,3 +367,29 @@ def test_garbage_collector_deletes_owned_configmap(
 
     eventually(owned_gone, timeout=60, what="owned ConfigMap garbage-collected")
     kube.kubectl("get", "configmap", "bystander", namespace=namespace)
+
+
+def test_nodes_keep_a_live_heartbeat(kube: Kube, eventually: Eventually) -> None:
+    # Without renewed heartbeats the node lifecycle controller would take the nodes for
+    # NotReady after its grace period and mark every pod on them not ready for good.
+    if not kube.local:
+        pytest.skip("only the local control plane's kwok nodes are known here")
+
+    def heartbeats() -> dict[str, str]:
+        return {
+            node["metadata"]["name"]: next(
+                c["lastHeartbeatTime"]
+                for c in node["status"]["conditions"]
+                if c["type"] == "Ready" and c["status"] == "True"
+            )
+            for node in kube.get_json("nodes")["items"]
+        }
+
+    first = heartbeats()
+    assert first, "no Ready node"
+    eventually(
+        lambda: all(heartbeats()[name] > first[name] for name in first),
+        timeout=60,
+        interval=1,
+        what="every node's Ready heartbeat renewed",
+    )

@@ -41,7 +41,13 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 KWOK_DIR = HERE / "kwok"
-STAGE_FILES = ("node-initialize.yaml", "pod-ready.yaml", "pod-complete.yaml", "pod-delete.yaml")
+STAGE_FILES = (
+    "node-initialize.yaml",
+    "node-heartbeat.yaml",
+    "pod-ready.yaml",
+    "pod-complete.yaml",
+    "pod-delete.yaml",
+)
 BINARIES = (
     "etcd",
     "kube-apiserver",
@@ -553,6 +559,10 @@ class Starter:
                 f"--cluster-signing-key-file={pki / 'ca.key'}",
                 f"--service-cluster-ip-range={SERVICE_CIDR}",
                 "--controllers=*",
+                # kwok renews the nodes' heartbeats (kwok/node-heartbeat.yaml), but on a
+                # loaded 2-core machine a renewal can come late; a node taken for
+                # NotReady has every pod on it marked not ready for good.
+                "--node-monitor-grace-period=5m",
                 # Its default is under /usr/libexec, which it would create.
                 f"--flex-volume-plugin-dir={self.state_dir / 'flexvolume'}",
             ],
