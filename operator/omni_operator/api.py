@@ -29,9 +29,11 @@ PLURAL = "omnipipelines"
 SINGULAR = "omnipipeline"
 SHORT_NAMES = ("omnip",)
 
-# What pods run when neither the pipeline nor the stage names an image; the operator's
-# Deployment overrides it with $OMNI_RUNTIME_IMAGE (see handlers.py).
+# What pods run when neither the pipeline nor the stage names an image: the runtime's CPU
+# build, and its CUDA build for pods with GPUs. The operator's Deployment may override them
+# with $OMNI_RUNTIME_IMAGE and $OMNI_RUNTIME_CUDA_IMAGE (see handlers.py).
 DEFAULT_RUNTIME_IMAGE = "omni-operator/omni-runtime:0.1.0"
+DEFAULT_RUNTIME_CUDA_IMAGE = "omni-operator/omni-runtime:0.1.0-cuda"
 
 PullPolicy = Literal["Always", "IfNotPresent", "Never"]
 ServiceType = Literal["ClusterIP", "NodePort", "LoadBalancer"]

@@ -23,13 +23,14 @@ import kopf
 
 from omni_runtime.kube import KubeClient, load_kube_config
 
-from .api import DEFAULT_RUNTIME_IMAGE, GROUP, PLURAL, VERSION
+from .api import DEFAULT_RUNTIME_CUDA_IMAGE, DEFAULT_RUNTIME_IMAGE, GROUP, PLURAL, VERSION
 from .reconciler import EventSink, PipelineRef, Reconciler
 from .render import CHILD_KINDS, LABEL_MANAGED_BY, LABEL_PIPELINE, MANAGED_BY
 
 logger = logging.getLogger("omni_operator")
 
 RUNTIME_IMAGE_ENV = "OMNI_RUNTIME_IMAGE"
+RUNTIME_CUDA_IMAGE_ENV = "OMNI_RUNTIME_CUDA_IMAGE"
 ANNOTATION_PREFIX = "omni.dev"
 _OURS = {LABEL_MANAGED_BY: MANAGED_BY}
 
@@ -49,7 +50,9 @@ async def start(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
     kube = KubeClient(load_kube_config())
     memo.kube = kube
     memo.reconciler = Reconciler(
-        kube=kube, default_image=os.environ.get(RUNTIME_IMAGE_ENV) or DEFAULT_RUNTIME_IMAGE
+        kube=kube,
+        default_image=os.environ.get(RUNTIME_IMAGE_ENV) or DEFAULT_RUNTIME_IMAGE,
+        default_gpu_image=os.environ.get(RUNTIME_CUDA_IMAGE_ENV) or DEFAULT_RUNTIME_CUDA_IMAGE,
     )
 
 

@@ -62,6 +62,7 @@ class Reconciler:
 
     kube: KubeClient
     default_image: str
+    default_gpu_image: str
     # Per pipeline: serialises status writes, and remembers what was last written so that
     # an unchanged status is not written again.
     _locks: dict[tuple[str, str], asyncio.Lock] = field(default_factory=dict)
@@ -118,7 +119,14 @@ class Reconciler:
             before = _status(last if last is not None else previous)
             await self._write_status(ref, invalid_status(str(e), ref.generation, before, _now()))
             return
-        desired = render(ref.name, ref.namespace, ref.uid, spec, default_image=self.default_image)
+        desired = render(
+            ref.name,
+            ref.namespace,
+            ref.uid,
+            spec,
+            default_image=self.default_image,
+            default_gpu_image=self.default_gpu_image,
+        )
         existing = await self._list_children(ref)
         applied: dict[ObjectKey, dict[str, Any]] = {}
         for obj in desired:

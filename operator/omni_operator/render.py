@@ -331,6 +331,8 @@ def _merge_placements(
     *,
     gpu_count: int,
 ) -> _PodPlacement:
+    """The pod-level placement of ``placements`` (one pod's); ``default_image`` is the
+    image for this pod's kind (GPU or CPU) when neither a placement nor the spec names one."""
     # check_spec refuses conflicting placements in one pod; the first one wins here.
     tolerations = [
         t.model_dump(mode="json", exclude_none=True) for p in placements for t in p.tolerations
@@ -437,6 +439,7 @@ class _Context:
     uid: str
     spec: OmniPipelineSpec
     default_image: str
+    default_gpu_image: str
     config_hash: str
 
     def labels(self, component: str, group: PlacementGroup | None = None) -> dict[str, str]:
@@ -470,16 +473,31 @@ class _Context:
 
 
 def render(
-    name: str, namespace: str, uid: str, spec: OmniPipelineSpec, *, default_image: str
+    name: str,
+    namespace: str,
+    uid: str,
+    spec: OmniPipelineSpec,
+    *,
+    default_image: str,
+    default_gpu_image: str | None = None,
 ) -> list[dict[str, Any]]:
     """Every child object of pipeline ``name`` (uid ``uid``) in ``namespace``, in the order
     to apply them: config and RBAC first, then each placement group, then the router.
 
-    ``default_image`` runs where neither the spec nor a placement names an image. Assumes a
-    spec that ``placement.check_spec`` passes.
+    Where neither the spec nor a placement names an image, GPU pods run
+    ``default_gpu_image`` (the runtime's CUDA build; ``default_image`` if not given) and the
+    others ``default_image``. Assumes a spec that ``placement.check_spec`` passes.
     """
     data = config_data(spec)
-    ctx = _Context(name, namespace, uid, spec, default_image, config_hash(data))
+    ctx = _Context(
+        name,
+        namespace,
+        uid,
+        spec,
+        default_image,
+        default_gpu_image or default_image,
+        config_hash(data),
+    )
     groups = placement_groups(spec)
     objects: list[dict[str, Any]] = [_config_map(ctx, data), *_router_rbac(ctx)]
     for group in groups:
@@ -547,7 +565,7 @@ def _group_deployment(ctx: _Context, group: PlacementGroup) -> dict[str, Any]:
     placement = _merge_placements(
         [stage.placement for stage in group.stages],
         ctx.spec,
-        ctx.default_image,
+        ctx.default_gpu_image if group.gpu_count else ctx.default_image,
         gpu_count=group.gpu_count,
     )
     shm = _needs_shm(group, ctx.spec)
@@ -561,7 +579,7 @@ def _group_deployment(ctx: _Context, group: PlacementGroup) -> dict[str, Any]:
         args=_stage_args(group),
         env=_stage_env(group),
         ports=[*ports, {"name": "health", "containerPort": HEALTH_PORT, "protocol": "TCP"}],
-        probes=_stage_probes(),
+        probes=_stage_probes(len(group.stages)),
         shm=shm,
     )
     pod = _pod_spec(ctx, placement, container, shm=shm, service_account=None)
@@ -576,11 +594,23 @@ def _strategy(gpu: bool) -> dict[str, Any]:
     return {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": "25%", "maxUnavailable": "25%"}}
 
 
+# How long one stage of a pod may take to load its model (a 7B checkpoint fetched from the
+# hub can take many minutes); the pod's startup probe allows that for each of its stages.
+STAGE_STARTUP_TIMEOUT_S = 840
+_STARTUP_PROBE_PERIOD_S = 10
+
+
 def _stage_args(group: PlacementGroup) -> list[str]:
     args = ["stage", "-f", CONFIG_FILE, "--stages", ",".join(map(str, group.stage_ids))]
     for stage_id in group.stage_ids:
         args += ["--port", f"{stage_id}={stage_port(stage_id)}"]
-    return [*args, "--health-port", str(HEALTH_PORT)]
+    return [
+        *args,
+        "--health-port",
+        str(HEALTH_PORT),
+        "--startup-timeout",
+        str(STAGE_STARTUP_TIMEOUT_S),
+    ]
 
 
 def _stage_env(group: PlacementGroup) -> list[dict[str, Any]]:
@@ -610,12 +640,18 @@ def _http_probe(path: str, port: int | str, *, period: int, failures: int) -> di
     }
 
 
-def _stage_probes() -> dict[str, Any]:
+def _stage_probes(stages: int) -> dict[str, Any]:
+    # The probe port opens once every stage has loaded its model, one stage after the
+    # other. The window is a minute beyond the stage process's own startup timeouts, so
+    # that a stage that cannot start exits saying why rather than being killed unheard.
+    window = STAGE_STARTUP_TIMEOUT_S * stages + 60
     return {
-        # The probe port opens once every stage has loaded its model (minutes for a 7B
-        # one). 15 minutes: beyond the stage process's own startup timeout (600 s), so that
-        # a stage that cannot start exits saying why rather than being killed unheard.
-        "startupProbe": _http_probe("/livez", "health", period=10, failures=90),
+        "startupProbe": _http_probe(
+            "/livez",
+            "health",
+            period=_STARTUP_PROBE_PERIOD_S,
+            failures=-(-window // _STARTUP_PROBE_PERIOD_S),
+        ),
         "livenessProbe": _http_probe("/livez", "health", period=10, failures=3),
         "readinessProbe": _http_probe("/readyz", "health", period=5, failures=3),
     }

@@ -410,6 +410,7 @@ def test_operator_deployment(base: list[dict[str, Any]]) -> None:
 
     env = {e["name"]: e.get("value") for e in container["env"]}
     assert env["OMNI_RUNTIME_IMAGE"] == "omni-operator/omni-runtime:0.1.0"
+    assert env["OMNI_RUNTIME_CUDA_IMAGE"] == "omni-operator/omni-runtime:0.1.0-cuda"
 
 
 def check_least_privilege(docs: list[dict[str, Any]]) -> None:

@@ -38,6 +38,7 @@ from omni_operator.render import (
     LABEL_MANAGED_BY,
     LABEL_PIPELINE,
     LABEL_STAGES,
+    STAGE_STARTUP_TIMEOUT_S,
     endpoint_url,
     format_quantity,
     group_object_name,
@@ -326,14 +327,17 @@ def test_stage_command_runs_the_groups_stages_on_their_ports() -> None:
         "2=52002",
         "--health-port",
         "8081",
+        "--startup-timeout",
+        str(STAGE_STARTUP_TIMEOUT_S),
     ]
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert ports == {"stage-0": 52000, "stage-2": 52002, "health": 8081}
     assert container["livenessProbe"]["httpGet"] == {"path": "/livez", "port": "health"}
     assert container["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "health"}
     assert container["startupProbe"]["httpGet"]["path"] == "/livez"
+    # The kubelet waits out each stage's own startup timeout, one stage after the other.
     startup = container["startupProbe"]
-    assert startup["periodSeconds"] * startup["failureThreshold"] > 600
+    assert startup["periodSeconds"] * startup["failureThreshold"] > 2 * STAGE_STARTUP_TIMEOUT_S
 
 
 def test_headless_service_has_a_port_per_stage() -> None:
@@ -549,6 +553,15 @@ def test_image_defaults_from_stage_to_spec_to_the_operator() -> None:
     }
     assert bare["p-s1"] == IMAGE
     assert bare["p-router"] == IMAGE
+    # A GPU pod that names no image runs the runtime's CUDA build; CPU pods keep the other.
+    gpu = _spec([_stage(0, "0"), _stage(1)])
+    images = {
+        d["metadata"]["name"]: _container(d)["image"]
+        for d in _deployments(
+            render("p", NAMESPACE, UID, gpu, default_image=IMAGE, default_gpu_image="cuda:1")
+        )
+    }
+    assert images == {"p-s0": "cuda:1", "p-s1": IMAGE, "p-router": IMAGE}
 
 
 def test_limits_are_summed_and_requests_default_to_limits() -> None:
