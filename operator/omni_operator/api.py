@@ -13,9 +13,10 @@ shows.
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, PlainValidator, StrictInt, WithJsonSchema
 from pydantic.alias_generators import to_camel
 
 from omni_runtime.config import PipelineConfig, RouterConfig, StageConfig
@@ -41,8 +42,33 @@ Phase = Literal["Pending", "Progressing", "Ready", "Degraded", "Failed"]
 ConditionType = Literal["Ready", "Progressing", "Degraded", "SpecValid"]
 ConditionStatus = Literal["True", "False", "Unknown"]
 
-# A Kubernetes quantity ("500m", "4Gi", 2); checked by the apiserver's own grammar in the CRD.
-Quantity = str | int
+# A Kubernetes quantity ("500m", "4Gi", 2), in the apiserver's own grammar: a decimal
+# number and a binary (Ki..Ei), decimal (n..E) or exponent suffix. The CRD carries the
+# pattern too, so `kubectl apply` refuses "lots" before a Deployment would.
+QUANTITY_NUMBER = r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)"
+QUANTITY_SUFFIX = r"(?:[KMGTPE]i|[numkMGTPE]|[eE][+-]?[0-9]+)?"
+QUANTITY_PATTERN = f"^{QUANTITY_NUMBER}{QUANTITY_SUFFIX}$"
+_QUANTITY = re.compile(QUANTITY_PATTERN)
+
+
+def _check_quantity(value: object) -> int | str:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if isinstance(value, str) and _QUANTITY.match(value):
+        return value
+    raise ValueError(
+        f"{value!r} is not a Kubernetes quantity: a number with an optional suffix, "
+        "e.g. 500m, 4, 1.5Gi, 16G"
+    )
+
+
+Quantity = Annotated[
+    int | str,
+    PlainValidator(_check_quantity),
+    WithJsonSchema(
+        {"anyOf": [{"type": "integer"}, {"type": "string", "pattern": QUANTITY_PATTERN}]}
+    ),
+]
 
 _ENV_NAME = r"^[A-Za-z_][A-Za-z0-9_]*$"
 _LABEL_VALUE = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"

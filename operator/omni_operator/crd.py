@@ -260,8 +260,16 @@ def _convert_any_of(node: Mapping[str, Any], defs: Mapping[str, Any]) -> dict[st
         merged = {**_convert(options[0], defs), **_convert(outer, defs)}
         return merged
     types = sorted(option.get("type", "") for option in options)
-    if types == ["integer", "string"] and all(set(option) == {"type"} for option in options):
-        return {**_convert(outer, defs), "x-kubernetes-int-or-string": True}
+    if types == ["integer", "string"] and all(
+        set(option) <= {"type", "pattern"} for option in options
+    ):
+        # int-or-string; a string's pattern (a quantity's grammar) applies to strings only.
+        patterns = [option["pattern"] for option in options if "pattern" in option]
+        return {
+            **_convert(outer, defs),
+            "x-kubernetes-int-or-string": True,
+            **({"pattern": patterns[0]} if patterns else {}),
+        }
     raise SchemaError(f"no structural form for anyOf {node['anyOf']}")
 
 

@@ -21,15 +21,17 @@ from typing import Any, cast
 
 import kopf
 
-from omni_runtime.kube import KubeClient, load_kube_config
+from omni_runtime.kube import KubeApiError, KubeClient, load_kube_config
 
 from .api import DEFAULT_RUNTIME_CUDA_IMAGE, DEFAULT_RUNTIME_IMAGE, GROUP, PLURAL, VERSION
-from .reconciler import EventSink, PipelineRef, Reconciler
+from .reconciler import EventSink, PipelineRef, Reconciler, refused_for_good
 from .render import CHILD_KINDS, LABEL_MANAGED_BY, LABEL_PIPELINE, MANAGED_BY
 
 logger = logging.getLogger("omni_operator")
 
 RUNTIME_IMAGE_ENV = "OMNI_RUNTIME_IMAGE"
+# After an apiserver error that may pass (a conflict, throttling, an outage).
+RETRY_DELAY_S = 5
 RUNTIME_CUDA_IMAGE_ENV = "OMNI_RUNTIME_CUDA_IMAGE"
 ANNOTATION_PREFIX = "omni.dev"
 _OURS = {LABEL_MANAGED_BY: MANAGED_BY}
@@ -100,7 +102,13 @@ async def converge(
     assert namespace is not None  # OmniPipelines are namespaced
     reconciler: Reconciler = memo.reconciler
     ref = PipelineRef(name, namespace, uid, int(body.metadata.get("generation", 0)))
-    await reconciler.converge(ref, spec, status, _events(body))
+    try:
+        await reconciler.converge(ref, spec, status, _events(body))
+    except KubeApiError as e:
+        if refused_for_good(e):
+            # The status says why; a new spec (an update) is what can fix it.
+            raise kopf.PermanentError(str(e)) from None
+        raise kopf.TemporaryError(str(e), delay=RETRY_DELAY_S) from None
 
 
 @kopf.on.event(GROUP, VERSION, PLURAL)

@@ -135,6 +135,16 @@ class Reconciler:
                 result = await self.kube.apply(obj, field_manager=FIELD_MANAGER)
             except KubeApiError as e:
                 event("Warning", "ApplyFailed", f"{key[1]} {key[2]}: {e}")
+                if refused_for_good(e):
+                    # The same spec renders the same object: the spec must change first,
+                    # and until then child changes must not overwrite this status.
+                    self._applied.pop((ref.namespace, ref.name), None)
+                    message = f"the apiserver refused {key[1]} {key[2]}: {e.message}"
+                    last = self._written.get((ref.namespace, ref.name))
+                    before = _status(last if last is not None else previous)
+                    await self._write_status(
+                        ref, invalid_status(message, ref.generation, before, _now())
+                    )
                 raise
             applied[key] = result
             found = existing.get(key)
@@ -244,6 +254,12 @@ class Reconciler:
             return False
         meta = body.get("metadata", {})
         return bool(meta.get("uid") == uid and not meta.get("deletionTimestamp"))
+
+
+def refused_for_good(error: KubeApiError) -> bool:
+    """Whether retrying the same request cannot help: the object itself was refused
+    (400 Bad Request, 422 Invalid), not the moment (conflicts, throttling, outages)."""
+    return error.status in (400, 422)
 
 
 def parse_spec(raw_spec: Mapping[str, Any]) -> OmniPipelineSpec:

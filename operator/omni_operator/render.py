@@ -52,7 +52,17 @@ from typing import Any
 from omni_runtime.config import dump_pipeline
 from omni_runtime.config.models import SHARED_MEMORY_CONNECTOR
 
-from .api import API_VERSION, KIND, EnvVar, OmniPipelineSpec, Placement, Quantity, runtime_config
+from .api import (
+    API_VERSION,
+    KIND,
+    QUANTITY_NUMBER,
+    QUANTITY_SUFFIX,
+    EnvVar,
+    OmniPipelineSpec,
+    Placement,
+    Quantity,
+    runtime_config,
+)
 from .placement import (
     CONFIG_DIR,
     GPU_RESOURCE,
@@ -218,10 +228,7 @@ def _is_child_of(obj: Mapping[str, Any], pipeline: str, uid: str) -> bool:
 
 # ----------------------------------------------------------------------------- quantities
 
-_QUANTITY = re.compile(
-    r"(?P<number>[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+))"
-    r"(?P<suffix>Ki|Mi|Gi|Ti|Pi|Ei|n|u|m|k|M|G|T|P|E|[eE][+-]?[0-9]+)?"
-)
+_QUANTITY = re.compile(f"(?P<number>{QUANTITY_NUMBER})(?P<suffix>{QUANTITY_SUFFIX})")
 _BINARY = {"Ki": 1, "Mi": 2, "Gi": 3, "Ti": 4, "Pi": 5, "Ei": 6}
 _DECIMAL = {"n": -9, "u": -6, "m": -3, "": 0, "k": 3, "M": 6, "G": 9, "T": 12, "P": 15, "E": 18}
 

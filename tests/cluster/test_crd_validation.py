@@ -232,6 +232,11 @@ INVALID: list[tuple[str, Breaker, list[str]]] = [
         ],
     ),
     (
+        "resource-quantity-not-a-quantity",
+        _set(0, placement={"resources": {"requests": {"cpu": "lots"}}}),
+        ["spec.stages[0].placement.resources.requests.cpu", "should match"],
+    ),
+    (
         "tensor-parallel-size-zero",
         _set(0, tensorParallelSize=0),
         ["spec.stages[0].tensorParallelSize", "should be greater than 0"],

@@ -423,3 +423,32 @@ def test_a_child_deleted_by_hand_is_put_back(
 
     eventually(restored, timeout=60, what="the router Service put back")
     assert operator.alive()
+
+
+def test_an_object_the_apiserver_refuses_fails_the_pipeline_until_the_spec_is_fixed(
+    kube: Kube, namespace: str, operator: OperatorProcess, eventually: Eventually
+) -> None:
+    # Neither the CRD nor the operator checks label-key syntax in nodeSelector; the
+    # apiserver refuses the Deployment. Retrying the same spec cannot help.
+    body = example("tiny-pipeline.yaml")
+    name = body["metadata"]["name"]
+    broken = copy.deepcopy(body)
+    broken["spec"]["stages"][1]["placement"]["nodeSelector"] = {"not a label key!": "x"}
+    apply(kube, namespace, broken)
+
+    def failed() -> bool:
+        got = pipeline(kube, namespace, name)
+        assert got.get("status", {}).get("phase") == "Failed", got.get("status")
+        message = condition(got, "SpecValid")["message"]
+        assert "the apiserver refused Deployment tiny-dit" in message, message
+        assert "not a label key!" in message, message
+        return True
+
+    eventually(failed, timeout=60, what="Failed with the apiserver's reason")
+    assert any(
+        r.startswith("ApplyFailed: Deployment tiny-dit") for r in reasons(kube, namespace, name)
+    )
+
+    apply(kube, namespace, body)
+    eventually(phase_is(kube, namespace, name, "Ready"), timeout=90, what="Ready once fixed")
+    assert condition(pipeline(kube, namespace, name), "SpecValid")["status"] == "True"

@@ -209,7 +209,7 @@ def test_free_form_fields_keep_what_is_written(root: Schema) -> None:
     # String maps stay typed; quantities are int-or-string.
     assert placement["nodeSelector"]["additionalProperties"] == {"type": "string"}
     requests = placement["resources"]["properties"]["requests"]["additionalProperties"]
-    assert requests == {"x-kubernetes-int-or-string": True}
+    assert requests == {"x-kubernetes-int-or-string": True, "pattern": api.QUANTITY_PATTERN}
     assert stage["inputConnectors"]["additionalProperties"]["type"] == "string"
 
 
