@@ -16,11 +16,11 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PlainValidator, StrictInt, WithJsonSchema
-from pydantic.alias_generators import to_camel
+from pydantic import BaseModel, Field, PlainValidator, StrictInt, WithJsonSchema
 
 from omni_runtime.config import PipelineConfig, RouterConfig, StageConfig
 from omni_runtime.config.loader import strip_kubernetes_fields
+from omni_runtime.config.models import CAMEL_CASE_CONFIG
 
 GROUP = "omni.dev"
 VERSION = "v1alpha1"
@@ -75,13 +75,7 @@ _LABEL_VALUE = r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$"
 
 
 class _ApiModel(BaseModel):
-    model_config = ConfigDict(
-        alias_generator=to_camel,
-        validate_by_name=True,
-        validate_by_alias=True,
-        serialize_by_alias=True,
-        extra="forbid",
-    )
+    model_config = CAMEL_CASE_CONFIG
 
 
 class EnvVar(_ApiModel):

@@ -89,6 +89,15 @@ def apply(kube: Kube, namespace: str, body: dict[str, Any]) -> None:
     kube.apply(body, namespace=namespace)
 
 
+def deploy_tiny(kube: Kube, namespace: str, eventually: Eventually) -> tuple[dict[str, Any], str]:
+    """The tiny example applied and Ready: its manifest and name."""
+    body = example("tiny-pipeline.yaml")
+    name: str = body["metadata"]["name"]
+    apply(kube, namespace, body)
+    eventually(phase_is(kube, namespace, name, "Ready"), timeout=90, what=f"{name} Ready")
+    return body, name
+
+
 def test_bagel_example_deploys_with_gpu_requests_and_reports_ready(
     kube: Kube, namespace: str, operator: OperatorProcess, eventually: Eventually
 ) -> None:
@@ -163,10 +172,7 @@ def test_bagel_example_deploys_with_gpu_requests_and_reports_ready(
 def test_scaling_a_stage_changes_only_its_deployment(
     kube: Kube, namespace: str, operator: OperatorProcess, eventually: Eventually
 ) -> None:
-    body = example("tiny-pipeline.yaml")
-    name = body["metadata"]["name"]
-    apply(kube, namespace, body)
-    eventually(phase_is(kube, namespace, name, "Ready"), timeout=90)
+    body, name = deploy_tiny(kube, namespace, eventually)
     before = {
         key: o["metadata"]["resourceVersion"] for key, o in children(kube, namespace, name).items()
     }
@@ -203,10 +209,7 @@ def test_scaling_a_stage_changes_only_its_deployment(
 def test_removing_a_stage_prunes_its_children(
     kube: Kube, namespace: str, operator: OperatorProcess, eventually: Eventually
 ) -> None:
-    body = example("tiny-pipeline.yaml")
-    name = body["metadata"]["name"]
-    apply(kube, namespace, body)
-    eventually(phase_is(kube, namespace, name, "Ready"), timeout=90)
+    body, name = deploy_tiny(kube, namespace, eventually)
     before = children(kube, namespace, name)
     dit_objects = {
         key for key, o in before.items() if o["metadata"]["labels"].get("omni.dev/stages") == "dit"
@@ -231,10 +234,7 @@ def test_removing_a_stage_prunes_its_children(
 def test_a_config_change_rolls_every_pod(
     kube: Kube, namespace: str, operator: OperatorProcess, eventually: Eventually
 ) -> None:
-    body = example("tiny-pipeline.yaml")
-    name = body["metadata"]["name"]
-    apply(kube, namespace, body)
-    eventually(phase_is(kube, namespace, name, "Ready"), timeout=90)
+    body, name = deploy_tiny(kube, namespace, eventually)
     pods_before = {
         p["metadata"]["name"]
         for p in kube.get_json("pods", "-l", f"{PIPELINE_LABEL}={name}", namespace=namespace)[
@@ -271,10 +271,7 @@ def test_a_config_change_rolls_every_pod(
 def test_delete_garbage_collects_every_child(
     kube: Kube, namespace: str, operator: OperatorProcess, eventually: Eventually
 ) -> None:
-    body = example("tiny-pipeline.yaml")
-    name = body["metadata"]["name"]
-    apply(kube, namespace, body)
-    eventually(phase_is(kube, namespace, name, "Ready"), timeout=90)
+    _body, name = deploy_tiny(kube, namespace, eventually)
     assert children(kube, namespace, name)
     kube.kubectl("delete", "omnipipeline", name, "--wait=true", namespace=namespace)
 
@@ -375,10 +372,7 @@ def _set_pod_ready(kube: Kube, namespace: str, pod: str, ready: bool) -> None:
 def test_an_unready_or_deleted_stage_pod_degrades_the_pipeline_until_it_is_back(
     kube: Kube, namespace: str, operator: OperatorProcess, eventually: Eventually
 ) -> None:
-    body = example("tiny-pipeline.yaml")
-    name = body["metadata"]["name"]
-    apply(kube, namespace, body)
-    eventually(phase_is(kube, namespace, name, "Ready"), timeout=90)
+    _body, name = deploy_tiny(kube, namespace, eventually)
     pods = kube.get_json(
         "pods", "-l", f"{PIPELINE_LABEL}={name},omni.dev/stages=dit", namespace=namespace
     )
@@ -408,10 +402,7 @@ def test_an_unready_or_deleted_stage_pod_degrades_the_pipeline_until_it_is_back(
 def test_a_child_deleted_by_hand_is_put_back(
     kube: Kube, namespace: str, operator: OperatorProcess, eventually: Eventually
 ) -> None:
-    body = example("tiny-pipeline.yaml")
-    name = body["metadata"]["name"]
-    apply(kube, namespace, body)
-    eventually(phase_is(kube, namespace, name, "Ready"), timeout=90)
+    _body, name = deploy_tiny(kube, namespace, eventually)
     service = children(kube, namespace, name)[("Service", name)]
     kube.kubectl("delete", "service", name, "--wait=true", namespace=namespace)
 

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
+from pipeline_specs import spec_of, stage_of
 
 from omni_operator.api import OmniPipelineSpec
 from omni_operator.placement import (
@@ -16,30 +15,6 @@ from omni_operator.placement import (
 )
 
 
-def _spec(stages: list[dict[str, Any]], **extra: Any) -> OmniPipelineSpec:
-    return OmniPipelineSpec.model_validate(
-        {
-            "model": "some/model",
-            "stages": stages,
-            "connectors": {
-                "shm": {"name": "SharedMemoryConnector"},
-                "tcp": {"name": "TCPConnector"},
-            },
-            **extra,
-        }
-    )
-
-
-def _stage(stage_id: int, devices: str = "cpu", **fields: Any) -> dict[str, Any]:
-    return {
-        "stageId": stage_id,
-        "name": f"s{stage_id}",
-        "type": "llm",
-        "devices": devices,
-        **fields,
-    }
-
-
 def _messages(spec: OmniPipelineSpec) -> dict[str, str]:
     return dict(check_spec(spec))
 
@@ -49,7 +24,7 @@ def _messages(spec: OmniPipelineSpec) -> dict[str, str]:
 
 def test_stages_sharing_a_gpu_transitively_form_one_group() -> None:
     # 0 and 2 share no GPU, but both share one with 1: one pod for all three.
-    spec = _spec([_stage(0, "0,1"), _stage(1, "1,2"), _stage(2, "2"), _stage(3, "3")])
+    spec = spec_of([stage_of(0, "0,1"), stage_of(1, "1,2"), stage_of(2, "2"), stage_of(3, "3")])
     groups = placement_groups(spec)
     assert [g.stage_ids for g in groups] == [(0, 1, 2), (3,)]
     assert groups[0].gpu_ids == (0, 1, 2)
@@ -60,12 +35,12 @@ def test_stages_sharing_a_gpu_transitively_form_one_group() -> None:
 
 def test_a_chain_joined_late_still_forms_one_group() -> None:
     # Stage 2 joins the groups of 0 and 1, which are apart until it comes.
-    spec = _spec([_stage(0, "0"), _stage(1, "1"), _stage(2, "1,0")])
+    spec = spec_of([stage_of(0, "0"), stage_of(1, "1"), stage_of(2, "1,0")])
     assert [g.stage_ids for g in placement_groups(spec)] == [(0, 1, 2)]
 
 
 def test_each_cpu_stage_is_a_group_of_its_own() -> None:
-    spec = _spec([_stage(0), _stage(1, ""), _stage(2, "0")])
+    spec = spec_of([stage_of(0), stage_of(1, ""), stage_of(2, "0")])
     groups = placement_groups(spec)
     assert [g.stage_ids for g in groups] == [(0,), (1,), (2,)]
     assert [g.gpu_count for g in groups] == [0, 0, 1]
@@ -73,7 +48,7 @@ def test_each_cpu_stage_is_a_group_of_its_own() -> None:
 
 
 def test_groups_are_ordered_by_lowest_stage_id_whatever_the_spec_order() -> None:
-    spec = _spec([_stage(3, "1"), _stage(1, "0"), _stage(2, "1"), _stage(0)])
+    spec = spec_of([stage_of(3, "1"), stage_of(1, "0"), stage_of(2, "1"), stage_of(0)])
     groups = placement_groups(spec)
     assert [g.stage_ids for g in groups] == [(0,), (1,), (2, 3)]
     assert group_of(groups, 3) is groups[2]
@@ -83,7 +58,7 @@ def test_groups_are_ordered_by_lowest_stage_id_whatever_the_spec_order() -> None
 
 def test_visible_devices_are_renumbered_into_the_pods_gpus() -> None:
     # The pod sees its GPUs as 0..n-1 in ascending order of the ids in devices.
-    spec = _spec([_stage(0, "5,2"), _stage(1, "5"), _stage(2, "7,2")])
+    spec = spec_of([stage_of(0, "5,2"), stage_of(1, "5"), stage_of(2, "7,2")])
     group = placement_groups(spec)[0]
     assert group.gpu_ids == (2, 5, 7)
     by_id = {stage.stage_id: group.visible_devices(stage) for stage in group.stages}
@@ -91,7 +66,7 @@ def test_visible_devices_are_renumbered_into_the_pods_gpus() -> None:
 
 
 def test_group_replicas_come_from_its_stages() -> None:
-    spec = _spec([_stage(0, "0", replicas=3), _stage(1, "0", replicas=3)])
+    spec = spec_of([stage_of(0, "0", replicas=3), stage_of(1, "0", replicas=3)])
     assert placement_groups(spec)[0].replicas == 3
 
 
@@ -99,25 +74,28 @@ def test_group_replicas_come_from_its_stages() -> None:
 
 
 def test_a_deployable_spec_has_no_issues() -> None:
-    spec = _spec(
+    spec = spec_of(
         [
-            _stage(0, "0", output="hidden_states"),
-            _stage(1, "0", type="diffusion", inputConnectors={"from_stage_0": "shm"}),
+            stage_of(0, "0", output="hidden_states"),
+            stage_of(1, "0", type="diffusion", inputConnectors={"from_stage_0": "shm"}),
         ]
     )
     assert check_spec(spec) == []
 
 
 def test_unequal_replicas_in_a_group_are_refused_with_both_counts() -> None:
-    spec = _spec([_stage(0, "0,1", replicas=2), _stage(1, "1", replicas=3)])
+    spec = spec_of([stage_of(0, "0,1", replicas=2), stage_of(1, "1", replicas=3)])
     message = _messages(spec)["stages[1].replicas"]
     assert "same replicas (2), not 3" in message
     assert "GPUs 0,1" in message
 
 
 def test_shared_memory_between_groups_is_refused_naming_both_groups() -> None:
-    spec = _spec(
-        [_stage(0, "0"), _stage(1, "1", type="diffusion", inputConnectors={"from_stage_0": "shm"})]
+    spec = spec_of(
+        [
+            stage_of(0, "0"),
+            stage_of(1, "1", type="diffusion", inputConnectors={"from_stage_0": "shm"}),
+        ]
     )
     message = _messages(spec)["stages[1].inputConnectors.from_stage_0"]
     assert "SharedMemoryConnector" in message
@@ -127,13 +105,15 @@ def test_shared_memory_between_groups_is_refused_naming_both_groups() -> None:
 
 
 def test_tcp_between_groups_is_fine() -> None:
-    spec = _spec([_stage(0), _stage(1, type="diffusion", inputConnectors={"from_stage_0": "tcp"})])
+    spec = spec_of(
+        [stage_of(0), stage_of(1, type="diffusion", inputConnectors={"from_stage_0": "tcp"})]
+    )
     assert check_spec(spec) == []
 
 
 def test_gpu_resources_set_by_hand_are_refused() -> None:
-    spec = _spec(
-        [_stage(0, "0", placement={"resources": {"limits": {"nvidia.com/gpu": 2}}})],
+    spec = spec_of(
+        [stage_of(0, "0", placement={"resources": {"limits": {"nvidia.com/gpu": 2}}})],
         router={"placement": {"resources": {"requests": {"nvidia.com/gpu": 1}}}},
     )
     messages = _messages(spec)
@@ -145,7 +125,7 @@ def test_gpu_resources_set_by_hand_are_refused() -> None:
     "name", ["HOME", "HF_HOME", "CUDA_VISIBLE_DEVICES", "OMNI_CUDA_VISIBLE_DEVICES_0"]
 )
 def test_the_operators_variables_cannot_be_set_in_env(name: str) -> None:
-    spec = _spec([_stage(0, placement={"env": [{"name": "OK", "value": "1"}, {"name": name}]})])
+    spec = spec_of([stage_of(0, placement={"env": [{"name": "OK", "value": "1"}, {"name": name}]})])
     message = _messages(spec)["stages[0].placement.env[1].name"]
     assert f"{name} is set by the operator" in message
     assert "mount a volume at /var/lib/omni/hf" in message
@@ -154,7 +134,7 @@ def test_the_operators_variables_cannot_be_set_in_env(name: str) -> None:
 
 
 def test_router_env_is_checked_too() -> None:
-    spec = _spec([_stage(0)], router={"placement": {"env": [{"name": "OMNI_NAMESPACE"}]}})
+    spec = spec_of([stage_of(0)], router={"placement": {"env": [{"name": "OMNI_NAMESPACE"}]}})
     assert "router.placement.env[0].name" in _messages(spec)
 
 
@@ -167,7 +147,7 @@ def test_reserved_volume_names_and_mount_paths_are_refused() -> None:
             {"name": "models", "mountPath": "/var/lib/omni/hf"},
         ],
     }
-    messages = _messages(_spec([_stage(0, placement=placement)]))
+    messages = _messages(spec_of([stage_of(0, placement=placement)]))
     assert "volume the operator adds" in messages["stages[0].placement.volumes[0].name"]
     assert (
         "/tmp/ is where the operator mounts"
@@ -179,10 +159,10 @@ def test_reserved_volume_names_and_mount_paths_are_refused() -> None:
 
 
 def test_a_mount_may_use_a_volume_of_another_stage_of_its_pod_but_not_an_unknown_one() -> None:
-    spec = _spec(
+    spec = spec_of(
         [
-            _stage(0, "0", placement={"volumes": [{"name": "models", "emptyDir": {}}]}),
-            _stage(
+            stage_of(0, "0", placement={"volumes": [{"name": "models", "emptyDir": {}}]}),
+            stage_of(
                 1,
                 "0",
                 placement={
@@ -201,9 +181,9 @@ def test_a_mount_may_use_a_volume_of_another_stage_of_its_pod_but_not_an_unknown
 
 
 def test_conflicting_placements_in_one_pod_are_refused() -> None:
-    spec = _spec(
+    spec = spec_of(
         [
-            _stage(
+            stage_of(
                 0,
                 "0",
                 placement={
@@ -215,7 +195,7 @@ def test_conflicting_placements_in_one_pod_are_refused() -> None:
                     "volumeMounts": [{"name": "v", "mountPath": "/v"}],
                 },
             ),
-            _stage(
+            stage_of(
                 1,
                 "0",
                 placement={
@@ -241,10 +221,10 @@ def test_conflicting_placements_in_one_pod_are_refused() -> None:
 
 
 def test_a_limit_on_some_stages_of_a_pod_only_is_refused() -> None:
-    spec = _spec(
+    spec = spec_of(
         [
-            _stage(0, "0", placement={"resources": {"limits": {"memory": "8Gi"}}}),
-            _stage(1, "0", placement={"resources": {"requests": {"memory": "8Gi"}}}),
+            stage_of(0, "0", placement={"resources": {"limits": {"memory": "8Gi"}}}),
+            stage_of(1, "0", placement={"resources": {"requests": {"memory": "8Gi"}}}),
         ]
     )
     message = _messages(spec)["stages[1].placement.resources.limits"]
@@ -276,8 +256,8 @@ def test_two_groups_of_one_name_are_refused() -> None:
 
 
 def test_a_stage_id_beyond_the_port_range_is_refused() -> None:
-    fine = _spec([_stage(MAX_STAGE_ID)])
+    fine = spec_of([stage_of(MAX_STAGE_ID)])
     assert check_spec(fine) == []
-    message = _messages(_spec([_stage(MAX_STAGE_ID + 1)]))["stages[0].stageId"]
+    message = _messages(spec_of([stage_of(MAX_STAGE_ID + 1)]))["stages[0].stageId"]
     assert "above 65535" in message
     assert f"ids up to {MAX_STAGE_ID}" in message

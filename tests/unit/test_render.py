@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import yaml
+from pipeline_specs import spec_of, stage_of
 
 from omni_operator.api import (
     API_VERSION,
@@ -73,30 +74,6 @@ def _manifest(name: str) -> dict[str, Any]:
 def _example(name: str) -> tuple[str, OmniPipelineSpec]:
     data = _manifest(name)
     return data["metadata"]["name"], OmniPipelineSpec.model_validate(data["spec"])
-
-
-def _spec(stages: list[dict[str, Any]], **extra: Any) -> OmniPipelineSpec:
-    return OmniPipelineSpec.model_validate(
-        {
-            "model": "some/model",
-            "stages": stages,
-            "connectors": {
-                "shm": {"name": "SharedMemoryConnector"},
-                "tcp": {"name": "TCPConnector"},
-            },
-            **extra,
-        }
-    )
-
-
-def _stage(stage_id: int, devices: str = "cpu", **fields: Any) -> dict[str, Any]:
-    return {
-        "stageId": stage_id,
-        "name": f"s{stage_id}",
-        "type": "llm",
-        "devices": devices,
-        **fields,
-    }
 
 
 def _render(spec: OmniPipelineSpec, name: str = "p") -> list[dict[str, Any]]:
@@ -266,7 +243,7 @@ def test_every_child_is_owned_labelled_and_a_listed_kind(example: str) -> None:
 
 
 def test_stage_groups_carry_their_group_and_stages() -> None:
-    spec = _spec([_stage(0, "0"), _stage(1, "0"), _stage(2)])
+    spec = spec_of([stage_of(0, "0"), stage_of(1, "0"), stage_of(2)])
     objects = _by_key(_render(spec))
     labels = objects[("Deployment", "p-s0-s1")]["spec"]["template"]["metadata"]["labels"]
     assert labels[LABEL_GROUP] == "s0-s1"
@@ -300,7 +277,7 @@ def test_selectors_select_their_own_pods_only(example: str) -> None:
 
 
 def test_pipeline_selector_matches_the_labels() -> None:
-    spec = _spec([_stage(0)])
+    spec = spec_of([stage_of(0)])
     long_name = "p" * 100
     for name in ("p", long_name):
         key, value = pipeline_selector(name).split("=")
@@ -311,7 +288,7 @@ def test_pipeline_selector_matches_the_labels() -> None:
 
 
 def test_stage_command_runs_the_groups_stages_on_their_ports() -> None:
-    spec = _spec([_stage(0, "0"), _stage(2, "0"), _stage(1)])
+    spec = spec_of([stage_of(0, "0"), stage_of(2, "0"), stage_of(1)])
     container = _container(_by_key(_render(spec))[("Deployment", "p-s0-s2")])
     assert container["name"] == "stages"
     assert container["command"] == ["omni-runtime"]
@@ -341,7 +318,7 @@ def test_stage_command_runs_the_groups_stages_on_their_ports() -> None:
 
 
 def test_headless_service_has_a_port_per_stage() -> None:
-    spec = _spec([_stage(0, "0"), _stage(3, "0")])
+    spec = spec_of([stage_of(0, "0"), stage_of(3, "0")])
     service = _by_key(_render(spec))[("Service", "p-s0-s3")]["spec"]
     assert service["clusterIP"] == "None"
     assert service["publishNotReadyAddresses"] is False
@@ -352,8 +329,8 @@ def test_headless_service_has_a_port_per_stage() -> None:
 
 
 def test_router_discovers_every_stage_through_its_groups_service() -> None:
-    spec = _spec(
-        [_stage(0, "0"), _stage(1), _stage(2, "0")],
+    spec = spec_of(
+        [stage_of(0, "0"), stage_of(1), stage_of(2, "0")],
         router={"port": 9000, "serviceType": "NodePort"},
     )
     objects = _by_key(_render(spec))
@@ -397,7 +374,7 @@ def test_router_discovers_every_stage_through_its_groups_service() -> None:
 
 
 def test_pods_run_unprivileged_on_a_read_only_root() -> None:
-    spec = _spec([_stage(0, "0"), _stage(1)])
+    spec = spec_of([stage_of(0, "0"), stage_of(1)])
     for deployment in _deployments(_render(spec)):
         pod = deployment["spec"]["template"]["spec"]
         assert pod["securityContext"] == {
@@ -427,7 +404,7 @@ def test_pods_run_unprivileged_on_a_read_only_root() -> None:
 
 
 def test_config_map_holds_the_runtime_pipeline() -> None:
-    spec = _spec([_stage(0, placement={"image": "x:1"})], router={"replicas": 2})
+    spec = spec_of([stage_of(0, placement={"image": "x:1"})], router={"replicas": 2})
     config = _by_key(_render(spec))[("ConfigMap", "p-config")]
     loaded = load_pipeline(json.loads(config["data"]["pipeline.json"]))
     assert dump_pipeline(loaded) == dump_pipeline(runtime_config(spec))
@@ -435,7 +412,7 @@ def test_config_map_holds_the_runtime_pipeline() -> None:
 
 
 def test_gpu_counts_and_visible_devices_per_group() -> None:
-    spec = _spec([_stage(0, "4,6"), _stage(1, "6"), _stage(2, "3"), _stage(3)])
+    spec = spec_of([stage_of(0, "4,6"), stage_of(1, "6"), stage_of(2, "3"), stage_of(3)])
     deployments = {d["metadata"]["name"]: d for d in _deployments(_render(spec))}
     big = _container(deployments["p-s0-s1"])
     assert big["resources"] == {"requests": {GPU: "2"}, "limits": {GPU: "2"}}
@@ -454,15 +431,15 @@ def test_gpu_counts_and_visible_devices_per_group() -> None:
 @pytest.mark.parametrize(
     ("stages", "shm"),
     [
-        ([_stage(0, "0"), _stage(1, "0", inputConnectors={"from_stage_0": "shm"})], True),
-        ([_stage(0, "0"), _stage(1, "0", inputConnectors={"from_stage_0": "tcp"})], False),
-        ([_stage(0, "0,1", tensorParallelSize=2)], True),
-        ([_stage(0, "0,1", dataParallelSize=2)], True),
-        ([_stage(0, "0")], False),
+        ([stage_of(0, "0"), stage_of(1, "0", inputConnectors={"from_stage_0": "shm"})], True),
+        ([stage_of(0, "0"), stage_of(1, "0", inputConnectors={"from_stage_0": "tcp"})], False),
+        ([stage_of(0, "0,1", tensorParallelSize=2)], True),
+        ([stage_of(0, "0,1", dataParallelSize=2)], True),
+        ([stage_of(0, "0")], False),
     ],
 )
 def test_dev_shm_only_where_shared_memory_is_used(stages: list[dict[str, Any]], shm: bool) -> None:
-    deployment = next(_deployments(_render(_spec(stages))))
+    deployment = next(_deployments(_render(spec_of(stages))))
     volumes = {v["name"] for v in deployment["spec"]["template"]["spec"]["volumes"]}
     mounts = {m["mountPath"] for m in _container(deployment)["volumeMounts"]}
     assert ("omni-shm" in volumes) is shm
@@ -475,9 +452,9 @@ def test_placement_is_merged_over_a_group() -> None:
     affinity: dict[str, Any] = {
         "nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {}}
     }
-    spec = _spec(
+    spec = spec_of(
         [
-            _stage(
+            stage_of(
                 0,
                 "0",
                 placement={
@@ -489,7 +466,7 @@ def test_placement_is_merged_over_a_group() -> None:
                     "resources": {"requests": {"cpu": "500m", "memory": "1Gi"}},
                 },
             ),
-            _stage(
+            stage_of(
                 1,
                 "0",
                 placement={
@@ -527,9 +504,9 @@ def test_placement_is_merged_over_a_group() -> None:
 
 
 def test_an_unchecked_reserved_variable_never_overrides_the_operators() -> None:
-    spec = _spec(
+    spec = spec_of(
         [
-            _stage(
+            stage_of(
                 0, placement={"env": [{"name": "HOME", "value": "/"}, {"name": "Z", "value": "z"}]}
             )
         ]
@@ -542,19 +519,20 @@ def test_an_unchecked_reserved_variable_never_overrides_the_operators() -> None:
 
 
 def test_image_defaults_from_stage_to_spec_to_the_operator() -> None:
-    stages = [_stage(0, placement={"image": "own:1"}), _stage(1)]
+    stages = [stage_of(0, placement={"image": "own:1"}), stage_of(1)]
     with_spec = {
         d["metadata"]["name"]: _container(d)["image"]
-        for d in _deployments(_render(_spec(stages, image="spec:1")))
+        for d in _deployments(_render(spec_of(stages, image="spec:1")))
     }
     assert with_spec == {"p-s0": "own:1", "p-s1": "spec:1", "p-router": "spec:1"}
     bare = {
-        d["metadata"]["name"]: _container(d)["image"] for d in _deployments(_render(_spec(stages)))
+        d["metadata"]["name"]: _container(d)["image"]
+        for d in _deployments(_render(spec_of(stages)))
     }
     assert bare["p-s1"] == IMAGE
     assert bare["p-router"] == IMAGE
     # A GPU pod that names no image runs the runtime's CUDA build; CPU pods keep the other.
-    gpu = _spec([_stage(0, "0"), _stage(1)])
+    gpu = spec_of([stage_of(0, "0"), stage_of(1)])
     images = {
         d["metadata"]["name"]: _container(d)["image"]
         for d in _deployments(
@@ -565,10 +543,10 @@ def test_image_defaults_from_stage_to_spec_to_the_operator() -> None:
 
 
 def test_limits_are_summed_and_requests_default_to_limits() -> None:
-    spec = _spec(
+    spec = spec_of(
         [
-            _stage(0, "0", placement={"resources": {"limits": {"memory": "2Gi", "cpu": 2}}}),
-            _stage(
+            stage_of(0, "0", placement={"resources": {"limits": {"memory": "2Gi", "cpu": 2}}}),
+            stage_of(
                 1,
                 "0",
                 placement={
@@ -589,8 +567,8 @@ def test_limits_are_summed_and_requests_default_to_limits() -> None:
 
 
 def test_pdb_only_where_replicas_exceed_one() -> None:
-    spec = _spec(
-        [_stage(0, "0", replicas=2), _stage(1, replicas=1), _stage(2, replicas=0)],
+    spec = spec_of(
+        [stage_of(0, "0", replicas=2), stage_of(1, replicas=1), stage_of(2, replicas=0)],
         router={"replicas": 3},
     )
     objects = _render(spec)
@@ -608,32 +586,32 @@ def test_pdb_only_where_replicas_exceed_one() -> None:
 
 def test_config_hash_changes_with_the_config_only() -> None:
     base: dict[str, Any] = {
-        "stages": [_stage(0, defaultSamplingParams={"seed": 1})],
+        "stages": [stage_of(0, defaultSamplingParams={"seed": 1})],
         "router": {"replicas": 1},
     }
-    before = _config_hash(_render(_spec(**copy.deepcopy(base))))
+    before = _config_hash(_render(spec_of(**copy.deepcopy(base))))
     assert len(before) == 1
     assert re.fullmatch(r"[0-9a-f]{16}", next(iter(before)))
 
     scaled = copy.deepcopy(base)
     scaled["router"]["replicas"] = 4
     scaled["stages"][0]["replicas"] = 3
-    assert _config_hash(_render(_spec(**scaled))) == before
+    assert _config_hash(_render(spec_of(**scaled))) == before
 
     placed = copy.deepcopy(base)
     placed["stages"][0]["placement"] = {"image": "other:2"}
-    assert _config_hash(_render(_spec(**placed))) == before
+    assert _config_hash(_render(spec_of(**placed))) == before
 
     changed = copy.deepcopy(base)
     changed["stages"][0]["defaultSamplingParams"]["seed"] = 2
-    assert _config_hash(_render(_spec(**changed))) != before
+    assert _config_hash(_render(spec_of(**changed))) != before
 
 
 # ------------------------------------------------------------------------------- names
 
 
 def test_long_names_are_cut_and_hashed_into_valid_unique_names() -> None:
-    spec = _spec([_stage(0, name="a" * 40), _stage(1, name="b" * 40)])
+    spec = spec_of([stage_of(0, name="a" * 40), stage_of(1, name="b" * 40)])
     one, two = "x" * 60 + "-one", "x" * 60 + "-two"
     names_one = {obj["metadata"]["name"] for obj in _render(spec, one)}
     names_two = {obj["metadata"]["name"] for obj in _render(spec, two)}
@@ -688,7 +666,7 @@ def _child(kind: str, name: str, *, pipeline: str = "p", uid: str | None = UID) 
 
 
 def test_prune_set_is_what_is_ours_and_no_longer_desired() -> None:
-    desired = _render(_spec([_stage(0)]))
+    desired = _render(spec_of([stage_of(0)]))
     stale_deployment = _child("Deployment", "p-old")
     stale_service = _child("Service", "p-old")
     orphan = _child("Deployment", "p-orphan", uid=None)  # its owner link removed
@@ -714,7 +692,7 @@ def test_prune_set_is_what_is_ours_and_no_longer_desired() -> None:
 
 
 def test_a_desired_object_of_another_kind_with_the_same_name_is_still_pruned() -> None:
-    desired = _render(_spec([_stage(0)]))
+    desired = _render(spec_of([stage_of(0)]))
     # A Service p-s0 is desired; a ConfigMap p-s0 is not.
     stale = _child("ConfigMap", "p-s0")
     assert prune_set(desired, [stale]) == [stale]
@@ -725,8 +703,8 @@ def test_prune_set_of_nothing_desired_is_empty() -> None:
 
 
 def test_removing_a_stage_prunes_its_group() -> None:
-    two = _render(_spec([_stage(0), _stage(1, inputConnectors={"from_stage_0": "tcp"})]))
-    one = _render(_spec([_stage(0)]))
+    two = _render(spec_of([stage_of(0), stage_of(1, inputConnectors={"from_stage_0": "tcp"})]))
+    one = _render(spec_of([stage_of(0)]))
     pruned = {object_key(o) for o in prune_set(one, two)}
     assert pruned == {("apps/v1", "Deployment", "p-s1"), ("v1", "Service", "p-s1")}
 

@@ -42,14 +42,19 @@ _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 _DEVICES_ALLOWED = "'cpu', '' (same as cpu), or comma-separated GPU ids such as '0' or '0,1'"
 
 
+# snake_case in Python, camelCase on the wire, either accepted; unknown fields refused. The
+# operator's API models (omni_operator.api) share it.
+CAMEL_CASE_CONFIG = ConfigDict(
+    alias_generator=to_camel,
+    validate_by_name=True,
+    validate_by_alias=True,
+    serialize_by_alias=True,
+    extra="forbid",
+)
+
+
 class _Model(BaseModel):
-    model_config = ConfigDict(
-        alias_generator=to_camel,
-        validate_by_name=True,
-        validate_by_alias=True,
-        serialize_by_alias=True,
-        extra="forbid",
-    )
+    model_config = CAMEL_CASE_CONFIG
 
     # Per-field text for "required" errors: what to set, and why it could not be defaulted.
     missing_hints: ClassVar[dict[str, str]] = {}
