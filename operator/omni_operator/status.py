@@ -3,11 +3,11 @@
 Phase, from the most to the least serious:
 - Failed: the spec cannot be deployed (SpecValid=False); nothing was changed.
 - Ready: every stage and the router have all their replicas ready, on the current spec.
-- Progressing: a rollout is under way (a Deployment has not caught up with its spec, or
-  not every pod is of the current template).
-- Pending: nothing has been ready yet since the pipeline was created.
 - Degraded: it was serving, and now some replicas are missing (a pod died, went unready,
-  or cannot be scheduled).
+  or cannot be scheduled) while no rollout is under way.
+- Progressing: on the way to Ready: a rollout (a Deployment has not caught up with its
+  spec, or not every pod is of the current template), or pods still coming up.
+- Pending: accepted, but no Deployment of it exists yet.
 
 A stage counts as ready (the READY column, ready stages / stages) when all its replicas
 are. Conditions keep their lastTransitionTime while their status stays the same.
@@ -131,10 +131,10 @@ def pipeline_status(
     phase: Phase
     if not not_ready and not rolling:
         phase = "Ready"
-    elif rolling:
-        phase = "Progressing"
-    elif was_serving:
+    elif was_serving and not rolling:
         phase = "Degraded"
+    elif states:
+        phase = "Progressing"
     else:
         phase = "Pending"
 

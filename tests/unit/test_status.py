@@ -82,13 +82,14 @@ def test_everything_ready_is_ready_with_counts_per_stage() -> None:
     }
 
 
-def test_nothing_yet_is_pending_and_missing_deployments_count_as_rolling_out() -> None:
+def test_nothing_yet_is_pending_then_progressing_while_pods_come_up() -> None:
     status = status_of({})
-    assert status.phase == "Progressing"
-    ready = next(c for c in status.conditions if c.type == "Progressing")
-    assert "p-vae: not created yet" in ready.message
+    assert status.phase == "Pending"
+    rolling = next(c for c in status.conditions if c.type == "Progressing")
+    assert rolling.status == "True"
+    assert "p-vae: not created yet" in rolling.message
     created = status_of({k: deployment(ready=0) for k in ("p-thinker-dit", "p-vae", "p-router")})
-    assert created.phase == "Pending"
+    assert created.phase == "Progressing"
     assert created.ready == "0/3"
 
 
@@ -102,8 +103,8 @@ def test_losing_a_replica_after_serving_is_degraded_and_names_the_stage() -> Non
     degraded = next(c for c in status.conditions if c.type == "Degraded")
     assert degraded.status == "True"
     assert "stage vae: 1/2 ready" in degraded.message
-    # The same loss before the pipeline ever served is still Pending, not Degraded.
-    assert status_of(broken).phase == "Pending"
+    # The same loss before the pipeline ever served is still on its way, not Degraded.
+    assert status_of(broken).phase == "Progressing"
 
 
 def test_a_rollout_is_progressing_until_the_controller_catches_up() -> None:
@@ -120,7 +121,7 @@ def test_a_router_without_ready_pods_keeps_the_pipeline_from_ready() -> None:
     deployments = all_ready()
     deployments["p-router"] = deployment(ready=0, component="router")
     status = status_of(deployments)
-    assert status.phase == "Pending"
+    assert status.phase == "Progressing"
     assert status.ready == "3/3"  # the stages are; the router is not
     message = next(c for c in status.conditions if c.type == "Ready").message
     assert "router: 0/1 ready" in message
