@@ -23,7 +23,15 @@ import kopf
 
 from omni_runtime.kube import KubeApiError, KubeClient, load_kube_config
 
-from .api import DEFAULT_RUNTIME_CUDA_IMAGE, DEFAULT_RUNTIME_IMAGE, GROUP, PLURAL, VERSION
+from .api import (
+    API_VERSION,
+    DEFAULT_RUNTIME_CUDA_IMAGE,
+    DEFAULT_RUNTIME_IMAGE,
+    GROUP,
+    KIND,
+    PLURAL,
+    VERSION,
+)
 from .reconciler import EventSink, PipelineRef, Reconciler, refused_for_good
 from .render import CHILD_KINDS, LABEL_MANAGED_BY, LABEL_PIPELINE, MANAGED_BY
 
@@ -181,8 +189,8 @@ async def _put_back(reconciler: Reconciler, ref: PipelineRef) -> None:
 
 def _pipeline_body(ref: PipelineRef) -> dict[str, Any]:
     return {
-        "apiVersion": f"{GROUP}/{VERSION}",
-        "kind": "OmniPipeline",
+        "apiVersion": API_VERSION,
+        "kind": KIND,
         "metadata": {"name": ref.name, "namespace": ref.namespace, "uid": ref.uid},
     }
 

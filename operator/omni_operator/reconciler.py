@@ -18,9 +18,9 @@ from pydantic import ValidationError
 
 from omni_runtime.config import PipelineConfigError
 from omni_runtime.config.errors import join_path
-from omni_runtime.kube import KubeApiError, KubeClient, object_path
+from omni_runtime.kube import KubeApiError, KubeClient, object_path, resource_path_for
 
-from .api import API_VERSION, KIND, PLURAL, OmniPipelineSpec, OmniPipelineStatus
+from .api import API_VERSION, PLURAL, OmniPipelineSpec, OmniPipelineStatus
 from .placement import check_spec, placement_groups
 from .render import (
     CHILD_KINDS,
@@ -154,9 +154,8 @@ class Reconciler:
                 event("Normal", "Updated", f"updated {key[1]} {key[2]}")
         for obj in prune_set(desired, list(existing.values())):
             key = object_key(obj)
-            path = object_path(key[0], _plural(key[1]), ref.namespace, key[2])
             try:
-                if await self.kube.delete(path):
+                if await self.kube.delete(resource_path_for(obj)):
                     event("Normal", "Pruned", f"deleted {key[1]} {key[2]}: no longer in the spec")
             except KubeApiError as e:
                 event("Warning", "PruneFailed", f"{key[1]} {key[2]}: {e}")
@@ -301,15 +300,5 @@ def _version(body: Mapping[str, Any]) -> str | None:
     return version
 
 
-def _plural(kind: str) -> str:
-    for child in CHILD_KINDS:
-        if child.kind == kind:
-            return child.plural
-    raise KeyError(kind)
-
-
 def _now() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
-__all__ = ["KIND", "PipelineRef", "Reconciler", "SpecRefused", "parse_spec"]
