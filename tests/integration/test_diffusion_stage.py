@@ -18,7 +18,6 @@ import pytest
 from stage_outputs import outputs_until_dead
 
 from omni_runtime.diffusion.engine import DiffusionEngineConfig
-from omni_runtime.diffusion.images import decode_image, encode_png
 from omni_runtime.diffusion.stage.generate import generate
 from omni_runtime.diffusion.stage.inline_stage_diffusion_client import InlineStageDiffusionClient
 from omni_runtime.diffusion.stage.stage_diffusion_core_client import StageDiffusionCoreClient
@@ -27,6 +26,7 @@ from omni_runtime.engine.stage.stage_core_types import (
     StageDiffusionCoreOutput,
     StageDiffusionCoreRequest,
 )
+from omni_runtime.images import decode_image, encode_png
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="module")]
 

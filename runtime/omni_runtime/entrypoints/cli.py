@@ -329,7 +329,6 @@ async def _generate_async(
     args: argparse.Namespace, model: str, prompts: list[str], width: int, height: int
 ) -> int:
     from omni_runtime.diffusion.engine import DiffusionEngineConfig
-    from omni_runtime.diffusion.images import encode_png
     from omni_runtime.diffusion.stage.generate import generate
     from omni_runtime.diffusion.stage.inline_stage_diffusion_client import (
         InlineStageDiffusionClient,
@@ -339,6 +338,7 @@ async def _generate_async(
     )
     from omni_runtime.engine.stage.stage_core_client import StageCoreStartupError
     from omni_runtime.engine.stage.stage_core_types import StageDiffusionCoreRequest
+    from omni_runtime.images import encode_png
 
     config = DiffusionEngineConfig(model=model)
     start = time.perf_counter()

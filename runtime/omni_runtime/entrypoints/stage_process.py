@@ -28,13 +28,13 @@ from typing import Any
 from omni_runtime.config import PipelineConfig, StageConfig
 from omni_runtime.connectors import ConnectorError
 from omni_runtime.engine.stage.stage_core_client import StageCoreClientBase, StageCoreStartupError
-from omni_runtime.engine.stage.stage_frontend import (
+from omni_runtime.stage_server.frontend import (
     StageConnectors,
     StageFrontend,
     stage_connector_names,
 )
-from omni_runtime.engine.stage.stage_probes import start_probe_server
-from omni_runtime.engine.stage.stage_server import StageServer
+from omni_runtime.stage_server.probes import start_probe_server
+from omni_runtime.stage_server.server import StageServer
 
 logger = logging.getLogger("omni_runtime.stage")
 
@@ -93,7 +93,7 @@ def start_frontend(
                 os.environ["VLLM_CPU_KVCACHE_SPACE"] = _DEFAULT_CPU_KVCACHE_GIB
             from omni_runtime.engine.stage.stage_llm_core_client import start_stage_llm_client
             from omni_runtime.engine.stage.stage_llm_engine_config import StageLLMConfigError
-            from omni_runtime.engine.stage.stage_llm_frontend import StageLLMFrontend
+            from omni_runtime.stage_server.llm_frontend import StageLLMFrontend
 
             try:
                 llm_client = start_stage_llm_client(stage, model, startup_timeout=startup_timeout)
@@ -104,7 +104,7 @@ def start_frontend(
         from omni_runtime.diffusion.stage.stage_diffusion_core_client import (
             StageDiffusionCoreClient,
         )
-        from omni_runtime.diffusion.stage.stage_diffusion_frontend import StageDiffusionFrontend
+        from omni_runtime.stage_server.diffusion_frontend import StageDiffusionFrontend
 
         if not os.path.isdir(model):
             raise StageStartError(

@@ -33,9 +33,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from omni_runtime.config import PipelineConfig
-from omni_runtime.diffusion.images import encode_png
 from omni_runtime.engine.stage.stage_core_types import StageServerOutput
 from omni_runtime.engine.stage.stage_replica_pool import StageReplicaPool
+from omni_runtime.images import encode_png
 from omni_runtime.router.metrics import RouterMetrics
 from omni_runtime.router.orchestrator import PipelineError, PipelineOrchestrator, PipelineRequest
 from omni_runtime.router.protocol import (

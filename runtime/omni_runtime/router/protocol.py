@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
 
-from omni_runtime.diffusion.images import decode_image
+from omni_runtime.images import decode_image
 
 
 @dataclass(frozen=True)

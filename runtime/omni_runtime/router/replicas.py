@@ -14,9 +14,9 @@ import contextlib
 import logging
 from collections.abc import Iterable, Mapping
 
-from omni_runtime.engine.stage.remote_stage_client import RemoteStageClient
 from omni_runtime.engine.stage.stage_core_client import StageCoreDeadError
 from omni_runtime.engine.stage.stage_replica_pool import StageReplicaPool
+from omni_runtime.router.remote_stage_client import RemoteStageClient
 
 logger = logging.getLogger(__name__)
 

@@ -1,1 +1,1 @@
-"""Stage runtime: wire types, the client contract, the LLM stage, the replica pool."""
+"""The seed's stage layer: wire types, the client contract, the LLM stage, the replica pool."""

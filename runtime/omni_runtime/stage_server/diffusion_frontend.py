@@ -24,7 +24,7 @@ from omni_runtime.engine.stage.stage_core_types import (
     StageServerOutput,
     StageServerRequest,
 )
-from omni_runtime.engine.stage.stage_frontend import (
+from omni_runtime.stage_server.frontend import (
     BAD_REQUEST,
     STAGE_FAILED,
     StageConnectors,

@@ -4,8 +4,8 @@ A stage server speaks one protocol for every stage (StageServerRequest in,
 StageServerOutput out); a frontend turns that into its core client's own requests and
 back. The LLM frontend tokenizes, detokenizes and puts hidden states into a connector; the
 diffusion frontend fetches upstream hidden states through their connector and returns
-images. Both live beside their stage kind (``stage_llm_frontend``,
-``diffusion.stage.stage_diffusion_frontend``); this module holds what they share.
+images. Each is a module of this package (``llm_frontend``, ``diffusion_frontend``); this
+module holds what they share.
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ from omni_runtime.engine.stage.stage_core_types import (
     StageUtilityCall,
     StageUtilityOutput,
 )
-from omni_runtime.engine.stage.stage_frontend import UNAVAILABLE, StageFrontend, refusal
+from omni_runtime.stage_server.frontend import UNAVAILABLE, StageFrontend, refusal
 from omni_runtime.wire import WireDecoder, WireEncoder, WireError
 
 logger = logging.getLogger(__name__)

@@ -25,7 +25,9 @@ from omni_runtime.engine.stage.stage_core_types import (
     StageServerOutput,
     StageServerRequest,
 )
-from omni_runtime.engine.stage.stage_frontend import (
+from omni_runtime.engine.stage.stage_llm_core_client import StageLLMCoreClientBase
+from omni_runtime.engine.stage.stage_llm_request_builder import InvalidLLMRequestError
+from omni_runtime.stage_server.frontend import (
     BAD_REQUEST,
     DEFAULT_HANDOFF_CONNECTOR,
     STAGE_FAILED,
@@ -33,8 +35,6 @@ from omni_runtime.engine.stage.stage_frontend import (
     StageFrontend,
     refusal,
 )
-from omni_runtime.engine.stage.stage_llm_core_client import StageLLMCoreClientBase
-from omni_runtime.engine.stage.stage_llm_request_builder import InvalidLLMRequestError
 
 # vLLM's REPETITION (a repetition detector's stop) is a stop to an OpenAI client.
 _FINISH_REASONS = {
