@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 REPO = Path(__file__).resolve().parents[2]
@@ -49,6 +50,25 @@ def test_validate_missing_file_is_a_message(tmp_path: Path) -> None:
     assert result.returncode == 1
     assert "No such file" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("name", "text"),
+    [
+        ("deep.yaml", "[" * 5000 + "]" * 5000),
+        ("deep-map.yaml", "".join(" " * i + "- a:\n" for i in range(0, 400, 2)) + " " * 400 + "1"),
+        ("deep.json", "[" * 5000 + "]" * 5000),
+        ("deep-map.json", '{"a":' * 100 + "1" + "}" * 100),
+    ],
+)
+def test_validate_refuses_deep_nesting_in_one_line(tmp_path: Path, name: str, text: str) -> None:
+    deep = tmp_path / name
+    deep.write_text(text)
+    result = omni_runtime("validate", "-f", str(deep), "--model", "m")
+    assert result.returncode == 1
+    assert "nested deeper than 64 levels" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 2  # the file, then the one issue
 
 
 def test_generate_rejects_a_bad_size_before_starting_anything() -> None:

@@ -111,14 +111,41 @@ def _read(path: Path) -> Any:
         ) from None
     if path.suffix.lower() == ".json":
         try:
-            return json.loads(text)
+            data = json.loads(text)
         except json.JSONDecodeError as error:
             message = f"invalid JSON at line {error.lineno}, column {error.colno}: {error.msg}"
             raise PipelineConfigError([(where, message)], source=where) from None
+        except RecursionError:
+            raise PipelineConfigError([(where, _too_deep())], source=where) from None
+        if _depth(data) > MAX_NESTING:
+            raise PipelineConfigError([(where, _too_deep())], source=where)
+        return data
     try:
         return yaml.load(text, Loader=_StrictSafeLoader)
     except yaml.YAMLError as error:
         raise PipelineConfigError([(where, _describe_yaml_error(error))], source=where) from None
+
+
+# Far deeper than any pipeline (about 6 levels, engineArgs included), far shallower than
+# the interpreter's recursion limit, which the parsers would otherwise reach.
+MAX_NESTING = 64
+
+
+def _too_deep() -> str:
+    return f"nested deeper than {MAX_NESTING} levels; a pipeline file needs a handful"
+
+
+def _depth(data: Any) -> int:
+    """How deep lists and maps nest in ``data`` (iterative: the input may be deep)."""
+    deepest, stack = 0, [(data, 1)]
+    while stack:
+        value, depth = stack.pop()
+        children = value.values() if isinstance(value, dict) else value
+        if isinstance(value, dict | list):
+            deepest = max(deepest, depth)
+            if depth <= MAX_NESTING:
+                stack.extend((child, depth + 1) for child in children)
+    return deepest
 
 
 def _unwrap(data: Any, origin: str | None) -> tuple[dict[str, Any], str]:
@@ -189,7 +216,21 @@ def _describe_yaml_error(error: yaml.YAMLError) -> str:
 
 
 class _StrictSafeLoader(yaml.SafeLoader):
-    """SafeLoader that refuses a key given twice, which PyYAML would let the last one win."""
+    """SafeLoader that refuses a key given twice, which PyYAML would let the last one win,
+    and nesting deeper than MAX_NESTING, which its recursive composer would meet as a
+    RecursionError."""
+
+    _nesting = 0
+
+    def compose_node(self, parent: yaml.Node | None, index: Any) -> yaml.Node | None:
+        self._nesting += 1
+        try:
+            if self._nesting > MAX_NESTING:
+                mark = self.peek_event().start_mark  # type: ignore[no-untyped-call]
+                raise yaml.composer.ComposerError(None, None, _too_deep(), mark)
+            return super().compose_node(parent, index)
+        finally:
+            self._nesting -= 1
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: set[Any] = set()

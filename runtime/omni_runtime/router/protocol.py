@@ -16,9 +16,11 @@ from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 import numpy as np
+import orjson
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
 
 from omni_runtime.images import decode_image
+from omni_runtime.router.orchestrator import OutputKind, PipelineRequest
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,9 @@ class RouterLimits:
     max_tokens: int = 8192
     max_input_image_bytes: int = 16 * 1024 * 1024
     max_input_image_pixels: int = 4096 * 4096
+    # Far deeper than any body of this API (about 6 levels), far shallower than what
+    # would exhaust a recursive validator or repr.
+    max_json_nesting: int = 64
     # Requests in the router at once, and on one stage replica (a stage queues what it
     # cannot batch); beyond either, 429 with Retry-After.
     max_concurrent_requests: int = 256
@@ -112,6 +117,94 @@ class ChatCompletionRequest(_Body):
     negative_prompt: str | None = None
     strength: Annotated[float, Field(gt=0, le=1)] | None = None
 
+    def has_input_image(self) -> bool:
+        """Whether converting this request decodes an image (worth a thread of its own)."""
+        return any(
+            isinstance(part, ImagePart)
+            for message in self.messages
+            if not isinstance(message.content, str)
+            for part in message.content
+        )
+
+    def to_pipeline_request(
+        self, request_id: str, output_kind: OutputKind, limits: RouterLimits
+    ) -> PipelineRequest:
+        """The pipeline request this chat completion asks for; RequestError naming the
+        field when the pipeline cannot answer it or it is over a limit."""
+        wants_image = "image" in (self.modalities or [])
+        if wants_image and output_kind != "image":
+            raise RequestError(
+                400,
+                "modalities: this pipeline ends in an LLM stage and answers with text; "
+                'leave out "image"',
+                param="modalities",
+            )
+        if not wants_image and output_kind == "image":
+            raise RequestError(
+                400,
+                'modalities: this pipeline makes images; ask for them with "modalities": ["image"]',
+                param="modalities",
+            )
+        messages, images = flatten_messages(self.messages, limits)
+        prompt_chars = sum(len(m["content"]) for m in messages)
+        check_common(limits, prompt_chars, self.n, self.num_inference_steps)
+        max_tokens = self.max_completion_tokens or self.max_tokens
+        if max_tokens is not None and max_tokens > limits.max_tokens:
+            raise RequestError(
+                400, f"max_tokens: at most {limits.max_tokens} (got {max_tokens})", "max_tokens"
+            )
+        if len(images) > 1:
+            raise RequestError(400, "messages: at most one input image per request", "messages")
+        llm_params = {
+            name: getattr(self, name) for name in _LLM_PARAMS if getattr(self, name) is not None
+        }
+        if max_tokens is not None:
+            llm_params["max_tokens"] = max_tokens
+        if wants_image:
+            check_size(limits, self.height, self.width)
+            llm_params.pop("seed", None)  # the seed is the image's
+            return PipelineRequest(
+                request_id=request_id,
+                messages=messages,
+                llm_params=llm_params,
+                diffusion_params=_given(
+                    height=self.height,
+                    width=self.width,
+                    num_inference_steps=self.num_inference_steps,
+                    guidance_scale=self.guidance_scale,
+                    seed=self.seed,
+                    negative_prompt=self.negative_prompt,
+                    num_images=self.n,
+                    strength=self.strength,
+                ),
+                image=images[0] if images else None,
+                sticky_key=self.user,
+            )
+        if images:
+            raise RequestError(400, "messages: this pipeline takes no input image", "messages")
+        if self.n != 1:
+            raise RequestError(400, f"n: only 1 completion per request (got {self.n})", "n")
+        return PipelineRequest(
+            request_id=request_id, messages=messages, llm_params=llm_params, sticky_key=self.user
+        )
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+# The chat completion fields that are an LLM stage's sampling params, by the same name.
+_LLM_PARAMS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "seed",
+)
+
 
 class ImageGenerationRequest(_Body):
     """POST /v1/images/generations."""
@@ -126,6 +219,75 @@ class ImageGenerationRequest(_Body):
     guidance_scale: NonNegativeFloat | None = None
     negative_prompt: str | None = None
     user: str | None = None
+
+    def to_pipeline_request(
+        self, request_id: str, output_kind: OutputKind, limits: RouterLimits
+    ) -> PipelineRequest:
+        """The pipeline request for these images; RequestError naming the field when the
+        pipeline makes no images or the request is over a limit."""
+        if output_kind != "image":
+            raise RequestError(
+                400,
+                "this pipeline ends in an LLM stage and makes no images; use /v1/chat/completions",
+            )
+        check_common(limits, len(self.prompt), self.n, self.num_inference_steps)
+        height, width = parse_size(self.size, limits)
+        return PipelineRequest(
+            request_id=request_id,
+            # As a chat message: an LLM first stage reads it through its chat template, like
+            # the same prompt sent to /v1/chat/completions.
+            messages=[{"role": "user", "content": self.prompt}],
+            diffusion_params=_given(
+                height=height,
+                width=width,
+                num_inference_steps=self.num_inference_steps,
+                guidance_scale=self.guidance_scale,
+                seed=self.seed,
+                negative_prompt=self.negative_prompt,
+                num_images=self.n,
+            ),
+            sticky_key=self.user,
+        )
+
+
+def _given(**params: Any) -> dict[str, Any]:
+    return {name: value for name, value in params.items() if value is not None}
+
+
+def decode_json(raw: bytes, limits: RouterLimits) -> Any:
+    """A request body's JSON; RequestError if it is not JSON or nests too deep.
+
+    orjson stops at 1024 levels by itself, so the depth walk below never meets more, and
+    neither recursion nor the input's size can take the router down.
+    """
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        if "depth limit" in str(e):
+            raise RequestError(400, _too_deep(limits)) from None
+        raise RequestError(400, f"the body is not valid JSON: {e}") from None
+    if _nesting(body, limits.max_json_nesting) > limits.max_json_nesting:
+        raise RequestError(400, _too_deep(limits))
+    return body
+
+
+def _too_deep(limits: RouterLimits) -> str:
+    return f"the body nests deeper than {limits.max_json_nesting} levels of arrays and objects"
+
+
+def _nesting(value: Any, limit: int) -> int:
+    """How deep arrays and objects nest in ``value``, counted up to ``limit`` + 1."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            item = item.values()
+        elif not isinstance(item, list):
+            continue
+        deepest = max(deepest, depth)
+        if depth <= limit:
+            stack.extend((child, depth + 1) for child in item)
+    return deepest
 
 
 def parse_body(model: type[_Body], body: Any) -> Any:

@@ -1,0 +1,356 @@
+"""OpenAIServing: the router's endpoints as plain methods, from a validated body to a response.
+
+The HTTP app (``router.app``) binds paths to these methods and nothing more; the request
+models (``router.protocol``) turn themselves into pipeline requests; this module admits a
+request, runs it through the orchestrator, watches for the client leaving, and builds every
+response body: chat completions, their SSE chunks, image results and OpenAI-shaped errors.
+
+Responses are encoded with orjson (a chat completion's body and every streamed chunk), and
+images are PNG- and base64-encoded in a worker thread: a 1024x1024 PNG takes tens of
+milliseconds, which on the event loop would hold up every other request's tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from typing import Any
+
+import numpy as np
+import orjson
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from omni_runtime.config import PipelineConfig
+from omni_runtime.engine.stage.stage_core_types import StageServerOutput
+from omni_runtime.engine.stage.stage_replica_pool import StageReplicaPool
+from omni_runtime.images import encode_png
+from omni_runtime.router.metrics import RouterMetrics
+from omni_runtime.router.orchestrator import PipelineError, PipelineOrchestrator, PipelineRequest
+from omni_runtime.router.protocol import (
+    ChatCompletionRequest,
+    ImageGenerationRequest,
+    RequestError,
+    RouterLimits,
+)
+
+
+class JSONBody(Response):
+    """A JSON response encoded with orjson (numpy-free bodies only)."""
+
+    media_type = "application/json"
+
+    def render(self, content: Any) -> bytes:
+        return orjson.dumps(content)
+
+
+def served_model_name(pipeline: PipelineConfig) -> str:
+    """The model name clients send: the router's setting, else the model's last path part."""
+    if pipeline.router.served_model_name:
+        return pipeline.router.served_model_name
+    return pipeline.model.rstrip("/").rsplit("/", 1)[-1] or pipeline.model
+
+
+def error_body(
+    status: int, message: str, *, kind: str | None = None, param: str | None = None
+) -> dict[str, Any]:
+    kind = kind or ("invalid_request_error" if status < 500 else "server_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+def error_response(error: RequestError | PipelineError) -> JSONBody:
+    """The OpenAI-shaped answer to a refused or failed request."""
+    headers = None
+    kind = None
+    if isinstance(error, PipelineError):
+        kind = error.kind
+        if error.retry_after is not None:
+            headers = {"Retry-After": str(max(1, round(error.retry_after)))}
+    return JSONBody(
+        error_body(error.status, error.message, kind=kind, param=error.param),
+        status_code=error.status,
+        headers=headers,
+    )
+
+
+class OpenAIServing:
+    """What the router's endpoints do, over one pipeline's stage pools."""
+
+    def __init__(
+        self,
+        pipeline: PipelineConfig,
+        pools: Mapping[int, StageReplicaPool],
+        metrics: RouterMetrics,
+        *,
+        limits: RouterLimits | None = None,
+        model_name: str | None = None,
+    ) -> None:
+        self.pipeline = pipeline
+        self.pools = dict(pools)
+        self.metrics = metrics
+        self.orchestrator = PipelineOrchestrator(pipeline, pools)
+        self.limits = limits or RouterLimits()
+        self.served_model_name = model_name or served_model_name(pipeline)
+        self.in_flight = 0
+
+    # -- endpoints ---------------------------------------------------------------------
+
+    async def chat(self, body: ChatCompletionRequest, http: Request) -> Response:
+        self._check_model(body.model)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        kind = self.orchestrator.output_kind
+        if body.has_input_image():
+            # Decoding an image (PIL) takes milliseconds: not on the event loop.
+            request = await asyncio.to_thread(
+                body.to_pipeline_request, request_id, kind, self.limits
+            )
+        else:
+            request = body.to_pipeline_request(request_id, kind, self.limits)
+        if kind == "text" and body.stream:
+            return await self._stream_chat(request, http, body.include_usage)
+        outputs = await self._run_to_end(request, http)
+        final = outputs[-1]
+        if kind == "image":
+            urls = await asyncio.to_thread(_png_data_urls, final.images)
+            content: str | list[dict[str, Any]] = [
+                {"type": "image_url", "image_url": {"url": url}} for url in urls
+            ]
+        else:
+            content = "".join(output.text for output in outputs)
+        return JSONBody(
+            {
+                "id": request_id,
+                "object": "chat.completion",
+                "created": int(time.time()),
+                "model": self.served_model_name,
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": content},
+                        "finish_reason": final.finish_reason,
+                    }
+                ],
+                "usage": _usage(final),
+            }
+        )
+
+    async def images(self, body: ImageGenerationRequest, http: Request) -> Response:
+        self._check_model(body.model)
+        request = body.to_pipeline_request(
+            f"img-{uuid.uuid4().hex}", self.orchestrator.output_kind, self.limits
+        )
+        outputs = await self._run_to_end(request, http)
+        encoded = await asyncio.to_thread(_png_base64, outputs[-1].images)
+        data = [{"b64_json": b64} for b64 in encoded]
+        return JSONBody({"created": int(time.time()), "data": data})
+
+    def models(self) -> dict[str, Any]:
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": self.served_model_name,
+                    "object": "model",
+                    "created": 0,
+                    "owned_by": "omni-operator",
+                    "root": self.pipeline.model,
+                }
+            ],
+        }
+
+    def health(self) -> JSONBody:
+        live = {
+            stage.name: self.pools[stage.stage_id].live_replica_count
+            for stage in self.orchestrator.stages
+        }
+        missing = [name for name, count in live.items() if count == 0]
+        if missing:
+            return JSONBody(
+                {
+                    "status": "unavailable",
+                    "error": "no live replica for stage(s): " + ", ".join(missing),
+                    "live_replicas": live,
+                },
+                status_code=503,
+            )
+        return JSONBody({"status": "ok", "live_replicas": live})
+
+    async def close(self) -> None:
+        for pool in self.pools.values():
+            await pool.close()
+
+    # -- running requests --------------------------------------------------------------
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.served_model_name:
+            raise RequestError(
+                404,
+                f"model: {model!r} is not served here; this router serves "
+                f"{self.served_model_name!r} (GET /v1/models)",
+                param="model",
+            )
+
+    def _admit(self) -> None:
+        """Count a request in; refuse it when the router holds its limit already."""
+        if self.in_flight >= self.limits.max_concurrent_requests:
+            raise PipelineError(
+                429,
+                f"the router is at its limit of {self.limits.max_concurrent_requests} "
+                "concurrent requests; retry shortly",
+                kind="rate_limit_exceeded",
+                retry_after=1.0,
+            )
+        self.in_flight += 1
+
+    async def _run_to_end(self, request: PipelineRequest, http: Request) -> list[StageServerOutput]:
+        """Every output of ``request``, aborting it if the client goes away first."""
+        self._admit()
+        try:
+            return await _until_disconnected(http, self.orchestrator.complete(request))
+        finally:
+            self.in_flight -= 1
+
+    async def _stream_chat(
+        self, request: PipelineRequest, http: Request, include_usage: bool
+    ) -> Response:
+        self._admit()
+        admitted = True
+        outputs = self.orchestrator.run(request)
+
+        async def release() -> None:
+            # Idempotent: runs when the stream ends, and again when the response does (a
+            # client gone before the first chunk never starts ``events``).
+            nonlocal admitted
+            await outputs.aclose()
+            if admitted:
+                admitted = False
+                self.in_flight -= 1
+
+        # The first output is awaited before the response starts, so that a request the
+        # stage refuses still gets its 4xx status rather than an error inside a 200 stream.
+        try:
+            first = await anext(outputs)
+        except BaseException:
+            await release()
+            raise
+        chunks = _ChunkWriter(request.request_id, self.served_model_name)
+
+        async def events() -> AsyncIterator[bytes]:
+            try:
+                yield chunks.delta({"role": "assistant", "content": ""}, None)
+                output, last = first, first
+                while True:
+                    last = output
+                    if output.text or output.finished:
+                        yield chunks.delta(
+                            {"content": output.text} if output.text else {},
+                            output.finish_reason if output.finished else None,
+                        )
+                    if output.finished:
+                        break
+                    following = await anext(outputs, None)
+                    if following is None:
+                        break
+                    output = following
+                if include_usage:
+                    yield chunks.usage(_usage(last))
+            except PipelineError as e:
+                yield _sse(error_body(e.status, e.message, kind=e.kind, param=e.param))
+            finally:
+                await release()
+            yield b"data: [DONE]\n\n"
+
+        return _StreamWithCleanup(events(), release)
+
+
+class _ChunkWriter:
+    """The SSE frames of one streamed chat completion.
+
+    Only the delta and finish reason change from chunk to chunk, so the rest of the frame
+    is encoded once; per token the router encodes a few dozen bytes.
+    """
+
+    def __init__(self, request_id: str, model: str) -> None:
+        self.head = {
+            "id": request_id,
+            "object": "chat.completion.chunk",
+            "created": int(time.time()),
+            "model": model,
+        }
+        self._prefix = b"data: " + orjson.dumps(self.head)[:-1] + b',"choices":[{"index":0,'
+        self._suffix = b"}]}\n\n"
+
+    def delta(self, delta: dict[str, Any], finish_reason: str | None) -> bytes:
+        body = b'"delta":' + orjson.dumps(delta) + b',"finish_reason":'
+        return self._prefix + body + orjson.dumps(finish_reason) + self._suffix
+
+    def usage(self, usage: dict[str, int]) -> bytes:
+        return _sse({**self.head, "choices": [], "usage": usage})
+
+
+def _sse(payload: Any) -> bytes:
+    return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+
+def _usage(final: StageServerOutput) -> dict[str, int]:
+    return {
+        "prompt_tokens": final.prompt_tokens,
+        "completion_tokens": final.completion_tokens,
+        "total_tokens": final.prompt_tokens + final.completion_tokens,
+    }
+
+
+def _png_base64(images: np.ndarray | None) -> list[str]:
+    if images is None:
+        return []
+    return [base64.b64encode(encode_png(image)).decode("ascii") for image in images]
+
+
+def _png_data_urls(images: np.ndarray | None) -> list[str]:
+    return ["data:image/png;base64," + b64 for b64 in _png_base64(images)]
+
+
+async def _until_disconnected(
+    http: Request, work: Awaitable[list[StageServerOutput]]
+) -> list[StageServerOutput]:
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(http))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if not task.done():
+            # The client is gone: cancelling the work aborts the request in its stage.
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            raise PipelineError(499, "the client closed the connection", kind="client_closed")
+        return task.result()
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+
+
+async def _wait_disconnect(http: Request) -> None:
+    while True:
+        message = await http.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class _StreamWithCleanup(StreamingResponse):
+    """An SSE response that releases its request however the response ends."""
+
+    def __init__(
+        self, content: AsyncIterator[bytes], cleanup: Callable[[], Awaitable[None]]
+    ) -> None:
+        super().__init__(content, media_type="text/event-stream")
+        self._cleanup = cleanup
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._cleanup()
