@@ -62,12 +62,15 @@ complete() {
 extract() {
     local root=$1 work deb lib
     work=$(mktemp -d "$CACHE/.work.XXXXXX")
-    # apt-get download writes into the current directory.
-    (cd "$work" && apt-get download -q "${PACKAGES[@]}" >&2) || {
+    # apt-get download writes into the current directory. Its output (and, as root, its
+    # "W: Download is performed unsandboxed" notice, harmless here) goes to a log, shown
+    # only when the download fails.
+    if ! (cd "$work" && apt-get download -q "${PACKAGES[@]}") >"$CACHE/download.log" 2>&1; then
         rm -rf "$work"
-        log "apt-get download ${PACKAGES[*]} failed"
+        log "apt-get download ${PACKAGES[*]} failed:"
+        tail -n 20 "$CACHE/download.log" >&2
         exit 1
-    }
+    fi
     mkdir -p "$work/root"
     for deb in "$work"/*.deb; do
         dpkg -x "$deb" "$work/root"

