@@ -26,7 +26,7 @@ from typing import Any
 
 import yaml
 
-from omni_runtime.config.models import SHARED_MEMORY_CONNECTOR
+from omni_runtime.config.models import MAX_STAGE_ID, SHARED_MEMORY_CONNECTOR
 from omni_runtime.config.topologies import TOPOLOGIES
 
 from .api import (
@@ -43,11 +43,6 @@ from .api import (
 CRD_NAME = f"{PLURAL}.{GROUP}"
 CATEGORIES = ("omni",)
 DEFAULT_OUTPUT = Path(__file__).resolve().parents[2] / "crds" / f"{PLURAL}.yaml"
-
-# Each stage's Service port is 52000 + stageId (the renderer's contract), and a port ends
-# at 65535.
-STAGE_PORT_BASE = 52000
-MAX_STAGE_ID = 65535 - STAGE_PORT_BASE
 
 # Bounds for everything a CEL rule walks: the apiserver refuses a CRD whose rules could
 # cost too much on the largest object the schema admits, so lists, maps and strings that

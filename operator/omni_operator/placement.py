@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from omni_runtime.config.models import SHARED_MEMORY_CONNECTOR
+from omni_runtime.config.models import MAX_STAGE_ID, SHARED_MEMORY_CONNECTOR, STAGE_PORT_BASE
 
 from .api import OmniPipelineSpec, Placement, StageSpec
 
@@ -28,8 +28,6 @@ GPU_RESOURCE = "nvidia.com/gpu"
 
 # The pod layout the renderer gives every container (render.py); a placement that redefined
 # any of it would break the pod, so check_spec refuses that with the reason.
-STAGE_PORT_BASE = 52000  # a stage's server listens on STAGE_PORT_BASE + its id
-MAX_STAGE_ID = 65535 - STAGE_PORT_BASE
 CONFIG_DIR = "/etc/omni"
 HOME_DIR = "/var/lib/omni"
 HF_HOME_DIR = f"{HOME_DIR}/hf"

@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
-from omni_runtime.config import dump_pipeline
+from omni_runtime.config import dump_pipeline, stage_port, stage_port_name
 from omni_runtime.config.models import SHARED_MEMORY_CONNECTOR
 
 from .api import (
@@ -69,7 +69,6 @@ from .placement import (
     HF_HOME_DIR,
     HOME_DIR,
     SHM_DIR,
-    STAGE_PORT_BASE,
     TMP_DIR,
     PlacementGroup,
     is_reserved_env,
@@ -186,10 +185,6 @@ def router_service_name(pipeline: str) -> str:
 def endpoint_url(name: str, namespace: str, port: int) -> str:
     """The in-cluster URL of pipeline ``name``'s router."""
     return f"http://{router_service_name(name)}.{namespace}.svc:{port}"
-
-
-def stage_port(stage_id: int) -> int:
-    return STAGE_PORT_BASE + stage_id
 
 
 def object_key(obj: Mapping[str, Any]) -> tuple[str, str, str]:
@@ -556,7 +551,7 @@ def _group_service(ctx: _Context, group: PlacementGroup) -> dict[str, Any]:
             "selector": _selector(labels),
             "ports": [
                 {
-                    "name": f"stage-{stage_id}",
+                    "name": stage_port_name(stage_id),
                     "port": stage_port(stage_id),
                     "targetPort": stage_port(stage_id),
                     "protocol": "TCP",
@@ -577,7 +572,7 @@ def _group_deployment(ctx: _Context, group: PlacementGroup) -> dict[str, Any]:
     )
     shm = _needs_shm(group, ctx.spec)
     ports = [
-        {"name": f"stage-{i}", "containerPort": stage_port(i), "protocol": "TCP"}
+        {"name": stage_port_name(i), "containerPort": stage_port(i), "protocol": "TCP"}
         for i in group.stage_ids
     ]
     container = _container(

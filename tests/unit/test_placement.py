@@ -7,12 +7,12 @@ from pipeline_specs import spec_of, stage_of
 
 from omni_operator.api import OmniPipelineSpec
 from omni_operator.placement import (
-    MAX_STAGE_ID,
     check_spec,
     group_of,
     is_reserved_env,
     placement_groups,
 )
+from omni_runtime.config import MAX_STAGE_ID
 
 
 def _messages(spec: OmniPipelineSpec) -> dict[str, str]:

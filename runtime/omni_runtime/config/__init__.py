@@ -7,6 +7,8 @@ libraries.
 from .errors import PipelineConfigError
 from .loader import dump_pipeline, load_pipeline
 from .models import (
+    MAX_STAGE_ID,
+    STAGE_PORT_BASE,
     ConnectorConfig,
     Dtype,
     LLMOutput,
@@ -14,10 +16,14 @@ from .models import (
     RouterConfig,
     RouterPolicy,
     StageConfig,
+    stage_port,
+    stage_port_name,
 )
 from .topologies import StageType
 
 __all__ = [
+    "MAX_STAGE_ID",
+    "STAGE_PORT_BASE",
     "ConnectorConfig",
     "Dtype",
     "LLMOutput",
@@ -29,4 +35,6 @@ __all__ = [
     "StageType",
     "dump_pipeline",
     "load_pipeline",
+    "stage_port",
+    "stage_port_name",
 ]

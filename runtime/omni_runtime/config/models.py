@@ -60,6 +60,23 @@ class _Model(BaseModel):
     missing_hints: ClassVar[dict[str, str]] = {}
 
 
+# Where a stage server listens unless told otherwise: STAGE_PORT_BASE + its stage id, on a
+# port named stage-<id>. The operator's Services, `omni-runtime stage` and the router's
+# discovery all meet on it, and a port ends at 65535, which bounds the ids.
+STAGE_PORT_BASE = 52000
+MAX_STAGE_ID = 65535 - STAGE_PORT_BASE
+
+
+def stage_port(stage_id: int) -> int:
+    """The port a stage's server listens on by default."""
+    return STAGE_PORT_BASE + stage_id
+
+
+def stage_port_name(stage_id: int) -> str:
+    """The name of a stage's port in Services and EndpointSlices."""
+    return f"stage-{stage_id}"
+
+
 # Connector classes a pipeline's ``connectors.<name>.name`` may give (omni_runtime.connectors
 # implements them; the schema lists them so that a typo is refused before anything starts).
 KNOWN_CONNECTORS = (

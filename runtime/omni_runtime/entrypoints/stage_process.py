@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from omni_runtime.config import PipelineConfig, StageConfig
+from omni_runtime.config import PipelineConfig, StageConfig, stage_port
 from omni_runtime.connectors import ConnectorError
 from omni_runtime.engine.stage.stage_core_client import StageCoreClientBase, StageCoreStartupError
 from omni_runtime.stage_server.frontend import (
@@ -38,7 +38,6 @@ from omni_runtime.stage_server.server import StageServer
 
 logger = logging.getLogger("omni_runtime.stage")
 
-DEFAULT_STAGE_PORT_BASE = 52000
 # Per stage, the CUDA_VISIBLE_DEVICES its engine sees, where one process runs several
 # stages on a pod's GPUs (the operator maps each stage's devices into the pod's numbering).
 STAGE_CUDA_DEVICES_ENV_PREFIX = "OMNI_CUDA_VISIBLE_DEVICES_"
@@ -54,7 +53,7 @@ class StageStartError(RuntimeError):
 @dataclass(frozen=True)
 class StageProcessOptions:
     host: str = "0.0.0.0"
-    # stage id -> port; a stage not named takes DEFAULT_STAGE_PORT_BASE + its id, 0 = any.
+    # stage id -> port; a stage not named takes config.stage_port(its id), 0 = any.
     ports: dict[int, int] | None = None
     health_host: str = "0.0.0.0"
     health_port: int | None = DEFAULT_HEALTH_PORT
@@ -176,9 +175,7 @@ async def _serve(frontends: list[StageFrontend], options: StageProcessOptions) -
         StageServer(
             frontend,
             host=options.host,
-            port=ports.get(
-                frontend.stage.stage_id, DEFAULT_STAGE_PORT_BASE + frontend.stage.stage_id
-            ),
+            port=ports.get(frontend.stage.stage_id, stage_port(frontend.stage.stage_id)),
         )
         for frontend in frontends
     ]
