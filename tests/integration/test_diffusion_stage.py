@@ -25,6 +25,7 @@ from omni_runtime.engine.stage.stage_core_client import StageCoreDeadError, Stag
 from omni_runtime.engine.stage.stage_core_types import (
     StageDiffusionCoreOutput,
     StageDiffusionCoreRequest,
+    StageErrorCode,
 )
 from omni_runtime.images import decode_image, encode_png
 
@@ -104,15 +105,15 @@ async def test_several_images_per_request(proc_client: StageDiffusionCoreClient)
 
 
 @pytest.mark.parametrize(
-    ("params", "prompt", "field"),
+    ("params", "prompt", "field", "param"),
     [
-        ({"height": 0}, "x", "params.height"),
-        ({"num_inference_steps": 0}, "x", "params.num_inference_steps"),
-        ({"width": 70}, "x", "width: must be a multiple of 4"),
-        ({"sharpness": 3}, "x", "params.sharpness: unknown parameter"),
-        ({"seed": -1}, "x", "params.seed"),
-        ({"num_images": "two"}, "x", "params.num_images"),
-        ({}, None, "prompt: required"),
+        ({"height": 0}, "x", "params.height", "height"),
+        ({"num_inference_steps": 0}, "x", "params.num_inference_steps", "num_inference_steps"),
+        ({"width": 70}, "x", "width: must be a multiple of 4", "width"),
+        ({"sharpness": 3}, "x", "params.sharpness: unknown parameter", "sharpness"),
+        ({"seed": -1}, "x", "params.seed", "seed"),
+        ({"num_images": "two"}, "x", "params.num_images", "num_images"),
+        ({}, None, "prompt: required", "prompt"),
     ],
 )
 @pytest.mark.parametrize("kind", ["proc", "inline"])
@@ -123,6 +124,7 @@ async def test_bad_request_errors_and_next_succeeds(
     params: dict[str, object],
     prompt: str | None,
     field: str,
+    param: str,
 ) -> None:
     client = proc_client if kind == "proc" else inline_client
     bad = await run_one(
@@ -130,7 +132,9 @@ async def test_bad_request_errors_and_next_succeeds(
     )
     assert bad.images is None
     assert bad.error is not None
-    assert field in bad.error
+    assert bad.error.code == StageErrorCode.BAD_REQUEST
+    assert bad.error.param == param
+    assert field in bad.error.message
     good = await run_one(client, request("good", seed=1))
     assert good.error is None
     assert good.images is not None
@@ -148,7 +152,9 @@ async def test_a_request_id_in_flight_is_refused_and_the_first_goes_on(
         while len(seen) < 2:
             seen.extend((await client.get_outputs_async()).outputs)
     refusal, first = sorted(seen, key=lambda output: output.images is not None)
-    assert refusal.error == "request_id: 'twice' is in flight already; use an id of its own"
+    assert refusal.error is not None
+    assert refusal.error.code == StageErrorCode.REQUEST_ID_IN_FLIGHT
+    assert refusal.error.message == "request_id: 'twice' is in flight already; use an id of its own"
     assert first.error is None
     assert first.images is not None
     again = await run_one(client, request("twice", seed=3))  # free again once finished
@@ -182,7 +188,8 @@ async def test_prompt_embeds_condition_the_pipeline(proc_client: StageDiffusionC
         StageDiffusionCoreRequest(request_id="emb-bad", prompt_embeds=embeds[:, :7], params=FAST),
     )
     assert bad.error is not None
-    assert bad.error.startswith("prompt_embeds:")
+    assert bad.error.message.startswith("prompt_embeds:")
+    assert bad.error.param == "prompt_embeds"
 
 
 @pytest.mark.parametrize("kind", ["proc", "inline"])

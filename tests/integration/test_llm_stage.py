@@ -33,6 +33,8 @@ from omni_runtime.diffusion.stage.inline_stage_diffusion_client import InlineSta
 from omni_runtime.engine.stage.stage_core_client import StageCoreDeadError, StageCoreStartupError
 from omni_runtime.engine.stage.stage_core_types import (
     StageDiffusionCoreRequest,
+    StageError,
+    StageErrorCode,
     StageLLMCoreRequest,
 )
 from omni_runtime.engine.stage.stage_llm_core_client import (
@@ -296,25 +298,47 @@ def _core_request(client: LLMClient, request_id: str, **fields: Any) -> StageLLM
 
 
 @pytest.mark.parametrize(
-    ("prompt", "error"),
+    ("prompt", "error", "param"),
     [
-        ({"prompt_token_ids": [5] * 600}, "prompt_token_ids: 600 tokens, but this stage takes"),
-        ({"prompt": "cat " * 700}, "prompt: "),
-        ({"prompt": ""}, "prompt: empty"),
-        ({"messages": []}, "messages: empty"),
-        ({"prompt": "x", "params": {"sharpness": 2}}, "params.sharpness: unknown sampling"),
-        ({"prompt": "x", "params": {"max_tokens": 0}}, "params.max_tokens: max_tokens must"),
-        ({"prompt": "x", "params": {"temperature": -1}}, "params.temperature: temperature must"),
-        ({"prompt": "x", "params": {"max_tokens": "8"}}, "params.max_tokens: Expected `int"),
+        (
+            {"prompt_token_ids": [5] * 600},
+            "prompt_token_ids: 600 tokens, but this stage takes",
+            "prompt_token_ids",
+        ),
+        ({"prompt": "cat " * 700}, "prompt: ", "prompt"),
+        ({"prompt": ""}, "prompt: empty", "prompt"),
+        ({"messages": []}, "messages: empty", "messages"),
+        (
+            {"prompt": "x", "params": {"sharpness": 2}},
+            "params.sharpness: unknown sampling",
+            "sharpness",
+        ),
+        (
+            {"prompt": "x", "params": {"max_tokens": 0}},
+            "params.max_tokens: max_tokens must",
+            "max_tokens",
+        ),
+        (
+            {"prompt": "x", "params": {"temperature": -1}},
+            "params.temperature: temperature must",
+            "temperature",
+        ),
+        (
+            {"prompt": "x", "params": {"max_tokens": "8"}},
+            "params.max_tokens: Expected `int",
+            "max_tokens",
+        ),
     ],
 )
 async def test_bad_request_from_the_builder_errors_and_next_succeeds(
-    text_client: LLMClient, prompt: dict[str, Any], error: str
+    text_client: LLMClient, prompt: dict[str, Any], error: str, param: str
 ) -> None:
     result = await run(text_client, "bad", **prompt)
     assert result.finish_reason == FinishReason.ERROR
     assert result.error is not None
-    assert result.error.startswith(error)
+    assert result.error.code == StageErrorCode.BAD_REQUEST
+    assert result.error.message.startswith(error)
+    assert result.error.param == param
     assert result.token_ids == []
     await run_good(text_client, "good")
 
@@ -346,7 +370,11 @@ async def test_bad_request_at_the_core_errors_and_next_succeeds(
     result = (await collect_results(text_client, ["bad-core"], timeout=DEADLINE_S))["bad-core"]
     assert result.finish_reason == FinishReason.ERROR
     assert result.error is not None
-    assert result.error.startswith(error)
+    assert result.error.code == StageErrorCode.BAD_REQUEST
+    assert result.error.message.startswith(error)
+    # Each of these is one field's fault, which the error names as data too.
+    assert result.error.param is not None
+    assert result.error.message.startswith(f"{result.error.param}: ")
     await run_good(text_client, "good-core")
 
 
@@ -361,7 +389,7 @@ async def test_a_request_id_in_flight_is_refused_and_the_first_goes_on(
     await text_client.add_prompt_async("twice", prompt="a blue dog", params=params)
     duplicate = text_client.request_builder.build("twice", prompt="a blue dog", params=params)
     await AsyncMPClient.add_request_async(text_client, duplicate)
-    errors: list[str] = []
+    errors: list[StageError] = []
     first = StageLLMResult("twice")
     async with asyncio.timeout(DEADLINE_S):
         while not (first.finished and len(errors) == 2):
@@ -371,7 +399,10 @@ async def test_a_request_id_in_flight_is_refused_and_the_first_goes_on(
                     errors.append(output.error)
                 else:
                     first.add(output)
-    assert errors == ["request_id: 'twice' is in flight already; use an id of its own"] * 2
+    assert [error.code for error in errors] == [StageErrorCode.REQUEST_ID_IN_FLIGHT] * 2
+    assert [error.message for error in errors] == [
+        "request_id: 'twice' is in flight already; use an id of its own"
+    ] * 2
     assert first.finish_reason == FinishReason.LENGTH
     assert len(first.token_ids) == 256
     await run_good(text_client, "twice")  # free again once finished
@@ -379,15 +410,18 @@ async def test_a_request_id_in_flight_is_refused_and_the_first_goes_on(
 
 async def test_wrong_kind_is_refused_by_an_encode_stage(encode_client: LLMClient) -> None:
     result = await run(encode_client, "sampled", prompt="a red cat", params={"temperature": 0})
-    assert result.error == (
-        "params.temperature: this stage returns hidden states and takes no sampling parameters"
+    assert result.error == StageError.bad_request(
+        "params.temperature: this stage returns hidden states and takes no sampling parameters",
+        "temperature",
     )
     generate_request = _core_request_for_kind(encode_client)
     await encode_client.add_request_async(generate_request)
     core = await collect_results(encode_client, ["sampled-core"], timeout=DEADLINE_S)
     assert core["sampled-core"].finish_reason == FinishReason.ERROR
     assert core["sampled-core"].error is not None
-    assert core["sampled-core"].error.startswith("sampling_params: this stage encodes hidden")
+    assert core["sampled-core"].error.message.startswith(
+        "sampling_params: this stage encodes hidden"
+    )
     await run_good(encode_client, "good-encode")
 
 

@@ -417,6 +417,42 @@ def test_malformed_requests_get_4xx_naming_the_problem(
         assert response.status_code == 200, response.text
 
 
+def test_a_stage_refusal_is_a_400_naming_the_field_the_stage_named(
+    stages_config: dict[str, Any], stage_procs: dict[str, list[StageProcess]]
+) -> None:
+    # Refusals only a stage can make (the router knows neither the pipeline's size multiple
+    # nor the model's context): the field travels as data from the stage's engine through
+    # its server, the router's RemoteStageClient and the orchestrator into "param".
+    cases = [
+        (
+            [ENCODER, DIT],
+            {"messages": [{"role": "user", "content": "a cat"}], "modalities": ["image"]}
+            | {"height": 30, "width": 32},
+            "dit",
+            "height",
+        ),
+        (
+            [WRITER],
+            {"messages": [{"role": "user", "content": "cat " * 2000}]},
+            "writer",
+            "messages",
+        ),
+    ]
+    for ids, body, stage, param in cases:
+        with (
+            running_router(
+                pipeline(stages_config, ids, connector="shm"), addresses(stage_procs, ids)
+            ) as router,
+            httpx.Client(base_url=router.base_url, timeout=60) as http,
+        ):
+            response = http.post("/chat/completions", json={"model": "tiny", **body})
+            assert response.status_code == 400, response.text
+            error = response.json()["error"]
+            assert error["param"] == param, error
+            assert error["type"] == "invalid_request_error"
+            assert error["message"].startswith(f"stage {stage!r}: "), error
+
+
 def test_health_names_a_stage_without_replicas(
     stages_config: dict[str, Any], stage_procs: dict[str, list[StageProcess]]
 ) -> None:
@@ -493,6 +529,7 @@ def test_a_stage_server_answers_bad_input_with_errors_and_keeps_serving(
 
     from omni_runtime.engine.stage.stage_core_types import (
         StageCoreRequestType,
+        StageErrorCode,
         StageServerOutputs,
         StageServerRequest,
     )
@@ -522,13 +559,17 @@ def test_a_stage_server_answers_bad_input_with_errors_and_keeps_serving(
         for frames, needle in garbage:
             (output,) = exchange(frames).outputs
             assert output.finished
-            assert needle in (output.error or ""), output.error
+            assert output.error is not None
+            assert output.error.code == StageErrorCode.BAD_REQUEST
+            assert needle in output.error.message, output.error
         # A request of the wrong kind for this stage: chat messages to a diffusion stage.
         wrong = StageServerRequest(request_id="w", messages=[{"role": "user", "content": "x"}])
         (output,) = exchange([add, *WireEncoder().encode(wrong)]).outputs
         assert output.request_id == "w"
-        assert output.error_code == 400
-        assert "messages" in (output.error or "")
+        assert output.error is not None
+        assert output.error.code == StageErrorCode.BAD_REQUEST
+        assert output.error.param == "messages"
+        assert "messages" in output.error.message
         # Health and load answer on the same socket.
         load = exchange([StageCoreRequestType.HEALTH.value]).load
         assert load is not None

@@ -20,6 +20,8 @@ from omni_runtime.diffusion.stage.inline_stage_diffusion_client import InlineSta
 from omni_runtime.diffusion.stage.stage_diffusion_core_client import StageDiffusionCoreClient
 from omni_runtime.engine.stage.stage_core_client import StageCoreClientBase
 from omni_runtime.engine.stage.stage_core_types import (
+    StageError,
+    StageErrorCode,
     StageLLMCoreOutput,
     StageLLMCoreOutputs,
     StageLLMCoreRequest,
@@ -171,8 +173,9 @@ def test_vllm_outputs_decode_as_stage_outputs() -> None:
     assert output.error is None
     assert torch.equal(output.pooling_output, hidden)
     # The other way loses the stage's field: why the clients decode with the stage type.
-    refusal = MsgpackEncoder().encode(StageLLMCoreOutputs.refusal("r2", "prompt: empty"))
-    assert MsgpackDecoder(StageLLMCoreOutputs).decode(refusal).outputs[0].error == "prompt: empty"
+    empty = StageError.bad_request("prompt: empty", "prompt")
+    refusal = MsgpackEncoder().encode(StageLLMCoreOutputs.refusal("r2", empty))
+    assert MsgpackDecoder(StageLLMCoreOutputs).decode(refusal).outputs[0].error == empty
     assert not hasattr(MsgpackDecoder(EngineCoreOutputs).decode(refusal).outputs[0], "error")
 
 
@@ -201,10 +204,11 @@ def test_tensors_travel_as_raw_frames_and_pickle_is_off() -> None:
 
 
 def test_refusal_is_a_finished_error_output() -> None:
-    message = StageLLMCoreOutputs.refusal("r9", "prompt: empty")
+    message = StageLLMCoreOutputs.refusal("r9", StageError.bad_request("prompt: empty", "prompt"))
     (output,) = message.outputs
     assert output.finish_reason == FinishReason.ERROR
-    assert output.error == "prompt: empty"
+    assert output.error is not None
+    assert (output.error.code, output.error.param) == (StageErrorCode.BAD_REQUEST, "prompt")
     assert message.finished_requests == {"r9"}
 
 

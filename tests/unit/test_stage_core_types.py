@@ -19,13 +19,19 @@ from omni_runtime.engine.stage.stage_core_types import (
     StageDiffusionCoreOutput,
     StageDiffusionCoreOutputs,
     StageDiffusionCoreRequest,
+    StageError,
+    StageErrorCode,
     StageLLMCoreOutput,
     StageLLMCoreOutputs,
     StageLLMCoreRequest,
+    StageServerOutput,
+    StageServerOutputs,
     StageUtilityCall,
     StageUtilityOutput,
 )
 from omni_runtime.wire import INLINE_LIMIT, WireDecoder, WireEncoder, WireError
+
+TOO_BIG = StageError.bad_request("params.height: too big", "height")
 
 
 def round_trip(obj: object, type_: object) -> object:
@@ -113,7 +119,7 @@ def test_diffusion_types_round_trip_with_arrays_as_frames() -> None:
     outputs = StageDiffusionCoreOutputs(
         outputs=[
             StageDiffusionCoreOutput(request_id="d1", images=image[None], execute_time=0.5),
-            StageDiffusionCoreOutput(request_id="d2", error="params.height: too big"),
+            StageDiffusionCoreOutput(request_id="d2", error=TOO_BIG),
         ],
         utility_output=StageUtilityOutput(call_id=3, result={"a": [1, 2]}),
         engine_dead=None,
@@ -124,13 +130,57 @@ def test_diffusion_types_round_trip_with_arrays_as_frames() -> None:
             StageDiffusionCoreOutput(
                 request_id="d1", images=back.outputs[0].images, execute_time=0.5
             ),
-            StageDiffusionCoreOutput(request_id="d2", error="params.height: too big"),
+            StageDiffusionCoreOutput(request_id="d2", error=TOO_BIG),
         ],
         utility_output=StageUtilityOutput(call_id=3, result={"a": [1, 2]}),
     )
     assert np.array_equal(back.outputs[0].images, image[None])
     call = StageUtilityCall(call_id=1, method="describe", args=[1], kwargs={"x": "y"})
     assert round_trip(call, StageUtilityCall) == call
+
+
+@pytest.mark.parametrize(
+    "error",
+    [
+        StageError.bad_request("params.temperature: must be non-negative", "temperature"),
+        StageError.bad_request("malformed ADD message: truncated"),
+        StageError(
+            StageErrorCode.REQUEST_ID_IN_FLIGHT, "request_id: 'a' is in flight", "request_id"
+        ),
+        StageError(StageErrorCode.STAGE_FAILED, "the pipeline failed: RuntimeError: boom"),
+        StageError(StageErrorCode.UNAVAILABLE, "stage 'dit' is unavailable: its core died"),
+    ],
+)
+def test_stage_errors_round_trip_as_data_on_every_output(error: StageError) -> None:
+    server = StageServerOutputs(
+        outputs=[StageServerOutput("s", finished=True, finish_reason="error", error=error)]
+    )
+    diffusion = StageDiffusionCoreOutputs(outputs=[StageDiffusionCoreOutput("d", error=error)])
+    llm = StageLLMCoreOutputs.refusal("l", error)
+    for message, type_ in (
+        (server, StageServerOutputs),
+        (diffusion, StageDiffusionCoreOutputs),
+        (llm, StageLLMCoreOutputs),
+    ):
+        (output,) = round_trip(message, type_).outputs  # type: ignore[attr-defined]
+        assert output.error == error
+        # The code decodes as the enum, not its wire value: receivers compare members.
+        assert output.error.code is error.code
+        assert output.error.param == error.param
+    # For people (logs, a CLI line), an error reads as its message.
+    assert str(error) == f"{error}" == error.message
+
+
+def test_a_stage_error_of_an_unknown_code_is_refused() -> None:
+    frames = WireEncoder().encode(
+        StageServerOutputs(
+            outputs=[StageServerOutput("s", finished=True, error=StageError.bad_request("x"))]
+        )
+    )
+    forged = bytes(frames[0]).replace(b"bad_request", b"bad_weather")
+    assert forged != bytes(frames[0])
+    with pytest.raises(WireError, match="bad_weather"):
+        WireDecoder(StageServerOutputs).decode([forged])
 
 
 def test_small_arrays_are_inlined() -> None:

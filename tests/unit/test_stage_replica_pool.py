@@ -21,6 +21,7 @@ from omni_runtime.engine.stage.stage_core_types import (
     StageCoreRequest,
     StageDiffusionCoreOutput,
     StageDiffusionCoreOutputs,
+    StageError,
     StageServerOutput,
     StageServerOutputs,
     StageServerRequest,
@@ -105,7 +106,9 @@ class FakeReplica(StageCoreClientBase):
                 self.pending.discard(output.request_id)
         self._outputs.put_nowait(StageServerOutputs(outputs=list(outputs)))
 
-    def answer(self, request_id: str, text: str = "done", *, error: str | None = None) -> None:
+    def answer(
+        self, request_id: str, text: str = "done", *, error: StageError | None = None
+    ) -> None:
         reason = "error" if error else "stop"
         self.emit(
             StageServerOutput(request_id, text, finished=True, finish_reason=reason, error=error)
@@ -446,12 +449,13 @@ async def test_counters_and_the_done_hook(make_pool: PoolFactory) -> None:
     bad = await pool.add_request(req("bad"))
     await pool.add_request(req("waiting"))
     r0.answer("ok")
-    r1.answer("bad", error="params.height: Expected int >= 1")
+    height = StageError.bad_request("params.height: Expected int >= 1", "height")
+    r1.answer("bad", error=height)
     await collect(ok)
     # A refused request is an output, not an exception: the caller reads why.
     (refusal,) = await collect(bad)
     assert isinstance(refusal, StageServerOutput)
-    assert refusal.error == "params.height: Expected int >= 1"
+    assert refusal.error == height
 
     s0, s1 = pool.stats()
     assert (s0.replica_id, s0.address, s0.draining) == (0, "r0:7000", False)
@@ -549,10 +553,22 @@ def test_bad_settings_are_refused() -> None:
         (StageServerOutput("r", "step"), False, False),
         (StageServerOutput("r", finished=True, finish_reason="stop"), True, False),
         (StageServerOutput("r", finished=True, finish_reason="length"), True, False),
-        (StageServerOutput("r", finished=True, finish_reason="error", error="boom"), True, True),
+        (
+            StageServerOutput(
+                "r", finished=True, finish_reason="error", error=StageError.bad_request("boom")
+            ),
+            True,
+            True,
+        ),
         (StageServerOutput("r", finished=True, finish_reason="abort"), True, True),
         (StageDiffusionCoreOutput("r"), True, False),
-        (StageDiffusionCoreOutput("r", error="width: must be a multiple of 4"), True, True),
+        (
+            StageDiffusionCoreOutput(
+                "r", error=StageError.bad_request("width: must be a multiple of 4", "width")
+            ),
+            True,
+            True,
+        ),
         (StageDiffusionCoreOutput("r", aborted=True), True, True),
     ],
 )
@@ -566,7 +582,7 @@ def test_finality_and_failure_of_llm_outputs() -> None:
 
     from omni_runtime.engine.stage.stage_core_types import StageLLMCoreOutput
 
-    def llm(reason: FinishReason | None, error: str | None = None) -> StageLLMCoreOutput:
+    def llm(reason: FinishReason | None, error: StageError | None = None) -> StageLLMCoreOutput:
         return StageLLMCoreOutput(
             request_id="r", new_token_ids=[1], finish_reason=reason, error=error
         )
@@ -576,5 +592,5 @@ def test_finality_and_failure_of_llm_outputs() -> None:
         True,
         False,
     )
-    assert is_failed_output(llm(FinishReason.ERROR, "prompt: too long"))
+    assert is_failed_output(llm(FinishReason.ERROR, StageError.bad_request("prompt: too long")))
     assert is_failed_output(llm(FinishReason.ABORT))

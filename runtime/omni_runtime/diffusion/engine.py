@@ -2,8 +2,9 @@
 
 The engine owns validation: a request is checked against the loaded pipeline (sizes it can
 make, whether it takes an input image, its conditioning width) before any compute, and a
-bad one becomes an error output naming the field. Both the out-of-process core and the
-inline client run requests through :meth:`DiffusionEngine.execute`, so they answer alike.
+bad one becomes an error output naming the field (``StageError.param``). Both the
+out-of-process core and the inline client run requests through
+:meth:`DiffusionEngine.execute`, so they answer alike.
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import numpy as np
 from omni_runtime.engine.stage.stage_core_types import (
     StageDiffusionCoreOutput,
     StageDiffusionCoreRequest,
+    StageError,
+    StageErrorCode,
 )
 
 logger = logging.getLogger(__name__)
@@ -68,7 +71,16 @@ PARAM_NAMES = DiffusionParams.__struct_fields__
 
 
 class InvalidRequestError(ValueError):
-    """A request the engine refuses; the message starts with the offending field."""
+    """A request the engine refuses; the message starts with the offending field, which
+    ``param`` names (a sampling parameter by its own name: "height", not "params.height")."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+    @property
+    def error(self) -> StageError:
+        return StageError.bad_request(str(self), self.param)
 
 
 class RequestAbortedError(Exception):
@@ -83,7 +95,9 @@ class DiffusionEngine:
         from diffusers import AutoPipelineForImage2Image, DiffusionPipeline
 
         if config.dtype not in _DTYPES:
-            raise InvalidRequestError(f"dtype: {config.dtype!r} is not one of {sorted(_DTYPES)}")
+            raise InvalidRequestError(
+                f"dtype: {config.dtype!r} is not one of {sorted(_DTYPES)}", "dtype"
+            )
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         self.config = config
@@ -128,25 +142,32 @@ class DiffusionEngine:
         if self.max_steps is not None and params.num_inference_steps > self.max_steps:
             raise InvalidRequestError(
                 f"num_inference_steps: at most {self.max_steps} for this pipeline's scheduler "
-                f"(got {params.num_inference_steps})"
+                f"(got {params.num_inference_steps})",
+                "num_inference_steps",
             )
         if request.prompt is None and request.prompt_embeds is None:
-            raise InvalidRequestError("prompt: required (or prompt_embeds from an upstream stage)")
+            raise InvalidRequestError(
+                "prompt: required (or prompt_embeds from an upstream stage)", "prompt"
+            )
         if request.prompt_embeds is not None:
             shape = tuple(request.prompt_embeds.shape)
             if len(shape) != 2 or shape[0] < 1 or shape[1] != self.conditioning_width:
                 raise InvalidRequestError(
                     f"prompt_embeds: expected shape [tokens, {self.conditioning_width}], "
-                    f"got {list(shape)}"
+                    f"got {list(shape)}",
+                    "prompt_embeds",
                 )
         if request.image is not None:
             if self._img2img is None:
-                raise InvalidRequestError("image: this pipeline does not take an input image")
+                raise InvalidRequestError(
+                    "image: this pipeline does not take an input image", "image"
+                )
             image = request.image
             if image.ndim != 3 or image.shape[2] != 3 or image.dtype != np.uint8:
                 raise InvalidRequestError(
                     f"image: expected uint8 RGB [height, width, 3], got {image.dtype} "
-                    f"{list(image.shape)}"
+                    f"{list(image.shape)}",
+                    "image",
                 )
             if params.height is None:
                 params.height = int(image.shape[0])
@@ -161,7 +182,8 @@ class DiffusionEngine:
             if value % self.size_multiple:
                 raise InvalidRequestError(
                     f"{name}: must be a multiple of {self.size_multiple} for this pipeline "
-                    f"(got {value})"
+                    f"(got {value})",
+                    name,
                 )
         return params
 
@@ -173,8 +195,8 @@ class DiffusionEngine:
         request_id = request.request_id
         try:
             params = self.validate(request)
-        except (InvalidRequestError, msgspec.ValidationError) as e:
-            return StageDiffusionCoreOutput(request_id=request_id, error=str(e))
+        except InvalidRequestError as e:
+            return StageDiffusionCoreOutput(request_id=request_id, error=e.error)
         if should_abort():
             return StageDiffusionCoreOutput(request_id=request_id, aborted=True)
         start = time.perf_counter()
@@ -184,11 +206,14 @@ class DiffusionEngine:
             return StageDiffusionCoreOutput(request_id=request_id, aborted=True)
         except ValueError as e:
             # diffusers' own input checks (check_inputs) raise ValueError.
-            return StageDiffusionCoreOutput(request_id=request_id, error=f"pipeline: {e}")
+            return StageDiffusionCoreOutput(
+                request_id=request_id, error=StageError.bad_request(f"pipeline: {e}")
+            )
         except Exception as e:  # a request that breaks the pipeline must not kill the stage
             logger.exception("request %s failed", request_id)
+            failure = f"the pipeline failed: {type(e).__name__}: {e}"
             return StageDiffusionCoreOutput(
-                request_id=request_id, error=f"internal: {type(e).__name__}: {e}"
+                request_id=request_id, error=StageError(StageErrorCode.STAGE_FAILED, failure)
             )
         return StageDiffusionCoreOutput(
             request_id=request_id, images=images, execute_time=time.perf_counter() - start
@@ -250,7 +275,8 @@ def _choose_device(device: str) -> str:
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise InvalidRequestError(
             f"device: {device!r} asked for, but no GPU is visible to this process "
-            "(check CUDA_VISIBLE_DEVICES and the stage's devices)"
+            "(check CUDA_VISIBLE_DEVICES and the stage's devices)",
+            "device",
         )
     return device
 
@@ -259,20 +285,23 @@ def _parse_params(params: dict[str, Any], where: str) -> DiffusionParams:
     try:
         return msgspec.convert(params, DiffusionParams)
     except msgspec.ValidationError as e:
-        raise InvalidRequestError(_describe_validation_error(e, where)) from None
+        raise _invalid_params(e, where) from None
 
 
-def _describe_validation_error(error: msgspec.ValidationError, where: str) -> str:
-    # msgspec says e.g. "Expected `int` >= 1 - at `$.height`" or
-    # "Object contains unknown field `foo`"; turn both into "field: what is wrong".
+def _invalid_params(error: msgspec.ValidationError, where: str) -> InvalidRequestError:
+    # msgspec gives the field only in its text, e.g. "Expected `int` >= 1 - at `$.height`"
+    # or "Object contains unknown field `foo`": both become "field: what is wrong".
     message = str(error)
     unknown = re.fullmatch(r"Object contains unknown field `(.+)`", message)
     if unknown:
-        return f"{where}.{unknown.group(1)}: unknown parameter (allowed: {', '.join(PARAM_NAMES)})"
+        name = unknown.group(1)
+        allowed = ", ".join(PARAM_NAMES)
+        return InvalidRequestError(f"{where}.{name}: unknown parameter (allowed: {allowed})", name)
     located = re.fullmatch(r"(.*) - at `\$\.?(.*)`", message)
     if located:
-        return f"{where}.{located.group(2)}: {located.group(1)}"
-    return f"{where}: {message}"
+        name = located.group(2)
+        return InvalidRequestError(f"{where}.{name}: {located.group(1)}", name or None)
+    return InvalidRequestError(f"{where}: {message}")
 
 
 def _size_multiple(pipeline: Any) -> int:

@@ -25,7 +25,12 @@ from typing import Any, Literal
 import numpy as np
 
 from omni_runtime.config import PipelineConfig, StageConfig
-from omni_runtime.engine.stage.stage_core_types import StageServerOutput, StageServerRequest
+from omni_runtime.engine.stage.stage_core_types import (
+    StageError,
+    StageErrorCode,
+    StageServerOutput,
+    StageServerRequest,
+)
 from omni_runtime.engine.stage.stage_replica_pool import (
     NoLiveReplicaError,
     PoolSaturatedError,
@@ -38,6 +43,14 @@ logger = logging.getLogger(__name__)
 OutputKind = Literal["text", "image"]
 # One retry: a second lost replica in a row says more about the stage than the request.
 _ATTEMPTS = 2
+# A stage's error code -> the HTTP status and OpenAI error type the caller gets.
+_HTTP_ERRORS: dict[StageErrorCode, tuple[int, str]] = {
+    StageErrorCode.BAD_REQUEST: (400, "invalid_request_error"),
+    StageErrorCode.UNAVAILABLE: (503, "service_unavailable"),
+    StageErrorCode.STAGE_FAILED: (500, "server_error"),
+    # The router chose the id, not the caller: a clash is the router's fault.
+    StageErrorCode.REQUEST_ID_IN_FLIGHT: (500, "server_error"),
+}
 
 
 class PipelineError(Exception):
@@ -228,7 +241,7 @@ class PipelineOrchestrator:
                 assert isinstance(output, StageServerOutput)
                 if output.error is not None:
                     finished = True
-                    raise _stage_error(stage, output)
+                    raise _stage_error(stage, output.error)
                 finished = output.finished
                 yield output
         finally:
@@ -240,14 +253,11 @@ class PipelineOrchestrator:
                     logger.debug("abort of %s failed", stage_request.request_id, exc_info=True)
 
 
-def _stage_error(stage: StageConfig, output: StageServerOutput) -> PipelineError:
-    message = f"stage {stage.name!r}: {output.error}"
-    if output.error_code == 400:
-        param = (output.error or "").split(":", 1)[0].removeprefix("params.")
-        return PipelineError(400, message, param=param if " " not in param else None)
-    if output.error_code == 503:
-        return PipelineError(503, message, kind="service_unavailable")
-    return PipelineError(500, message, kind="server_error")
+def _stage_error(stage: StageConfig, error: StageError) -> PipelineError:
+    status, kind = _HTTP_ERRORS[error.code]
+    # Only a bad request is the caller's to fix, so only then is a field of theirs named.
+    param = error.param if error.code is StageErrorCode.BAD_REQUEST else None
+    return PipelineError(status, f"stage {stage.name!r}: {error.message}", kind=kind, param=param)
 
 
 def _last_user_text(messages: Sequence[Mapping[str, str]]) -> str:

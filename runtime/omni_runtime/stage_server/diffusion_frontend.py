@@ -21,19 +21,12 @@ from omni_runtime.engine.stage.stage_core_types import (
     StageDiffusionCoreOutput,
     StageDiffusionCoreOutputs,
     StageDiffusionCoreRequest,
+    StageError,
+    StageErrorCode,
     StageServerOutput,
     StageServerRequest,
 )
-from omni_runtime.stage_server.frontend import (
-    BAD_REQUEST,
-    STAGE_FAILED,
-    StageConnectors,
-    StageFrontend,
-    refusal,
-)
-
-# The engine prefixes failures that are its own (not the request's) with this.
-_INTERNAL_PREFIX = "internal:"
+from omni_runtime.stage_server.frontend import StageConnectors, StageFrontend, refusal
 
 
 class StageDiffusionFrontend(StageFrontend):
@@ -56,7 +49,8 @@ class StageDiffusionFrontend(StageFrontend):
     async def add(self, request: StageServerRequest) -> list[StageServerOutput]:
         request_id = request.request_id
         if request.messages is not None:
-            return [refusal(request_id, "messages: a diffusion stage takes a prompt")]
+            error = StageError.bad_request("messages: a diffusion stage takes a prompt", "messages")
+            return [refusal(request_id, error)]
         if request_id in self._in_flight:
             return [refusal(request_id, request_id_in_flight_error(request_id))]
         prompt_embeds = None
@@ -64,7 +58,10 @@ class StageDiffusionFrontend(StageFrontend):
             try:
                 prompt_embeds = await self._fetch(request.prompt_embeds)
             except (ConnectorError, KeyError) as e:
-                return [refusal(request_id, f"prompt_embeds: {e}", STAGE_FAILED)]
+                # The upstream stage's hand-off is gone or unreachable: not this request's
+                # fault, and not one a resend fixes.
+                failed = StageError(StageErrorCode.STAGE_FAILED, f"prompt_embeds: {e}")
+                return [refusal(request_id, failed)]
         self._in_flight.add(request_id)
         try:
             await self.client.add_request_async(
@@ -111,8 +108,6 @@ class StageDiffusionFrontend(StageFrontend):
         elif output.error is not None:
             result.finish_reason = "error"
             result.error = output.error
-            internal = output.error.startswith(_INTERNAL_PREFIX)
-            result.error_code = STAGE_FAILED if internal else BAD_REQUEST
         else:
             result.finish_reason = "stop"
         return result

@@ -17,7 +17,11 @@ from collections.abc import Mapping
 from omni_runtime.config import ConnectorConfig, PipelineConfig, StageConfig
 from omni_runtime.connectors import OmniConnector, make_connector
 from omni_runtime.engine.stage.stage_core_client import StageCoreClientBase
-from omni_runtime.engine.stage.stage_core_types import StageServerOutput, StageServerRequest
+from omni_runtime.engine.stage.stage_core_types import (
+    StageError,
+    StageServerOutput,
+    StageServerRequest,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -26,16 +30,11 @@ logger = logging.getLogger(__name__)
 DEFAULT_HANDOFF_CONNECTOR = "default-tcp"
 _DEFAULT_HANDOFF_CONFIG = ConnectorConfig(name="TCPConnector")
 
-# Error classes carried in StageServerOutput.error_code.
-BAD_REQUEST = 400
-STAGE_FAILED = 500
-UNAVAILABLE = 503
 
-
-def refusal(request_id: str, error: str, code: int = BAD_REQUEST) -> StageServerOutput:
+def refusal(request_id: str, error: StageError) -> StageServerOutput:
     """The one, final output of a request the stage will not run."""
     return StageServerOutput(
-        request_id=request_id, finished=True, finish_reason="error", error=error, error_code=code
+        request_id=request_id, finished=True, finish_reason="error", error=error
     )
 
 

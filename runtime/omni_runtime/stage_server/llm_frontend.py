@@ -21,6 +21,8 @@ from omni_runtime.config import PipelineConfig, StageConfig
 from omni_runtime.connectors import ConnectorHandle
 from omni_runtime.engine.stage.stage_core_client import request_id_in_flight_error
 from omni_runtime.engine.stage.stage_core_types import (
+    StageError,
+    StageErrorCode,
     StageLLMCoreOutput,
     StageServerOutput,
     StageServerRequest,
@@ -28,9 +30,7 @@ from omni_runtime.engine.stage.stage_core_types import (
 from omni_runtime.engine.stage.stage_llm_core_client import StageLLMCoreClientBase
 from omni_runtime.engine.stage.stage_llm_request_builder import InvalidLLMRequestError
 from omni_runtime.stage_server.frontend import (
-    BAD_REQUEST,
     DEFAULT_HANDOFF_CONNECTOR,
-    STAGE_FAILED,
     StageConnectors,
     StageFrontend,
     refusal,
@@ -104,9 +104,8 @@ class StageLLMFrontend(StageFrontend):
         request_id = request.request_id
         for name in ("image", "prompt_embeds"):
             if getattr(request, name) is not None:
-                return [
-                    refusal(request_id, f"{name}: an LLM stage takes text (prompt or messages)")
-                ]
+                message = f"{name}: an LLM stage takes text (prompt or messages)"
+                return [refusal(request_id, StageError.bad_request(message, name))]
         if request_id in self._requests:
             # The client refuses it too; answering here keeps the first request's state.
             return [refusal(request_id, request_id_in_flight_error(request_id))]
@@ -119,7 +118,7 @@ class StageLLMFrontend(StageFrontend):
                 params=request.params,
             )
         except InvalidLLMRequestError as e:
-            return [refusal(request_id, str(e))]
+            return [refusal(request_id, e.error)]
         skip_special = bool(request.params.get("skip_special_tokens", True))
 
         def decode(ids: list[int]) -> str:
@@ -179,8 +178,10 @@ class StageLLMFrontend(StageFrontend):
             except Exception as e:
                 finished = True
                 output.finish_reason = FinishReason.ERROR
-                output.error = f"internal: handing hidden states to connector failed: {e}"
-                result.error_code = STAGE_FAILED
+                output.error = StageError(
+                    StageErrorCode.STAGE_FAILED,
+                    f"handing hidden states to connector {state.output_connector!r} failed: {e}",
+                )
         if finished:
             del self._requests[request_id]
             result.finished = True
@@ -189,10 +190,10 @@ class StageLLMFrontend(StageFrontend):
             result.execute_time = time.perf_counter() - state.start
             if output.error is not None:
                 result.error = output.error
-                result.error_code = result.error_code or BAD_REQUEST
             elif reason == FinishReason.ERROR:
-                result.error = "internal: the engine failed this request"
-                result.error_code = STAGE_FAILED
+                result.error = StageError(
+                    StageErrorCode.STAGE_FAILED, "the engine failed this request"
+                )
         return result
 
     async def _hand_off(

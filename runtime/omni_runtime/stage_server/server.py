@@ -31,6 +31,8 @@ from omni_runtime.engine.stage.stage_core_client import (
 )
 from omni_runtime.engine.stage.stage_core_types import (
     StageCoreRequestType,
+    StageError,
+    StageErrorCode,
     StageLoad,
     StageServerOutput,
     StageServerOutputs,
@@ -38,7 +40,7 @@ from omni_runtime.engine.stage.stage_core_types import (
     StageUtilityCall,
     StageUtilityOutput,
 )
-from omni_runtime.stage_server.frontend import UNAVAILABLE, StageFrontend, refusal
+from omni_runtime.stage_server.frontend import StageFrontend, refusal
 from omni_runtime.wire import WireDecoder, WireEncoder, WireError
 
 logger = logging.getLogger(__name__)
@@ -133,13 +135,16 @@ class StageServer:
 
     async def _handle(self, identity: bytes, frames: list[zmq.Frame]) -> None:
         if not frames:
-            await self._reply(identity, [refusal("", "malformed message: no type frame")])
+            error = StageError.bad_request("malformed message: no type frame")
+            await self._reply(identity, [refusal("", error)])
             return
         try:
             kind = StageCoreRequestType(frames[0].bytes)
         except ValueError:
             known = ", ".join(f"{t.name}={t.value!r}" for t in StageCoreRequestType)
-            error = f"unknown message type {frames[0].bytes[:8]!r} (known: {known})"
+            error = StageError.bad_request(
+                f"unknown message type {frames[0].bytes[:8]!r} (known: {known})"
+            )
             await self._reply(identity, [refusal("", error)])
             return
         if kind is StageCoreRequestType.HEALTH:
@@ -148,7 +153,8 @@ class StageServer:
         try:
             payload = self._decoders[kind].decode(frames[1:])
         except WireError as e:
-            await self._reply(identity, [refusal("", f"malformed {kind.name} message: {e}")])
+            error = StageError.bad_request(f"malformed {kind.name} message: {e}")
+            await self._reply(identity, [refusal("", error)])
             return
         if kind is StageCoreRequestType.ADD:
             self._spawn(self._add(identity, payload))
@@ -160,7 +166,7 @@ class StageServer:
     async def _add(self, identity: bytes, request: StageServerRequest) -> None:
         request_id = request.request_id
         if not self.alive:
-            await self._reply(identity, [refusal(request_id, self._dead_error(), UNAVAILABLE)])
+            await self._reply(identity, [refusal(request_id, self._dead_error())])
             return
         if request_id in self._routes:
             await self._reply(
@@ -172,7 +178,7 @@ class StageServer:
             refused = await self.frontend.add(request)
         except StageCoreDeadError:
             self._routes.pop(request_id, None)
-            await self._reply(identity, [refusal(request_id, self._dead_error(), UNAVAILABLE)])
+            await self._reply(identity, [refusal(request_id, self._dead_error())])
             return
         if refused:
             self._routes.pop(request_id, None)
@@ -233,10 +239,10 @@ class StageServer:
                 with contextlib.suppress(StageCoreDeadError):
                     await self.frontend.abort(orphaned)
 
-    async def _fail_all(self, error: str) -> None:
+    async def _fail_all(self, error: StageError) -> None:
         by_peer: dict[bytes, list[StageServerOutput]] = defaultdict(list)
         for request_id, identity in self._routes.items():
-            by_peer[identity].append(refusal(request_id, error, UNAVAILABLE))
+            by_peer[identity].append(refusal(request_id, error))
         self._routes.clear()
         for identity, batch in by_peer.items():
             await self._reply(identity, batch)
@@ -264,5 +270,8 @@ class StageServer:
                 "stage %s: a request task failed", self.stage.name, exc_info=task.exception()
             )
 
-    def _dead_error(self) -> str:
-        return f"stage {self.stage.name!r} is unavailable: {self.dead_reason or 'its core died'}"
+    def _dead_error(self) -> StageError:
+        return StageError(
+            StageErrorCode.UNAVAILABLE,
+            f"stage {self.stage.name!r} is unavailable: {self.dead_reason or 'its core died'}",
+        )

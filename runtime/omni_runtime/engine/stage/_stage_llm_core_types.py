@@ -20,6 +20,7 @@ from omni_runtime.engine.stage.stage_core_types import (
     StageCoreOutput,
     StageCoreOutputs,
     StageCoreRequest,
+    StageError,
 )
 
 
@@ -36,9 +37,9 @@ class StageLLMCoreRequest(EngineCoreRequest, StageCoreRequest):  # type: ignore[
 class StageLLMCoreOutput(EngineCoreOutput, StageCoreOutput):  # type: ignore[misc]
     """A vLLM engine-core output of an LLM stage."""
 
-    # "field: what is wrong" for a request the stage refused before it reached the
-    # engine (finish_reason is then FinishReason.ERROR).
-    error: str | None = None
+    # Why the stage refused the request before it reached the engine (finish_reason is
+    # then FinishReason.ERROR).
+    error: StageError | None = None
 
 
 class StageLLMCoreOutputs(EngineCoreOutputs, StageCoreOutputs):  # type: ignore[misc]
@@ -48,7 +49,7 @@ class StageLLMCoreOutputs(EngineCoreOutputs, StageCoreOutputs):  # type: ignore[
     outputs: list[StageLLMCoreOutput] = []
 
     @classmethod
-    def refusal(cls, request_id: str, error: str) -> StageLLMCoreOutputs:
+    def refusal(cls, request_id: str, error: StageError) -> StageLLMCoreOutputs:
         """The answer to a request the stage refused: its one, final output, saying why."""
         output = StageLLMCoreOutput(
             request_id=request_id, new_token_ids=[], finish_reason=FinishReason.ERROR, error=error

@@ -13,7 +13,12 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any
 
-from omni_runtime.engine.stage.stage_core_types import StageCoreOutputs, StageCoreRequest
+from omni_runtime.engine.stage.stage_core_types import (
+    StageCoreOutputs,
+    StageCoreRequest,
+    StageError,
+    StageErrorCode,
+)
 
 
 class StageCoreDeadError(RuntimeError):
@@ -24,9 +29,13 @@ class StageCoreStartupError(RuntimeError):
     """A stage core did not become ready: it failed, died or timed out while starting."""
 
 
-def request_id_in_flight_error(request_id: str) -> str:
-    """The error output's text for a request whose id an unfinished request holds."""
-    return f"request_id: {request_id!r} is in flight already; use an id of its own"
+def request_id_in_flight_error(request_id: str) -> StageError:
+    """The error of a request whose id an unfinished request holds."""
+    return StageError(
+        StageErrorCode.REQUEST_ID_IN_FLIGHT,
+        f"request_id: {request_id!r} is in flight already; use an id of its own",
+        param="request_id",
+    )
 
 
 class StageCoreClientBase(ABC):

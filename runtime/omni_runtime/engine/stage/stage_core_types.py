@@ -37,6 +37,8 @@ __all__ = [
     "StageDiffusionCoreOutput",
     "StageDiffusionCoreOutputs",
     "StageDiffusionCoreRequest",
+    "StageError",
+    "StageErrorCode",
     "StageLLMCoreOutput",
     "StageLLMCoreOutputs",
     "StageLLMCoreRequest",
@@ -55,6 +57,40 @@ def __getattr__(name: str) -> Any:
         module = importlib.import_module("omni_runtime.engine.stage._stage_llm_core_types")
         return getattr(module, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+class StageErrorCode(enum.Enum):
+    """What kind of failure a StageError reports: what its receiver may do about it (the
+    router answers with an HTTP status per code)."""
+
+    # The request is wrong (a field, or its kind for this stage): sending it again will
+    # fail again. ``param`` names the field where one is at fault.
+    BAD_REQUEST = "bad_request"
+    # An unfinished request holds this request's id; the first one goes on.
+    REQUEST_ID_IN_FLIGHT = "request_id_in_flight"
+    # The stage broke on the request (the engine failed, a connector did): not the
+    # request's fault.
+    STAGE_FAILED = "stage_failed"
+    # The stage takes no requests now (its core is gone).
+    UNAVAILABLE = "unavailable"
+
+
+class StageError(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True, gc=False):
+    """Why a stage did not run a request, as data: receivers branch on ``code`` and read
+    ``param``, never the message, which is for people ("params.height: Expected `int` >= 1")."""
+
+    code: StageErrorCode
+    message: str
+    # The request's field at fault, a sampling parameter by its own name ("height",
+    # "temperature"; "prompt", "messages" for the prompt itself).
+    param: str | None = None
+
+    @classmethod
+    def bad_request(cls, message: str, param: str | None = None) -> StageError:
+        return cls(StageErrorCode.BAD_REQUEST, message, param)
+
+    def __str__(self) -> str:
+        return self.message
 
 
 class StageCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -95,8 +131,8 @@ class StageDiffusionCoreOutput(StageCoreOutput):
     request_id: str
     # uint8 RGB, [num_images, height, width, 3].
     images: np.ndarray | None = None
-    # "field: what is wrong" for a refused request; the failure for one that broke.
-    error: str | None = None
+    # Why there are no images: a refused request, or one that broke.
+    error: StageError | None = None
     aborted: bool = False
     # Seconds spent in the pipeline (0 for refused requests).
     execute_time: float = 0.0
@@ -173,11 +209,8 @@ class StageServerOutput(StageCoreOutput):
     finished: bool = False
     # stop | length | abort | error (LLM stages); None until finished.
     finish_reason: str | None = None
-    # "field: what is wrong" for a refused request, or why it failed.
-    error: str | None = None
-    # HTTP-style class of the error: 400 the request is bad, 500 the stage broke,
-    # 503 the stage cannot take it now.
-    error_code: int = 0
+    # Why the request was refused, or failed (finished, finish_reason "error").
+    error: StageError | None = None
     # Diffusion stages: uint8 RGB, [num_images, height, width, 3].
     images: np.ndarray | None = None
     # Hidden-states stages: where the next stage fetches them.

@@ -43,6 +43,8 @@ from omni_runtime.engine.stage.stage_core_client import (
 )
 from omni_runtime.engine.stage.stage_core_types import (
     StageCoreRequest,
+    StageError,
+    StageErrorCode,
     StageLLMCoreOutputs,
     StageLLMCoreRequest,
 )
@@ -198,7 +200,7 @@ class StageLLMCoreClientBase(StageCoreClientBase):
             if request_id in self._in_flight:
                 self._refuse(request_id, request_id_in_flight_error(request_id))
             else:
-                self._refuse(request_id, str(e))
+                self._refuse(request_id, e.error)
             return
         await self.add_request_async(request)
 
@@ -295,7 +297,7 @@ class StageLLMCoreClientBase(StageCoreClientBase):
         except EngineDeadError as e:
             raise StageCoreDeadError(await self._dead_reason_async()) from e
 
-    def _refuse(self, request_id: str, error: str) -> None:
+    def _refuse(self, request_id: str, error: StageError) -> None:
         """Answer a request here, as the core answers one it refuses."""
         self.outputs_queue.put_nowait(StageLLMCoreOutputs.refusal(request_id, error))
 
@@ -303,7 +305,7 @@ class StageLLMCoreClientBase(StageCoreClientBase):
         for output in outputs.outputs:
             # A refused duplicate's answer ends the duplicate, not the request it copied.
             if output.finish_reason is not None and (
-                output.error != request_id_in_flight_error(output.request_id)
+                output.error is None or output.error.code != StageErrorCode.REQUEST_ID_IN_FLIGHT
             ):
                 self._in_flight.discard(output.request_id)
         return outputs

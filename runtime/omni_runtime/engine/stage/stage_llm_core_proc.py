@@ -51,7 +51,11 @@ from vllm.v1.request import Request, RequestStatus
 from vllm.v1.serial_utils import MsgpackDecoder
 
 from omni_runtime.engine.stage.stage_core_client import request_id_in_flight_error
-from omni_runtime.engine.stage.stage_core_types import StageLLMCoreOutputs, StageLLMCoreRequest
+from omni_runtime.engine.stage.stage_core_types import (
+    StageError,
+    StageLLMCoreOutputs,
+    StageLLMCoreRequest,
+)
 from omni_runtime.engine.stage.stop_watchers import start_stop_watchers
 
 logger = logging.getLogger(__name__)
@@ -235,56 +239,74 @@ class StageLLMCoreProc(EngineCoreProc):  # type: ignore[misc]
             return
         self.input_queue.put_nowait((EngineCoreRequestType.ADD, scheduled))
 
-    def _refusal(self, request: StageLLMCoreRequest) -> str | None:
-        """Why the engine must not see ``request`` ("field: what is wrong"), or None."""
+    def _refusal(self, request: StageLLMCoreRequest) -> StageError | None:
+        """Why the engine must not see ``request``, or None."""
+        bad = StageError.bad_request
         model_config = self.vllm_config.model_config
         encodes = model_config.runner_type == "pooling"
         if encodes and request.sampling_params is not None:
-            return (
+            return bad(
                 "sampling_params: this stage encodes hidden states (pooling runner) and "
-                "cannot generate; send pooling_params"
+                "cannot generate; send pooling_params",
+                "sampling_params",
             )
         if not encodes and request.pooling_params is not None:
-            return (
+            return bad(
                 "pooling_params: this stage generates text and cannot return hidden "
-                "states; send sampling_params"
+                "states; send sampling_params",
+                "pooling_params",
             )
         if request.sampling_params is None and request.pooling_params is None:
-            return "sampling_params: required (or pooling_params for a hidden-states stage)"
+            return bad(
+                "sampling_params: required (or pooling_params for a hidden-states stage)",
+                "sampling_params",
+            )
         if request.prompt_embeds is not None and not model_config.enable_prompt_embeds:
-            return "prompt_embeds: this stage was not started with enable_prompt_embeds"
+            return bad(
+                "prompt_embeds: this stage was not started with enable_prompt_embeds",
+                "prompt_embeds",
+            )
         token_ids = request.prompt_token_ids or []
         prompt_len = len(token_ids) if request.prompt_embeds is None else len(request.prompt_embeds)
         if prompt_len == 0:
-            return "prompt: empty"
+            return bad("prompt: empty", "prompt")
         # A generated token needs a position of its own.
         limit = model_config.max_model_len - (0 if encodes else 1)
         if prompt_len > limit:
-            return (
+            return bad(
                 f"prompt: {prompt_len} tokens, but this stage takes at most {limit} "
-                f"(max_model_len {model_config.max_model_len})"
+                f"(max_model_len {model_config.max_model_len})",
+                "prompt",
             )
         vocab_size = model_config.get_vocab_size()
         if token_ids and not 0 <= min(token_ids) <= max(token_ids) < vocab_size:
-            return f"prompt_token_ids: token ids must be in [0, {vocab_size})"
+            return bad(
+                f"prompt_token_ids: token ids must be in [0, {vocab_size})", "prompt_token_ids"
+            )
         if request.pooling_params is not None:
             tasks = [t for t in self.model_executor.supported_tasks if t in POOLING_TASKS]
             if request.pooling_params.task not in tasks:
-                return (
+                return bad(
                     f"pooling_params.task: {request.pooling_params.task!r} is not served "
-                    f"here (served: {', '.join(tasks)})"
+                    f"here (served: {', '.join(tasks)})",
+                    "task",
                 )
         if request.lora_request is not None and self.vllm_config.lora_config is None:
-            return "lora_request: this stage serves no LoRA adapters"
+            return bad("lora_request: this stage serves no LoRA adapters", "lora_request")
         if request.mm_features and not model_config.is_multimodal_model:
-            return "mm_features: this stage's model takes no multimodal input"
+            return bad("mm_features: this stage's model takes no multimodal input", "mm_features")
         if request.sampling_params is not None:
             if request.sampling_params.n != 1:
-                return "sampling_params.n: an engine core samples one sequence per request"
+                return bad(
+                    "sampling_params.n: an engine core samples one sequence per request", "n"
+                )
             if request.sampling_params.max_tokens is None:
-                return "sampling_params.max_tokens: required"
+                return bad("sampling_params.max_tokens: required", "max_tokens")
             if request.sampling_params.structured_outputs is not None:
-                return "sampling_params.structured_outputs: not supported by a stage"
+                return bad(
+                    "sampling_params.structured_outputs: not supported by a stage",
+                    "structured_outputs",
+                )
             try:
                 # vLLM's own checks of what indexes the logits (logprobs, logit_bias,
                 # stop/allowed token ids against the vocabulary), as its front end runs them.
@@ -309,7 +331,7 @@ class StageLLMCoreProc(EngineCoreProc):  # type: ignore[misc]
             return
         self._send_error_output(request_id, client_index, _describe_decode_error(error))
 
-    def _send_error_output(self, request_id: str, client_index: int, error: str) -> None:
+    def _send_error_output(self, request_id: str, client_index: int, error: StageError) -> None:
         logger.info("refusing request %s: %s", request_id, error)
         self.output_queue.put_nowait((client_index, StageLLMCoreOutputs.refusal(request_id, error)))
 
@@ -420,14 +442,14 @@ def send_failure(pipe: Connection, error: BaseException) -> None:
         pipe.send_bytes(reason.encode())
 
 
-def _describe_validation_error(error: Exception, otherwise: str) -> str:
+def _describe_validation_error(error: Exception, otherwise: str) -> StageError:
     """ "field: what is wrong" where vLLM's error names the field, else ``otherwise``."""
     if isinstance(error, VLLMValidationError) and error.parameter is not None:
-        return f"{error.parameter}: {error.args[0]}"
-    return otherwise
+        return StageError.bad_request(f"{error.parameter}: {error.args[0]}", error.parameter)
+    return StageError.bad_request(otherwise)
 
 
-def _describe_decode_error(error: Exception) -> str:
+def _describe_decode_error(error: Exception) -> StageError:
     # SamplingParams and PoolingParams validate themselves while decoding.
     return _describe_validation_error(
         error, f"request: cannot be decoded ({type(error).__name__}: {error})"

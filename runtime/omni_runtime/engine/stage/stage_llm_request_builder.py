@@ -6,8 +6,9 @@ chat template), check the prompt against the model's limits, merge the pipeline'
 sampling params under the request's own, validate them, and fill in what the core relies
 on (max_tokens, the end-of-sequence tokens). A generate stage gets SamplingParams; an
 encode stage (output: hidden_states) gets the pooling params that return each prompt
-token's hidden state. A request the builder refuses raises InvalidLLMRequestError whose
-message starts with the offending field, e.g. ``params.temperature: ...``.
+token's hidden state. A request the builder refuses raises InvalidLLMRequestError, whose
+``error`` names the offending field (``param``) and says what is wrong in a message that
+starts with it, e.g. ``params.temperature: ...``.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from vllm import PoolingParams, SamplingParams
 from vllm.config import VllmConfig
 from vllm.exceptions import VLLMValidationError
 
-from omni_runtime.engine.stage.stage_core_types import StageLLMCoreRequest
+from omni_runtime.engine.stage.stage_core_types import StageError, StageLLMCoreRequest
 
 # The sampling parameters an engine core honours by itself. Others are front-end work that
 # a stage does not do (n > 1 fans out into several requests, stop strings need the
@@ -50,7 +51,16 @@ HIDDEN_STATES_POOLING = PoolingParams(task="token_embed", use_activation=False)
 
 
 class InvalidLLMRequestError(ValueError):
-    """A request the stage refuses; the message starts with the offending field."""
+    """A request the stage refuses; the message starts with the offending field, which
+    ``param`` names (a sampling parameter by its own name)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+    @property
+    def error(self) -> StageError:
+        return StageError.bad_request(str(self), self.param)
 
 
 class StageLLMRequestBuilder:
@@ -67,7 +77,7 @@ class StageLLMRequestBuilder:
         if self.encodes and self.default_sampling_params:
             name = next(iter(self.default_sampling_params))
             raise InvalidLLMRequestError(
-                f"defaultSamplingParams.{name}: a hidden-states stage does not sample"
+                f"defaultSamplingParams.{name}: a hidden-states stage does not sample", name
             )
         _check_names(self.default_sampling_params, "defaultSamplingParams")
         _convert_sampling_params(self.default_sampling_params, "defaultSamplingParams")
@@ -98,19 +108,21 @@ class StageLLMRequestBuilder:
         """The request for one prompt: give exactly one of ``prompt`` (text),
         ``messages`` (chat, through the chat template) or ``prompt_token_ids``."""
         if not isinstance(request_id, str) or not request_id:
-            raise InvalidLLMRequestError("request_id: a non-empty string is required")
+            raise InvalidLLMRequestError("request_id: a non-empty string is required", "request_id")
         token_ids, field_name = self._tokenize(prompt, messages, prompt_token_ids)
         if len(token_ids) > self.max_prompt_len:
             raise InvalidLLMRequestError(
                 f"{field_name}: {len(token_ids)} tokens, but this stage takes at most "
-                f"{self.max_prompt_len} (max_model_len {self.model_config.max_model_len})"
+                f"{self.max_prompt_len} (max_model_len {self.model_config.max_model_len})",
+                field_name,
             )
         if additional_information is not None:
             try:
                 msgspec.msgpack.encode(additional_information)
             except (TypeError, msgspec.EncodeError) as e:
                 raise InvalidLLMRequestError(
-                    f"additional_information: plain data only (str, numbers, lists, maps): {e}"
+                    f"additional_information: plain data only (str, numbers, lists, maps): {e}",
+                    "additional_information",
                 ) from None
         sampling_params, pooling_params = self._params(dict(params or {}), len(token_ids))
         return StageLLMCoreRequest(
@@ -149,30 +161,34 @@ class StageLLMRequestBuilder:
         if len(given) != 1:
             raise InvalidLLMRequestError(
                 "prompt: give exactly one of prompt, messages, prompt_token_ids "
-                f"(got {', '.join(given) or 'none'})"
+                f"(got {', '.join(given) or 'none'})",
+                "prompt",
             )
         if prompt is not None:
             if not isinstance(prompt, str):
-                raise InvalidLLMRequestError(f"prompt: expected text, got {type(prompt).__name__}")
+                raise InvalidLLMRequestError(
+                    f"prompt: expected text, got {type(prompt).__name__}", "prompt"
+                )
             if not prompt:
-                raise InvalidLLMRequestError("prompt: empty")
+                raise InvalidLLMRequestError("prompt: empty", "prompt")
             return list(self.tokenizer(prompt)["input_ids"]), "prompt"
         if messages is not None:
             return self._apply_chat_template(messages), "messages"
         assert prompt_token_ids is not None
         token_ids = list(prompt_token_ids)
         if not token_ids:
-            raise InvalidLLMRequestError("prompt_token_ids: empty")
+            raise InvalidLLMRequestError("prompt_token_ids: empty", "prompt_token_ids")
         vocab_size = self.model_config.get_vocab_size()
         if not all(isinstance(t, int) and 0 <= t < vocab_size for t in token_ids):
             raise InvalidLLMRequestError(
-                f"prompt_token_ids: token ids must be integers in [0, {vocab_size})"
+                f"prompt_token_ids: token ids must be integers in [0, {vocab_size})",
+                "prompt_token_ids",
             )
         return token_ids, "prompt_token_ids"
 
     def _apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
         if not messages:
-            raise InvalidLLMRequestError("messages: empty")
+            raise InvalidLLMRequestError("messages: empty", "messages")
         for index, message in enumerate(messages):
             if not (
                 isinstance(message, Mapping)
@@ -180,10 +196,12 @@ class StageLLMRequestBuilder:
                 and isinstance(message.get("content"), str)
             ):
                 raise InvalidLLMRequestError(
-                    f"messages[{index}]: expected {{'role': str, 'content': str}}"
+                    f"messages[{index}]: expected {{'role': str, 'content': str}}", "messages"
                 )
         if self.tokenizer.chat_template is None:
-            raise InvalidLLMRequestError("messages: this model has no chat template; send prompt")
+            raise InvalidLLMRequestError(
+                "messages: this model has no chat template; send prompt", "messages"
+            )
         # A generate stage answers as the assistant; an encode stage encodes the
         # conversation as it stands.
         text = self.tokenizer.apply_chat_template(
@@ -199,9 +217,11 @@ class StageLLMRequestBuilder:
     ) -> tuple[SamplingParams | None, PoolingParams | None]:
         if self.encodes:
             if params:
+                name = next(iter(params))
                 raise InvalidLLMRequestError(
-                    f"params.{next(iter(params))}: this stage returns hidden states and "
-                    "takes no sampling parameters"
+                    f"params.{name}: this stage returns hidden states and takes no sampling "
+                    "parameters",
+                    name,
                 )
             pooling_params = HIDDEN_STATES_POOLING.clone()
             pooling_params.verify(self.model_config)
@@ -223,7 +243,7 @@ class StageLLMRequestBuilder:
         try:
             sampling_params.verify(self.model_config, None, None, None)
         except VLLMValidationError as e:
-            raise InvalidLLMRequestError(_describe_vllm_error(e, "params")) from None
+            raise _invalid_from_vllm(e, "params") from None
         return sampling_params, None
 
 
@@ -232,7 +252,8 @@ def _check_names(params: Mapping[str, Any], where: str) -> None:
         if name not in SAMPLING_PARAM_NAMES:
             raise InvalidLLMRequestError(
                 f"{where}.{name}: unknown sampling parameter "
-                f"(allowed: {', '.join(SAMPLING_PARAM_NAMES)})"
+                f"(allowed: {', '.join(SAMPLING_PARAM_NAMES)})",
+                name,
             )
 
 
@@ -240,19 +261,21 @@ def _convert_sampling_params(params: Mapping[str, Any], where: str) -> SamplingP
     try:
         sampling_params: SamplingParams = msgspec.convert(dict(params), SamplingParams)
     except VLLMValidationError as e:
-        raise InvalidLLMRequestError(_describe_vllm_error(e, where)) from None
+        raise _invalid_from_vllm(e, where) from None
     except msgspec.ValidationError as e:
-        # "Expected `int | null`, got `str` - at `$.max_tokens`" -> "params.max_tokens: ..."
+        # msgspec gives the path only in its text: "Expected `int | null`, got `str` - at
+        # `$.max_tokens`" -> "params.max_tokens: ...", param max_tokens.
         located = re.fullmatch(r"(.*) - at `\$\.(.*)`", str(e))
         if located:
-            raise InvalidLLMRequestError(f"{where}.{located[2]}: {located[1]}") from None
+            name = located[2]
+            raise InvalidLLMRequestError(f"{where}.{name}: {located[1]}", name) from None
         raise InvalidLLMRequestError(f"{where}: {e}") from None
     return sampling_params
 
 
-def _describe_vllm_error(error: VLLMValidationError, where: str) -> str:
+def _invalid_from_vllm(error: VLLMValidationError, where: str) -> InvalidLLMRequestError:
     # vLLM names the parameter apart from its message (which repeats it, with the value).
     message = str(error.args[0]) if error.args else str(error)
     if error.parameter is not None:
-        return f"{where}.{error.parameter}: {message}"
-    return f"{where}: {message}"
+        return InvalidLLMRequestError(f"{where}.{error.parameter}: {message}", error.parameter)
+    return InvalidLLMRequestError(f"{where}: {message}")

@@ -15,7 +15,11 @@ import torch
 from vllm.v1.engine import FinishReason
 
 from omni_runtime.engine.stage.stage_core_client import StageCoreClientBase
-from omni_runtime.engine.stage.stage_core_types import StageLLMCoreOutput, StageLLMCoreOutputs
+from omni_runtime.engine.stage.stage_core_types import (
+    StageError,
+    StageLLMCoreOutput,
+    StageLLMCoreOutputs,
+)
 
 
 @dataclass
@@ -27,7 +31,7 @@ class StageLLMResult:
     # [prompt tokens, hidden size], float32 (an encode stage).
     hidden_states: torch.Tensor | None = None
     finish_reason: FinishReason | None = None
-    error: str | None = None
+    error: StageError | None = None
     # How many outputs arrived, and which data parallel engine sent them.
     num_outputs: int = 0
     engine_index: int | None = None
