@@ -10,10 +10,16 @@ Run with ``kopf run --standalone -m omni_operator.handlers --all-namespaces`` (o
 - A child deleted by hand is put back, unless its pipeline is going away.
 - Deleting a pipeline needs no handler: every child has an ownerReference to it, so the
   garbage collector removes them.
+
+Credentials are loaded once, by the official ``kubernetes`` client (omni_runtime.kube:
+kubeconfig with exec plugins or OIDC, or the pod's service account), and kopf logs in with
+the same ones (``login``), so that its watches and the operator's own calls never disagree
+on who the operator is.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from collections.abc import Iterable, Mapping
@@ -21,7 +27,13 @@ from typing import Any, cast
 
 import kopf
 
-from omni_runtime.kube import KubeApiError, KubeClient, load_kube_config
+from omni_runtime.kube import (
+    KubeApiError,
+    KubeClient,
+    KubeConfig,
+    KubeConfigError,
+    load_kube_config,
+)
 
 from .api import (
     API_VERSION,
@@ -57,7 +69,14 @@ async def start(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
     # Our own Events say what was done; kopf's per-handler "succeeded" ones would be noise.
     settings.posting.level = logging.INFO
     settings.posting.loggers = False
-    kube = KubeClient(load_kube_config())
+    try:
+        # Blocks (an exec plugin may run), and the loop is already kopf's.
+        config = await asyncio.to_thread(load_kube_config)
+    except KubeConfigError as e:
+        # Retrying cannot fix a kubeconfig, and kopf would print a handler failure with two
+        # tracebacks: exit with the message alone (it says which file and what is wrong).
+        raise SystemExit(f"omni-operator: error: {e}") from None
+    kube = KubeClient(config)
     memo.kube = kube
     memo.reconciler = Reconciler(
         kube=kube,
@@ -71,6 +90,42 @@ async def stop(memo: Any, **_: Any) -> None:
     kube: KubeClient | None = getattr(memo, "kube", None)
     if kube is not None:
         await kube.close()
+
+
+@kopf.on.login()
+async def login(memo: Any, **_: Any) -> kopf.ConnectionInfo:
+    """kopf's credentials: those the operator's client loaded at startup (startup runs
+    before the first login). kopf asks again only after the apiserver refused them (401),
+    and then both load afresh: an exec plugin runs again, a token file is read again."""
+    kube: KubeClient = memo.kube
+    try:
+        config = await kube.reload() if getattr(memo, "logged_in", False) else kube.config
+    except KubeConfigError as e:
+        raise kopf.PermanentError(str(e)) from None
+    memo.logged_in = True
+    return await asyncio.to_thread(connection_info, config)
+
+
+def connection_info(config: KubeConfig) -> kopf.ConnectionInfo:
+    """What kopf's own client needs of the official client's configuration. Blocks: a
+    token due for renewal (an exec plugin's, a rotated service-account one) is renewed."""
+    c = config.configuration
+    # Either name holds the token, depending on the client version that loaded it.
+    header = c.get_api_key_with_prefix("BearerToken") or c.get_api_key_with_prefix("authorization")
+    scheme, _, token = str(header or "").partition(" ")
+    if not token:  # a bare token, no scheme
+        scheme, token = "", scheme
+    return kopf.ConnectionInfo(
+        server=c.host,
+        ca_path=c.ssl_ca_cert or None,
+        insecure=not c.verify_ssl,
+        scheme=scheme or None,
+        token=token or None,
+        certificate_path=c.cert_file or None,
+        private_key_path=c.key_file or None,
+        default_namespace=config.namespace,
+        proxy_url=c.proxy or None,
+    )
 
 
 @kopf.index("apps", "v1", "deployments", labels=_OURS)

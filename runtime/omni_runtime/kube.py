@@ -1,31 +1,47 @@
-"""A small async Kubernetes API client over aiohttp, for the operator and the router.
+"""Kubernetes API access for the operator and the router, over the official ``kubernetes``
+package.
 
-Only what they need: get/list/delete, server-side apply, merge patches and watches, with
-errors that carry the apiserver's own message. Credentials come from a kubeconfig or a
-pod's service account (``load_kube_config``); exec plugins and auth providers are not
-supported (say so rather than fail obscurely).
+The official client does the HTTP, TLS and authentication: kubeconfig client certificates
+and tokens, exec credential plugins (``aws eks get-token``, ``gke-gcloud-auth-plugin``,
+``kubelogin``) re-run when their credential expires, OIDC and GCP auth providers, and a
+pod's service account, whose token file it re-reads as kubelet rotates it. What this module
+adds is what the operator and the router need on top:
+
+- ``load_kube_config``: where credentials come from ($KUBECONFIG, the pod, ~/.kube/config),
+  and every way a configuration can be broken as a one-line ``KubeConfigError`` that names
+  the file, found before the first request rather than at it;
+- ``KubeClient``: asyncio calls on plain dicts by REST path (server-side apply of any
+  manifest, no generated models). The official client is synchronous, so each call runs
+  on the client's own small thread pool; a watch abandoned mid-read has its socket shut
+  down, and ``close()`` returns only once no thread of the client is left;
+- errors that carry the apiserver's Status message (``KubeApiError``), and 410 Gone as
+  ``WatchExpired``.
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
+import asyncio
+import concurrent.futures
+import contextlib
 import json
+import logging
 import os
 import ssl
-import tempfile
-import time
-from collections.abc import AsyncGenerator, Mapping
-from dataclasses import dataclass
+from collections.abc import AsyncGenerator, Callable, Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-import aiohttp
+import urllib3
 import yaml
+from kubernetes import client as k8s_client
+from kubernetes import config as k8s_config
+from kubernetes.config.incluster_config import InClusterConfigLoader
+from kubernetes.watch.watch import iter_resp_lines
 
 SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
-# Bound service-account tokens rotate (kubelet refreshes the file well before expiry).
-TOKEN_REREAD_SECONDS = 60.0
+_LOADER_FILE = Path(k8s_config.kube_config.__file__).resolve()
+CONNECT_TIMEOUT_S = 10.0
 
 KIND_PLURALS: dict[str, str] = {
     "ConfigMap": "configmaps",
@@ -41,9 +57,15 @@ KIND_PLURALS: dict[str, str] = {
     "OmniPipeline": "omnipipelines",
 }
 
+T = TypeVar("T")
+
 
 class KubeConfigError(Exception):
-    """No usable cluster credentials; the message says what is missing and where we looked."""
+    """No usable cluster credentials; the message (one line) says what is wrong and where."""
+
+    def __init__(self, message: str) -> None:
+        # Loader, YAML and plugin messages span lines; a CLI error must not.
+        super().__init__(" ".join(message.split()))
 
 
 class KubeApiError(Exception):
@@ -71,60 +93,18 @@ class WatchExpired(KubeApiError):
 
 @dataclass(frozen=True)
 class KubeConfig:
-    server: str
+    """Loaded credentials: the official client's Configuration, and where it came from."""
+
+    configuration: Any  # kubernetes.client.Configuration
     source: str  # where this came from, for messages
     namespace: str | None = None
-    ca_file: str | None = None
-    ca_data: bytes | None = None
-    client_cert_file: str | None = None
-    client_cert_data: bytes | None = None
-    client_key_file: str | None = None
-    client_key_data: bytes | None = None
-    token: str | None = None
-    token_file: str | None = None  # re-read: bound tokens rotate
-    insecure_skip_tls_verify: bool = False
+    # Loads the same source again: new exec plugin output, a rotated token file.
+    reload: Callable[[], KubeConfig] | None = field(default=None, repr=False, compare=False)
 
-    def ssl_context(self) -> ssl.SSLContext | None:
-        if not self.server.startswith("https:"):
-            return None
-        try:
-            ctx = ssl.create_default_context(
-                cafile=self.ca_file, cadata=self.ca_data.decode() if self.ca_data else None
-            )
-        except (ssl.SSLError, OSError, ValueError) as e:
-            raise KubeConfigError(f"{self.source}: unusable certificate authority: {e}") from e
-        if self.insecure_skip_tls_verify:
-            ctx.check_hostname = False
-            ctx.verify_mode = ssl.CERT_NONE
-        if self.client_cert_file or self.client_cert_data:
-            _load_client_cert(ctx, self)
-        return ctx
-
-    def read_token(self) -> str | None:
-        if self.token_file:
-            try:
-                return Path(self.token_file).read_text().strip()
-            except OSError as e:
-                raise KubeConfigError(f"cannot read token file {self.token_file}: {e}") from None
-        return self.token
-
-
-def _load_client_cert(ctx: ssl.SSLContext, config: KubeConfig) -> None:
-    # ssl only loads certificates from files: inline data goes through a private temp dir.
-    with tempfile.TemporaryDirectory(prefix="omni-kube-") as tmp:
-        cert, key = config.client_cert_file, config.client_key_file
-        if config.client_cert_data is not None:
-            cert = os.path.join(tmp, "client.crt")
-            Path(cert).write_bytes(config.client_cert_data)
-        if config.client_key_data is not None:
-            key = os.path.join(tmp, "client.key")
-            Path(key).write_bytes(config.client_key_data)
-        if cert is None or key is None:
-            raise KubeConfigError(f"{config.source}: a client certificate needs a client key")
-        try:
-            ctx.load_cert_chain(cert, key)
-        except (ssl.SSLError, OSError) as e:
-            raise KubeConfigError(f"{config.source}: unusable client certificate/key: {e}") from e
+    @property
+    def server(self) -> str:
+        host: str = self.configuration.host
+        return host
 
 
 def load_kube_config(
@@ -133,115 +113,145 @@ def load_kube_config(
     environ: Mapping[str, str] | None = None,
     service_account_dir: Path = SERVICE_ACCOUNT_DIR,
 ) -> KubeConfig:
-    """Credentials from ``kubeconfig``, else $KUBECONFIG (its first entry), else the pod's
-    service account, else ~/.kube/config."""
-    env = os.environ if environ is None else environ
+    """Credentials from ``kubeconfig``, else $KUBECONFIG (its files merged, as kubectl
+    does), else the pod's service account, else ~/.kube/config. Blocks: an exec plugin
+    runs here."""
+    env = dict(os.environ if environ is None else environ)
+
+    def again() -> KubeConfig:
+        return load_kube_config(kubeconfig, environ=env, service_account_dir=service_account_dir)
+
     default = Path(env.get("HOME") or Path.home()) / ".kube" / "config"
     if kubeconfig:
-        config = _from_kubeconfig(Path(kubeconfig).expanduser(), "the given kubeconfig")
+        config = _from_kubeconfig([Path(kubeconfig).expanduser()], "the given kubeconfig")
     elif env.get("KUBECONFIG"):
-        first = env["KUBECONFIG"].split(os.pathsep)[0]
-        config = _from_kubeconfig(Path(first).expanduser(), "$KUBECONFIG")
+        paths = [Path(p).expanduser() for p in env["KUBECONFIG"].split(os.pathsep) if p]
+        config = _from_kubeconfig(paths, "$KUBECONFIG")
     elif env.get("KUBERNETES_SERVICE_HOST"):
         config = _in_cluster(env, service_account_dir)
     elif default.is_file():
-        config = _from_kubeconfig(default, "the default kubeconfig")
+        config = _from_kubeconfig([default], "the default kubeconfig")
     else:
         raise KubeConfigError(
             "no Kubernetes credentials: $KUBECONFIG is not set, $KUBERNETES_SERVICE_HOST is "
             f"not set (not in a pod), and {default} does not exist"
         )
-    # Unreadable certificates or token files fail here, not at the first request.
-    config.ssl_context()
-    config.read_token()
-    return config
+    # Unreadable certificates fail here, not at the first request.
+    _check_tls(config)
+    return KubeConfig(config.configuration, config.source, config.namespace, reload=again)
 
 
 def _in_cluster(env: Mapping[str, str], sa_dir: Path) -> KubeConfig:
-    host, port = env["KUBERNETES_SERVICE_HOST"], env.get("KUBERNETES_SERVICE_PORT", "443")
     token, ca = sa_dir / "token", sa_dir / "ca.crt"
+    source = f"in-cluster service account ({sa_dir})"
     if not token.is_file():
         raise KubeConfigError(
             f"in-cluster config: {token} is missing (is automountServiceAccountToken off?)"
         )
     if not ca.is_file():
         raise KubeConfigError(f"in-cluster config: {ca} is missing")
+    configuration = k8s_client.Configuration()
+    # The official loader re-reads the token file every minute (bound tokens rotate).
+    loader = InClusterConfigLoader(
+        token_filename=str(token),
+        cert_filename=str(ca),
+        try_refresh_token=True,
+        environ={"KUBERNETES_SERVICE_PORT": "443", **env},
+    )
+    try:
+        loader.load_and_set(configuration)
+    except (k8s_config.ConfigException, OSError) as e:
+        raise KubeConfigError(f"{source}: {e}") from None
     namespace_file = sa_dir / "namespace"
     namespace = namespace_file.read_text().strip() if namespace_file.is_file() else None
-    return KubeConfig(
-        server=f"https://{f'[{host}]' if ':' in host else host}:{port}",
-        source=f"in-cluster service account ({sa_dir})",
-        namespace=namespace,
-        ca_file=str(ca),
-        token_file=str(token),
-    )
+    return KubeConfig(configuration, source, namespace or None)
 
 
-def _from_kubeconfig(path: Path, how: str) -> KubeConfig:
-    where = f"{path} ({how})"
-    try:
-        data = yaml.safe_load(path.read_text())
-    except OSError as e:
-        raise KubeConfigError(f"cannot read kubeconfig {where}: {e.strerror}") from None
-    except yaml.YAMLError as e:
-        raise KubeConfigError(f"kubeconfig {where} is not valid YAML: {e}") from None
-    if not isinstance(data, dict):
-        raise KubeConfigError(f"kubeconfig {where}: expected a mapping at the top")
-    current = data.get("current-context")
-    if not current:
-        raise KubeConfigError(f"kubeconfig {where}: no current-context")
-    context = _named(data, "contexts", "context", current, where)
-    cluster = _named(data, "clusters", "cluster", context.get("cluster"), where)
-    user = _named(data, "users", "user", context["user"], where) if context.get("user") else {}
-    if not cluster.get("server"):
-        raise KubeConfigError(f"kubeconfig {where}: cluster {context['cluster']!r} has no server")
-    for unsupported in ("exec", "auth-provider"):
-        if unsupported in user:
-            raise KubeConfigError(
-                f"kubeconfig {where}: user {context['user']!r} uses {unsupported}, which this "
-                "client does not support; use a token or a client certificate"
-            )
-    base = path.parent
-
-    def file(section: dict[str, Any], key: str) -> str | None:
-        value = section.get(key)
-        return str(base / str(value)) if value else None
-
-    def blob(section: dict[str, Any], key: str) -> bytes | None:
-        value = section.get(key)
-        if not value:
-            return None
+def _from_kubeconfig(paths: list[Path], how: str) -> KubeConfig:
+    readable: list[Path] = []
+    problems: list[str] = []
+    for path in paths:
         try:
-            return base64.b64decode(str(value), validate=True)
-        except binascii.Error:
-            raise KubeConfigError(f"kubeconfig {where}: {key} is not valid base64") from None
+            path.open("rb").close()
+        except OSError as e:
+            problems.append(f"{path}: {e.strerror}")
+        else:
+            readable.append(path)
+    if not readable:
+        if len(paths) == 1:
+            raise KubeConfigError(
+                f"cannot read kubeconfig {paths[0]} ({how}): {problems[0].split(': ', 1)[1]}"
+            )
+        raise KubeConfigError(f"cannot read any kubeconfig of {how}: {'; '.join(problems)}")
+    files = os.pathsep.join(map(str, readable))
+    where = f"kubeconfig {files} ({how})"
+    configuration = k8s_client.Configuration()
+    try:
+        # Also checks current-context and the context it names, with the loader's words.
+        _, current = k8s_config.list_kube_config_contexts(files)
+        with _loader_errors() as errors:
+            # persist_config: an auth provider's refreshed token goes back into the file,
+            # as kubectl does (refresh tokens are often single-use).
+            k8s_config.load_kube_config(
+                config_file=files, client_configuration=configuration, persist_config=True
+            )
+    except (k8s_config.ConfigException, yaml.YAMLError, OSError, ValueError) as e:
+        raise KubeConfigError(f"{where}: {_loader_message(e)}") from None
+    except (KeyError, TypeError, AttributeError) as e:
+        # The loader indexes sections it has not checked the shape of.
+        raise KubeConfigError(f"{where}: malformed ({type(e).__name__}: {e})") from None
+    context = (current or {}).get("context") or {}
+    if errors:
+        # The loader logs a failing exec plugin and carries on without credentials.
+        said = "; ".join(e if e.startswith("exec") else f"exec: {e}" for e in errors)
+        raise KubeConfigError(f"{where}: user {context.get('user')!r}: {said}")
+    if not configuration.host:
+        raise KubeConfigError(f"{where}: cluster {context.get('cluster')!r} has no server")
+    return KubeConfig(configuration, where, context.get("namespace") or None)
 
-    return KubeConfig(
-        server=str(cluster["server"]).rstrip("/"),
-        source=where,
-        namespace=context.get("namespace"),
-        ca_file=file(cluster, "certificate-authority"),
-        ca_data=blob(cluster, "certificate-authority-data"),
-        client_cert_file=file(user, "client-certificate"),
-        client_cert_data=blob(user, "client-certificate-data"),
-        client_key_file=file(user, "client-key"),
-        client_key_data=blob(user, "client-key-data"),
-        token=user.get("token"),
-        token_file=file(user, "tokenFile"),
-        insecure_skip_tls_verify=bool(cluster.get("insecure-skip-tls-verify", False)),
-    )
+
+@contextlib.contextmanager
+def _loader_errors() -> Iterator[list[str]]:
+    """Collects (and keeps off stderr) what the kubeconfig loader logs as errors."""
+    errors: list[str] = []
+
+    def capture(record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.ERROR and Path(record.pathname).resolve() == _LOADER_FILE:
+            errors.append(record.getMessage())
+            return False
+        return True
+
+    root = logging.getLogger()
+    root.addFilter(capture)
+    try:
+        yield errors
+    finally:
+        root.removeFilter(capture)
 
 
-def _named(data: dict[str, Any], section: str, key: str, name: Any, where: str) -> dict[str, Any]:
-    for entry in data.get(section) or []:
-        if isinstance(entry, dict) and entry.get("name") == name:
-            value = entry.get(key) or {}
-            if isinstance(value, dict):
-                return value
-    known = ", ".join(str(e.get("name")) for e in data.get(section) or [] if isinstance(e, dict))
-    raise KubeConfigError(
-        f"kubeconfig {where}: no {key} named {name!r} in {section} (has: {known or 'none'})"
-    )
+def _loader_message(error: Exception) -> str:
+    message = str(error)
+    prefix = "Invalid kube-config file. "
+    return message[len(prefix) :] if message.startswith(prefix) else message
+
+
+def _check_tls(config: KubeConfig) -> None:
+    c = config.configuration
+    if not str(c.host).startswith("https:"):
+        return
+    try:
+        ctx = ssl.create_default_context(cafile=c.ssl_ca_cert)
+    except (ssl.SSLError, OSError, ValueError) as e:
+        raise KubeConfigError(f"{config.source}: unusable certificate authority: {e}") from None
+    if c.cert_file or c.key_file:
+        if not (c.cert_file and c.key_file):
+            raise KubeConfigError(f"{config.source}: a client certificate needs a client key")
+        try:
+            ctx.load_cert_chain(c.cert_file, c.key_file)
+        except (ssl.SSLError, OSError) as e:
+            raise KubeConfigError(
+                f"{config.source}: unusable client certificate/key: {e}"
+            ) from None
 
 
 def object_path(
@@ -278,14 +288,28 @@ def resource_path_for(obj: Mapping[str, Any]) -> str:
 
 
 class KubeClient:
-    """One aiohttp session to the apiserver; use ``async with`` or call ``close()``."""
+    """The official ApiClient behind asyncio methods; use ``async with`` or call ``close()``.
 
-    def __init__(self, config: KubeConfig, *, timeout: float = 30.0) -> None:
+    ``max_workers`` bounds the calls in flight at once (each holds a thread and a pooled
+    connection while it runs); a watch holds one for as long as it is followed.
+    """
+
+    def __init__(self, config: KubeConfig, *, timeout: float = 30.0, max_workers: int = 16):
         self.config = config
         self.timeout = timeout
-        self._session: aiohttp.ClientSession | None = None
-        self._token: str | None = None
-        self._token_read_at = -float("inf")
+        self.max_workers = max_workers
+        self._api = self._api_client(config)
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            max_workers=max_workers, thread_name_prefix="kube-client"
+        )
+        self._watches: set[Any] = set()  # urllib3 responses being read
+        self._closed = False
+
+    def _api_client(self, config: KubeConfig) -> Any:
+        configuration = config.configuration
+        # One pooled connection per worker: more would be dropped after each use.
+        configuration.connection_pool_maxsize = self.max_workers
+        return k8s_client.ApiClient(configuration)
 
     async def __aenter__(self) -> KubeClient:
         return self
@@ -294,62 +318,90 @@ class KubeClient:
         await self.close()
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        """Abandon open watches, wait for every call in flight, and drop the connections."""
+        if self._closed:
+            return
+        self._closed = True
+        for response in list(self._watches):
+            _shutdown(response)
+        await asyncio.get_running_loop().run_in_executor(None, self._pool.shutdown, True)
+        self._api.close()
 
-    def _get_session(self) -> aiohttp.ClientSession:
-        if self._session is None:
-            ctx = self.config.ssl_context()
-            connector = aiohttp.TCPConnector(ssl=ctx if ctx is not None else False)
-            self._session = aiohttp.ClientSession(connector=connector)
-        return self._session
+    async def reload(self) -> KubeConfig:
+        """Load the credentials again from where they came from (after a 401: an exec
+        plugin's token revoked, a token file replaced); later calls use them."""
+        if self.config.reload is None:
+            return self.config
+        config = await self._run(self.config.reload)
+        self.config, self._api = config, self._api_client(config)
+        return config
 
-    def _headers(self, content_type: str | None, *, fresh_token: bool = False) -> dict[str, str]:
-        headers = {"Accept": "application/json"}
-        if content_type:
-            headers["Content-Type"] = content_type
-        now = time.monotonic()
-        if fresh_token or now - self._token_read_at > TOKEN_REREAD_SECONDS:
-            self._token, self._token_read_at = self.config.read_token(), now
-        if self._token:
-            headers["Authorization"] = f"Bearer {self._token}"
-        return headers
+    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+        if self._closed:
+            raise RuntimeError("KubeClient is closed")
+        return await asyncio.wrap_future(self._pool.submit(fn, *args))
 
-    async def _send(
+    def _send(
         self,
         method: str,
         path: str,
         params: Mapping[str, str] | None,
         body: Any,
         content_type: str,
-        timeout: aiohttp.ClientTimeout,
-    ) -> aiohttp.ClientResponse:
-        data = None if body is None else json.dumps(body).encode()
-        for attempt in range(2):
-            try:
-                response = await self._get_session().request(
-                    method,
-                    self.config.server + path,
-                    params=params,
-                    data=data,
-                    headers=self._headers(
-                        content_type if data is not None else None, fresh_token=attempt > 0
-                    ),
-                    timeout=timeout,
-                )
-            except (aiohttp.ClientError, TimeoutError) as e:
-                raise KubeConnectionError(
-                    0, "ConnectionError", f"{self.config.server}: {e!r}", method=method, path=path
-                ) from e
-            # A rotated token answers 401 until we read the new one.
-            if response.status == 401 and attempt == 0 and self.config.token_file:
-                response.release()
-                continue
-            if response.status >= 400:
-                raise await _api_error(response, method, path)
-            return response
-        raise AssertionError("unreachable")
+        timeout: tuple[float, float],
+    ) -> Any:
+        """The response (a urllib3 one, body unread) of a 2xx answer; KubeApiError else."""
+        api = self._api
+        headers = {"Accept": "application/json"}
+        if body is not None:
+            headers["Content-Type"] = content_type
+        _, url, headers, _, _ = api.param_serialize(
+            method,
+            path,
+            query_params=list((params or {}).items()),
+            header_params=headers,
+            auth_settings=["BearerToken"],
+        )
+        try:
+            response = api.call_api(
+                method, url, header_params=headers, body=body, _request_timeout=timeout
+            ).response
+        except k8s_client.ApiException as e:  # status 0: the TLS handshake failed
+            raise KubeConnectionError(
+                0, "ConnectionError", f"{self.config.server}: {e.reason}", method=method, path=path
+            ) from None
+        except (urllib3.exceptions.HTTPError, OSError) as e:
+            raise _connection_error(e, self.config.server, method, path) from None
+        if response.status >= 400:
+            raise _api_error(response, method, path)
+        return response
+
+    def _call(
+        self,
+        method: str,
+        path: str,
+        params: Mapping[str, str] | None,
+        body: Any,
+        content_type: str,
+    ) -> Any:
+        timeout = (CONNECT_TIMEOUT_S, self.timeout)
+        response = self._send(method, path, params, body, content_type, timeout)
+        try:
+            data = response.data
+        except (urllib3.exceptions.HTTPError, OSError) as e:
+            raise _connection_error(e, self.config.server, method, path) from None
+        finally:
+            response.release_conn()
+        try:
+            return json.loads(data) if data else None
+        except ValueError:
+            raise KubeApiError(
+                response.status,
+                "BadResponse",
+                f"not JSON: {data[:200]!r}",
+                method=method,
+                path=path,
+            ) from None
 
     async def request(
         self,
@@ -360,15 +412,7 @@ class KubeClient:
         body: Any = None,
         content_type: str = "application/json",
     ) -> Any:
-        timeout = aiohttp.ClientTimeout(total=self.timeout)
-        response = await self._send(method, path, params, body, content_type, timeout)
-        async with response:
-            try:
-                return await response.json(content_type=None)
-            except (aiohttp.ClientError, TimeoutError) as e:
-                raise KubeConnectionError(
-                    0, "ConnectionError", repr(e), method=method, path=path
-                ) from e
+        return await self._run(self._call, method, path, params, body, content_type)
 
     async def get(self, path: str) -> dict[str, Any] | None:
         try:
@@ -393,7 +437,7 @@ class KubeClient:
             "PATCH",
             resource_path_for(obj),
             params=params,
-            body=obj,
+            body=dict(obj),
             content_type="application/apply-patch+yaml",
         )
         return result
@@ -414,7 +458,7 @@ class KubeClient:
     ) -> dict[str, Any]:
         target = f"{path}/{subresource}" if subresource else path
         result: dict[str, Any] = await self.request(
-            "PATCH", target, body=body, content_type="application/merge-patch+json"
+            "PATCH", target, body=dict(body), content_type="application/merge-patch+json"
         )
         return result
 
@@ -437,32 +481,52 @@ class KubeClient:
             params["labelSelector"] = label_selector
         if resource_version:
             params["resourceVersion"] = resource_version
-        # No total timeout; a silent connection (bookmarks come about every minute) is dead.
-        timeout = aiohttp.ClientTimeout(total=None, sock_read=timeout_seconds + 90)
+        # A silent connection (bookmarks come about every minute) is a dead one.
+        timeout = (CONNECT_TIMEOUT_S, float(timeout_seconds + 90))
         try:
-            response = await self._send("GET", path, params, None, "", timeout)
+            response = await self._run(self._send, "GET", path, params, None, "", timeout)
         except KubeApiError as e:
             if e.status == 410:
                 raise WatchExpired(410, e.reason, e.message, method="GET", path=path) from None
             raise
-        async with response:
-            buffer = b""
-            try:
-                async for chunk in response.content.iter_any():
-                    buffer += chunk
-                    *lines, buffer = buffer.split(b"\n")
-                    for line in lines:
-                        if line.strip():
-                            yield _watch_event(line, path)
-            except (aiohttp.ClientError, TimeoutError) as e:
-                raise KubeConnectionError(
-                    0, "ConnectionError", f"watch broke: {e!r}", method="GET", path=path
-                ) from e
-            if buffer.strip():
-                yield _watch_event(buffer, path)
+        self._watches.add(response)
+        lines = iter_resp_lines(response)
+        reading: concurrent.futures.Future[str | None] | None = None
+        try:
+            while True:
+                reading = self._pool.submit(next, lines, None)
+                try:
+                    line = await asyncio.wrap_future(reading)
+                except (urllib3.exceptions.HTTPError, OSError) as e:
+                    raise KubeConnectionError(
+                        0, "ConnectionError", f"watch broke: {e!r}", method="GET", path=path
+                    ) from e
+                if line is None:
+                    return
+                if line.strip():
+                    yield _watch_event(line, path)
+        finally:
+            self._watches.discard(response)
+            if reading is not None and not reading.done():
+                # Cancelled mid-read: unblock the thread, and close once it has let go.
+                _shutdown(response)
+                reading.add_done_callback(lambda _: response.close())
+            else:
+                response.close()
 
 
-def _watch_event(line: bytes, path: str) -> tuple[str, dict[str, Any]]:
+def _shutdown(response: Any) -> None:
+    # Shutting the socket down (not closing it) wakes a thread blocked reading it.
+    with contextlib.suppress(ValueError, RuntimeError, OSError):
+        response.shutdown()
+
+
+def _connection_error(error: Exception, server: str, method: str, path: str) -> KubeApiError:
+    cause = getattr(error, "reason", None) or error  # MaxRetryError wraps the real one
+    return KubeConnectionError(0, "ConnectionError", f"{server}: {cause}", method=method, path=path)
+
+
+def _watch_event(line: str, path: str) -> tuple[str, dict[str, Any]]:
     try:
         event = json.loads(line)
         kind, obj = event.get("type", ""), event.get("object") or {}
@@ -477,12 +541,13 @@ def _watch_event(line: bytes, path: str) -> tuple[str, dict[str, Any]]:
     return kind, obj
 
 
-async def _api_error(response: aiohttp.ClientResponse, method: str, path: str) -> KubeApiError:
-    async with response:
-        try:
-            text = await response.text()
-        except (aiohttp.ClientError, TimeoutError):
-            text = ""
+def _api_error(response: Any, method: str, path: str) -> KubeApiError:
+    try:
+        text = response.data.decode(errors="replace")
+    except (urllib3.exceptions.HTTPError, OSError):
+        text = ""
+    finally:
+        response.release_conn()
     reason, message = response.reason or "", text.strip()[:2000]
     try:
         status = json.loads(text)

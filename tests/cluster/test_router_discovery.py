@@ -1,14 +1,15 @@
 """The Kubernetes client and the router's EndpointSlice discovery, against a real apiserver.
 
 The client's calls are checked on real objects (server-side apply and its conflicts, get,
-list, watch, delete, the apiserver's error messages). Discovery runs end to end: a real
-``omni-runtime router`` process follows hand-written EndpointSlices of a selector-less
-Service whose endpoint is a real stage process on loopback, and serves an image through
-it while the slice says ready, and no longer when it does not.
+list, watch, delete, the apiserver's error messages, a watch ended by close()). Discovery
+runs end to end: a real ``omni-runtime router`` process follows hand-written EndpointSlices
+of a selector-less Service whose endpoint is a real stage process on loopback, and serves
+an image through it while the slice says ready, and no longer when it does not.
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
 import io
@@ -18,6 +19,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -119,6 +121,42 @@ async def test_get_list_patch_watch_delete_on_real_objects(kube: Kube, namespace
                     break
         assert events == [("MODIFIED", "one", {"k": "changed"}), ("DELETED", "two", {})]
         assert await client.delete(f"{collection}/two") is False
+
+
+async def test_closing_the_client_wakes_a_watch_blocked_on_tls(kube: Kube, namespace: str) -> None:
+    # The official client reads a watch in a blocking call; over TLS only shutting the
+    # socket down wakes it, and close() must not wait out the watch's timeout.
+    client = client_for(kube)
+    collection = object_path("v1", "configmaps", namespace)
+    listed = await client.list(collection)
+    seen: list[str] = []
+
+    async def follow() -> None:
+        watch = client.watch(
+            collection, resource_version=listed["metadata"]["resourceVersion"],
+            timeout_seconds=600,
+        )  # fmt: skip
+        async for kind, obj in watch:
+            seen.append(f"{kind} {obj['metadata'].get('name')}")
+
+    task = asyncio.create_task(follow())
+    try:
+        await client.apply(config_map(namespace, "woken", {}), field_manager=MANAGER)
+        deadline = time.monotonic() + 30
+        while "ADDED woken" not in seen:  # the watch is open and reading
+            assert time.monotonic() < deadline, f"no ADDED event: {seen}"
+            await asyncio.sleep(0.05)
+        began = time.monotonic()
+        await asyncio.wait_for(client.close(), 10)
+        assert time.monotonic() - began < 5
+        assert not [t for t in threading.enumerate() if t.name.startswith("kube-client")]
+        # The consumer learns that the watch broke (and would list again).
+        with pytest.raises(KubeApiError):
+            await asyncio.wait_for(task, 10)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await client.close()
 
 
 async def test_the_apiservers_message_surfaces_in_the_error(kube: Kube, namespace: str) -> None:

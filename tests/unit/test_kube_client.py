@@ -1,20 +1,25 @@
-"""The Kubernetes client's pure parts and router discovery's settings, without a cluster.
+"""The Kubernetes client helpers and router discovery's settings, without a cluster.
 
-Kubeconfigs and service-account files are written in tmp_path; certificates are made with
-the openssl command (a self-signed one serves as CA and client certificate alike). The
-HTTP behaviour that a real apiserver cannot be made to show on demand (a rotated token's
-401, a watch line split across chunks) runs against a small aiohttp server on loopback.
+Credentials are loaded by the official ``kubernetes`` package; what is ours is where they
+are looked for, the one-line errors, the asyncio calls over its ApiClient, and kopf's login
+from the same configuration. Kubeconfigs, service-account files and exec plugins are
+written in tmp_path; certificates are made with the openssl command (a self-signed one
+serves as CA and client certificate alike). HTTP behaviour a real apiserver cannot be made
+to show on demand (a watch line split across chunks, a watch left hanging mid-read) runs
+against a small aiohttp server on loopback.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import datetime
 import json
 import os
-import ssl
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
 from typing import Any
@@ -22,7 +27,10 @@ from typing import Any
 import pytest
 import yaml
 from aiohttp import web
+from kubernetes import client as k8s_client
+from kubernetes.config import incluster_config
 
+from omni_operator.handlers import connection_info
 from omni_runtime.config import PipelineConfig
 from omni_runtime.engine.stage.stage_replica_pool import StageReplicaPool
 from omni_runtime.entrypoints.router_process import DiscoveryConfigError, parse_stage_services
@@ -84,6 +92,29 @@ def b64(path: Path) -> str:
     return base64.b64encode(path.read_bytes()).decode()
 
 
+def b64d(text: str) -> str:
+    return base64.b64encode(text.encode()).decode()
+
+
+def exec_plugin(tmp_path: Path, body: str) -> dict[str, Any]:
+    """A kubeconfig ``exec`` section running a Python script with ``body``."""
+    script = tmp_path / "plugin.py"
+    script.write_text(f"import json, sys\n{body}\n")
+    return {
+        "exec": {
+            "apiVersion": "client.authentication.k8s.io/v1",
+            "command": sys.executable,
+            "args": [str(script)],
+            "interactiveMode": "Never",
+        }
+    }
+
+
+def bearer(config: KubeConfig) -> str | None:
+    value: str | None = config.configuration.get_api_key_with_prefix("BearerToken")
+    return value
+
+
 def test_kubeconfig_with_inline_data_uses_the_current_context(
     tmp_path: Path, cert: tuple[Path, Path]
 ) -> None:
@@ -96,16 +127,15 @@ def test_kubeconfig_with_inline_data_uses_the_current_context(
     config = load_kube_config(str(path), environ={})
     assert config.server == "https://10.0.0.1:6443"
     assert config.namespace == "ns"
-    assert config.ca_data == crt.read_bytes()
-    assert config.client_key_data == key.read_bytes()
-    assert config.read_token() == "t0k"
-    ctx = config.ssl_context()
-    assert ctx is not None
-    assert ctx.verify_mode == ssl.CERT_REQUIRED
-    assert ctx.check_hostname
+    assert str(path) in config.source
+    c = config.configuration
+    assert Path(c.ssl_ca_cert).read_bytes() == crt.read_bytes()
+    assert Path(c.key_file).read_bytes() == key.read_bytes()
+    assert c.verify_ssl
+    assert bearer(config) == "Bearer t0k"
 
 
-def test_kubeconfig_files_are_relative_to_it_and_kubeconfig_env_takes_its_first_entry(
+def test_kubeconfig_files_are_relative_to_it_and_kubeconfig_env_merges_its_files(
     tmp_path: Path, cert: tuple[Path, Path]
 ) -> None:
     crt, key = cert
@@ -117,55 +147,121 @@ def test_kubeconfig_files_are_relative_to_it_and_kubeconfig_env_takes_its_first_
         {"client-certificate": "pki/a.crt", "client-key": "pki/a.key"},
         **{"insecure-skip-tls-verify": True},
     )
-    env = {"KUBECONFIG": f"{path}{os.pathsep}{tmp_path / 'missing'}", "HOME": str(tmp_path)}
+    # As kubectl does, a missing entry is skipped.
+    env = {"KUBECONFIG": f"{tmp_path / 'missing'}{os.pathsep}{path}", "HOME": str(tmp_path)}
     config = load_kube_config(environ=env)
-    assert config.client_cert_file == str(tmp_path / "pki/a.crt")
+    assert config.configuration.cert_file == str(tmp_path / "pki/a.crt")
     assert "$KUBECONFIG" in config.source
-    ctx = config.ssl_context()
-    assert ctx is not None
-    assert ctx.verify_mode == ssl.CERT_NONE
+    assert not config.configuration.verify_ssl
+    assert bearer(config) is None  # a client certificate, no token
 
 
 def test_in_cluster_config_rereads_the_rotating_token(
-    tmp_path: Path, cert: tuple[Path, Path]
+    tmp_path: Path, cert: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    (tmp_path / "token").write_text("first\n")
+    (tmp_path / "token").write_text("first")
     (tmp_path / "ca.crt").write_bytes(cert[0].read_bytes())
     (tmp_path / "namespace").write_text("team-a")
     env = {"KUBERNETES_SERVICE_HOST": "fd00::1", "KUBERNETES_SERVICE_PORT": "443"}
     config = load_kube_config(environ=env, service_account_dir=tmp_path)
     assert config.server == "https://[fd00::1]:443"
     assert config.namespace == "team-a"
-    assert config.read_token() == "first"
+    assert bearer(config) == "bearer first"
     (tmp_path / "token").write_text("second")
-    assert config.read_token() == "second"
+    assert bearer(config) == "bearer first"  # re-read once a minute, not per request
+
+    class Later:
+        """The datetime module, two minutes on."""
+
+        timedelta = datetime.timedelta
+
+        class datetime(datetime.datetime):
+            @classmethod
+            def now(cls, tz: Any = None) -> Any:
+                return datetime.datetime.now(tz) + datetime.timedelta(minutes=2)
+
+    monkeypatch.setattr(incluster_config, "datetime", Later)
+    assert bearer(config) == "bearer second"
+
+
+def test_exec_plugin_credentials_are_used_and_its_failure_says_why(tmp_path: Path) -> None:
+    credential = {
+        "apiVersion": "client.authentication.k8s.io/v1",
+        "kind": "ExecCredential",
+        "status": {"token": "from-plugin"},
+    }
+    ok = write_kubeconfig(
+        tmp_path / "ok", exec_plugin(tmp_path, f"print(json.dumps({credential!r}))")
+    )
+    config = load_kube_config(str(ok), environ={})
+    assert bearer(config) == "Bearer from-plugin"
+
+    failing = write_kubeconfig(
+        tmp_path / "failing",
+        exec_plugin(tmp_path, "print('token expired,', file=sys.stderr)\nprint('run login')\n"
+                    "sys.exit(3)"),
+    )  # fmt: skip
+    with pytest.raises(KubeConfigError) as error:
+        load_kube_config(str(failing), environ={})
+    message = str(error.value)
+    assert str(failing) in message
+    assert "user 'u'" in message
+    assert "exec: process returned 3" in message
+    assert "token expired," in message
+    assert "\n" not in message
+
+
+def test_reload_runs_the_exec_plugin_again(tmp_path: Path) -> None:
+    counter = tmp_path / "calls"
+    body = (
+        f"calls = open({str(counter)!r}, 'a+'); calls.write('x'); calls.seek(0)\n"
+        "n = len(calls.read())\n"
+        "print(json.dumps({'apiVersion': 'client.authentication.k8s.io/v1',"
+        " 'kind': 'ExecCredential', 'status': {'token': f'token-{n}'}}))"
+    )
+    path = write_kubeconfig(tmp_path / "config", exec_plugin(tmp_path, body))
+    config = load_kube_config(str(path), environ={})
+    assert bearer(config) == "Bearer token-1"
+    assert config.reload is not None
+    assert bearer(config.reload()) == "Bearer token-2"
 
 
 @pytest.mark.parametrize(
     ("users", "cluster", "needle"),
     [
-        ({"exec": {"command": "aws"}}, {}, "uses exec, which this client does not support"),
-        ({"client-key-data": "***"}, {}, "client-key-data is not valid base64"),
+        ({"client-key-data": b64d("not a key")}, {}, "a client certificate needs a client key"),
+        (
+            {"client-certificate-data": b64d("x"), "client-key-data": b64d("y")},
+            {},
+            "unusable client certificate/key",
+        ),
+        ({}, {"certificate-authority-data": b64d("junk")}, "unusable certificate authority"),
         ({}, {"server": ""}, "cluster 'c' has no server"),
+        ({"client-key": "absent.key"}, {}, "absent.key"),
     ],
 )
 def test_kubeconfig_errors_say_what_and_where(
     tmp_path: Path, users: dict[str, Any], cluster: dict[str, Any], needle: str
 ) -> None:
     path = write_kubeconfig(tmp_path / "config", users, **cluster)
-    with pytest.raises(KubeConfigError, match="config") as error:
+    with pytest.raises(KubeConfigError) as error:
         load_kube_config(str(path), environ={})
     assert needle in str(error.value)
     assert str(path) in str(error.value)
 
 
-def test_kubeconfig_naming_a_missing_context_lists_the_known_ones(tmp_path: Path) -> None:
+def test_kubeconfig_naming_a_missing_context_or_not_yaml_says_so(tmp_path: Path) -> None:
     path = write_kubeconfig(tmp_path / "config", {})
     data = yaml.safe_load(path.read_text())
     data["current-context"] = "nope"
     path.write_text(yaml.safe_dump(data))
-    with pytest.raises(KubeConfigError, match=r"no context named 'nope'.*has: first, second"):
+    with pytest.raises(KubeConfigError, match=r"config.*object with name nope in .*contexts"):
         load_kube_config(str(path), environ={})
+    path.write_text("clusters: [unclosed\n")
+    with pytest.raises(KubeConfigError) as error:
+        load_kube_config(str(path), environ={})
+    assert str(path) in str(error.value)
+    assert "\n" not in str(error.value)
 
 
 def test_no_credentials_anywhere_names_every_place_looked(tmp_path: Path) -> None:
@@ -175,6 +271,8 @@ def test_no_credentials_anywhere_names_every_place_looked(tmp_path: Path) -> Non
     assert "$KUBECONFIG is not set" in message
     assert "$KUBERNETES_SERVICE_HOST" in message
     assert str(tmp_path / ".kube/config") in message
+    with pytest.raises(KubeConfigError, match=f"cannot read kubeconfig {tmp_path / 'x'} "):
+        load_kube_config(environ={"KUBECONFIG": str(tmp_path / "x")})
 
 
 def test_in_cluster_without_a_token_says_which_file(tmp_path: Path) -> None:
@@ -199,6 +297,33 @@ def test_object_paths() -> None:
     assert resource_path_for(deployment) == "/apis/apps/v1/namespaces/ns/deployments/d"
     with pytest.raises(ValueError, match="kind 'Secret' is not one this client knows"):
         resource_path_for({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "s"}})
+
+
+# --- kopf's login --------------------------------------------------------------------
+
+
+def test_kopf_logs_in_with_the_clients_credentials(tmp_path: Path, cert: tuple[Path, Path]) -> None:
+    crt, key = cert
+    with_token = write_kubeconfig(
+        tmp_path / "token", {"token": "t0k"}, **{"certificate-authority-data": b64(crt)}
+    )
+    info = connection_info(load_kube_config(str(with_token), environ={}))
+    assert (info.server, info.scheme, info.token) == ("https://10.0.0.1:6443", "Bearer", "t0k")
+    assert info.ca_path is not None
+    assert Path(str(info.ca_path)).read_bytes() == crt.read_bytes()
+    assert info.default_namespace == "ns"
+    assert not info.insecure
+
+    with_cert = write_kubeconfig(
+        tmp_path / "cert",
+        {"client-certificate-data": b64(crt), "client-key-data": b64(key)},
+        **{"insecure-skip-tls-verify": True},
+    )
+    info = connection_info(load_kube_config(str(with_cert), environ={}))
+    assert info.token is None
+    assert info.insecure
+    assert info.private_key_path is not None
+    assert Path(str(info.private_key_path)).read_bytes() == key.read_bytes()
 
 
 # --- EndpointSlices -> addresses -------------------------------------------------------
@@ -340,6 +465,17 @@ async def test_discovery_follows_the_watch_and_relists_after_expiry_and_errors()
 # --- the client over HTTP (a loopback aiohttp server) -----------------------------------
 
 
+def loopback_config(url: str, token: str = "t") -> KubeConfig:
+    configuration = k8s_client.Configuration()
+    configuration.host = url
+    configuration.api_key["BearerToken"] = f"Bearer {token}"
+    return KubeConfig(configuration, "test")
+
+
+def client_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("kube-client")]
+
+
 async def test_client_surfaces_status_messages_and_splits_watch_lines(
     aiohttp_server_factory: Any,
 ) -> None:
@@ -352,7 +488,19 @@ async def test_client_surfaces_status_messages_and_splits_watch_lines(
         if request.path.endswith("/bad"):
             body = {"kind": "Status", "reason": "Invalid", "message": "spec.x: Invalid value"}
             return web.json_response(body, status=422)
+        if request.path.endswith("/expired"):
+            body = {"kind": "Status", "code": 410, "reason": "Expired", "message": "too old"}
+            return web.json_response(body, status=410)
+        if request.method == "PATCH":
+            return web.json_response(
+                {
+                    "contentType": request.content_type,
+                    "query": dict(request.query),
+                    "body": await request.json(),
+                }
+            )
         if request.query.get("watch") == "true":
+            assert request.query["labelSelector"] == "a in (b, c)"
             response = web.StreamResponse()
             await response.prepare(request)
             line = json.dumps({"type": "ADDED", "object": {"metadata": {"name": "a"}}})
@@ -364,7 +512,7 @@ async def test_client_surfaces_status_messages_and_splits_watch_lines(
         return web.json_response({"kind": "Pod", "metadata": {"name": "p"}})
 
     url = await aiohttp_server_factory(handler)
-    async with KubeClient(KubeConfig(server=url, source="test", token="t")) as client:
+    async with KubeClient(loopback_config(url)) as client:
         assert await client.get("/api/v1/namespaces/ns/pods/p") == {
             "kind": "Pod",
             "metadata": {"name": "p"},
@@ -374,36 +522,75 @@ async def test_client_surfaces_status_messages_and_splits_watch_lines(
             await client.request("GET", "/api/v1/bad")
         assert (error.value.status, error.value.reason) == (422, "Invalid")
         assert error.value.message == "spec.x: Invalid value"
+        cm = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "c", "namespace": "n"}}
+        applied = await client.apply(cm, field_manager="me")
+        assert applied == {
+            "contentType": "application/apply-patch+yaml",
+            "query": {"fieldManager": "me", "force": "true"},
+            "body": cm,
+        }
         events: list[tuple[str, dict[str, Any]]] = []
 
         async def follow() -> None:
-            async for event in client.watch("/api/v1/namespaces/ns/pods"):
+            async for event in client.watch(
+                "/api/v1/namespaces/ns/pods", label_selector="a in (b, c)"
+            ):
                 events.append(event)
 
         with pytest.raises(WatchExpired):
             await follow()
         assert events == [("ADDED", {"metadata": {"name": "a"}})]
+        with pytest.raises(WatchExpired):
+            async for _ in client.watch("/api/v1/expired"):
+                pass
+    async with KubeClient(loopback_config(url, token="wrong")) as client:
+        with pytest.raises(KubeApiError) as error:
+            await client.list("/api/v1/pods")
+        assert (error.value.status, error.value.reason) == (401, "Unauthorized")
+    assert client_threads() == []
 
 
-async def test_token_rotation_mid_session_is_picked_up_by_the_401_retry(
-    tmp_path: Path, aiohttp_server_factory: Any
+async def test_closing_the_client_ends_a_watch_blocked_mid_read(
+    aiohttp_server_factory: Any,
 ) -> None:
-    token = tmp_path / "token"
-    token.write_text("old")
-    seen: list[str] = []
+    started = asyncio.Event()
+    release = asyncio.Event()
 
     async def handler(request: web.Request) -> web.StreamResponse:
-        seen.append(request.headers.get("Authorization", ""))
-        if request.headers.get("Authorization") != f"Bearer {token.read_text()}":
-            return web.json_response({"kind": "Status", "reason": "Unauthorized"}, status=401)
-        return web.json_response({"items": []})
+        response = web.StreamResponse()
+        await response.prepare(request)
+        await response.write(b'{"type": "ADDED", "object": {"metadata": {"name": "a"}}}\n')
+        started.set()
+        await release.wait()  # then nothing more: the client's read blocks
+        return response
 
     url = await aiohttp_server_factory(handler)
-    async with KubeClient(KubeConfig(server=url, source="test", token_file=str(token))) as client:
-        assert await client.list("/api/v1/pods") == {"items": []}
-        token.write_text("new")  # within the re-read period: the cached one is now refused
-        assert await client.list("/api/v1/pods") == {"items": []}
-    assert seen == ["Bearer old", "Bearer old", "Bearer new"]
+    client = KubeClient(loopback_config(url))
+    seen: list[str] = []
+
+    async def follow() -> None:
+        async for kind, _ in client.watch("/api/v1/pods", timeout_seconds=600):
+            seen.append(kind)
+
+    task = asyncio.create_task(follow())
+    try:
+        await asyncio.wait_for(started.wait(), 10)
+        deadline = time.monotonic() + 10
+        while not seen:  # the event arrives, then the next read blocks in a thread
+            assert time.monotonic() < deadline, "no watch event"
+            await asyncio.sleep(0.01)
+        assert client_threads(), "the watch is read on the client's threads"
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        began = time.monotonic()
+        await asyncio.wait_for(client.close(), 10)
+        # The blocked read was woken, not waited out (the watch would run for 690 s).
+        assert time.monotonic() - began < 5
+        assert client_threads() == []
+        assert seen == ["ADDED"]
+    finally:
+        release.set()
+        await client.close()
 
 
 @pytest.fixture
@@ -413,7 +600,7 @@ async def aiohttp_server_factory() -> AsyncIterator[Any]:
     async def start(handler: Any) -> str:
         app = web.Application()
         app.router.add_route("*", "/{tail:.*}", handler)
-        runner = web.AppRunner(app)
+        runner = web.AppRunner(app, shutdown_timeout=1)
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
@@ -485,21 +672,28 @@ def omni_runtime(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess
 def test_router_refuses_discovery_it_cannot_do_with_exit_2_and_one_line(tmp_path: Path) -> None:
     pipeline = str(REPO / "examples/tiny-text-to-image.yaml")
     base = {k: v for k, v in os.environ.items() if not k.startswith(("KUBE", "OMNI_STAGE"))}
+    failing = write_kubeconfig(
+        tmp_path / "exec-config",
+        exec_plugin(tmp_path, "print('no SSO session', file=sys.stderr)\nsys.exit(1)"),
+    )
+    services = ["--stage-service", "0=a", "--stage-service", "1=b"]
     cases = [
         (
-            ["--replicas", "0=127.0.0.1:1", "--stage-service", "0=a", "--stage-service", "1=b"],
+            ["--replicas", "0=127.0.0.1:1", *services],
             {},
             "stage 0 (thinker) has both replica addresses",
         ),
         (
-            ["--stage-service", "0=a", "--stage-service", "1=b"],
+            services,
             {"KUBECONFIG": str(tmp_path / "absent")},
             f"cannot read kubeconfig {tmp_path / 'absent'} ($KUBECONFIG)",
         ),
+        (services, {"HOME": str(tmp_path)}, "no Kubernetes credentials"),
         (
-            ["--stage-service", "0=a", "--stage-service", "1=b"],
-            {"HOME": str(tmp_path)},
-            "no Kubernetes credentials",
+            services,
+            {"KUBECONFIG": str(failing)},
+            f"kubeconfig {failing} ($KUBECONFIG): user 'u': exec: process returned 1. "
+            "no SSO session",
         ),
     ]
     for args, env, needle in cases:
@@ -509,3 +703,5 @@ def test_router_refuses_discovery_it_cannot_do_with_exit_2_and_one_line(tmp_path
         assert result.returncode == 2, (args, result.stderr)
         assert needle in result.stderr, (args, result.stderr)
         assert "Traceback" not in result.stderr
+        errors = [line for line in result.stderr.splitlines() if "error" in line.lower()]
+        assert len(errors) == 1, result.stderr

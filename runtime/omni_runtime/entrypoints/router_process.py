@@ -187,7 +187,10 @@ def build_router(
         async with AsyncExitStack() as stack:
             tasks = [asyncio.create_task(replicas.run(), name="replica-connector")]
             if discovery is not None:
-                client = await stack.enter_async_context(KubeClient(discovery.kube_config))
+                # Discovery lists, then watches: one call at a time, so one thread does.
+                client = await stack.enter_async_context(
+                    KubeClient(discovery.kube_config, max_workers=1)
+                )
                 watcher = EndpointSliceDiscovery(
                     client, discovery.namespace, discovery.services, replicas
                 )

@@ -3,7 +3,10 @@
 Each stage's replicas are the ready endpoints of its Service's slices, at the slice port
 named ``stage-<stage id>`` (a placement group's Service carries one such port per stage).
 One list-then-watch over the namespace, selected by the ``kubernetes.io/service-name``
-label, feeds ``ReplicaConnector.set_addresses`` whenever a stage's set changes.
+label, feeds ``ReplicaConnector.set_addresses`` whenever a stage's set changes. The list
+and the watch's reads run on the KubeClient's own threads (the official client blocks), so
+the event loop never waits on the apiserver; cancelling ``run`` and closing the client wakes
+a watch blocked mid-read instead of waiting out its timeout.
 
 Readiness follows the EndpointSlice API: ``ready`` unset means unknown, which consumers
 should treat as ready; a terminating endpoint is never used, whatever ``ready`` says

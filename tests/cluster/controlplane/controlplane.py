@@ -14,7 +14,8 @@ with the tail of its log: by `start` while starting, by `status` after.
 
 State dir (default $OMNI_CONTROLPLANE_DIR, else
 ${OMNI_CACHE_DIR:-~/.cache/omni-operator}/controlplane-run) holds kubeconfig,
-state.json (pids, ports), pki/, etcd-data/ and logs/<component>.log.
+token (a bearer token the apiserver accepts, new on every start), state.json
+(pids, ports), pki/, etcd-data/ and logs/<component>.log.
 Binaries come from --bin-dir, $OMNI_CONTROLPLANE_BIN, or build.sh's bin dir
 (run build.sh first). Only the Python standard library and openssl are used.
 """
@@ -57,6 +58,8 @@ BINARIES = (
     "kwok",
 )
 NODE_NAMES = ("kwok-cpu-0", "kwok-gpu-0")
+# The user of the static bearer token in <state dir>/token (see write_token_auth).
+TOKEN_USER = "omni-test-token-admin"
 
 # Kept apart from kwok's pod CIDR so fake pod IPs never look like Service IPs.
 SERVICE_CIDR = "10.96.0.0/16"
@@ -290,6 +293,19 @@ def make_pki(pki: Path) -> None:
     _openssl("pkey", "-in", str(pki / "sa.key"), "-pubout", "-out", str(pki / "sa.pub"))
 
 
+def write_token_auth(pki: Path, token_path: Path) -> None:
+    """A fresh random bearer token the apiserver accepts (pki/tokens.csv, its
+    --token-auth-file), written to token_path for clients that authenticate with a token
+    rather than a certificate, such as a kubeconfig exec plugin. Its user is in
+    system:masters, as the admin certificate's is: it grants nothing the admin lacks."""
+    token = secrets.token_hex(24)
+    tokens = pki / "tokens.csv"
+    tokens.write_text(f'{token},{TOKEN_USER},{TOKEN_USER},"system:masters"\n')
+    tokens.chmod(0o600)
+    token_path.write_text(token + "\n")
+    token_path.chmod(0o600)
+
+
 def write_kubeconfig(path: Path, pki: Path, server: str) -> None:
     import base64
 
@@ -488,6 +504,7 @@ class Starter:
         self.state.ports = ports
         server = f"https://127.0.0.1:{ports['apiserver']}"
         write_kubeconfig(self.kubeconfig, self.pki, server)
+        write_token_auth(self.pki, self.state_dir / "token")
         pki = self.pki
 
         etcd_client = f"http://127.0.0.1:{ports['etcd_client']}"
@@ -521,6 +538,7 @@ class Starter:
                 f"--tls-cert-file={pki / 'apiserver.crt'}",
                 f"--tls-private-key-file={pki / 'apiserver.key'}",
                 f"--client-ca-file={pki / 'ca.crt'}",
+                f"--token-auth-file={pki / 'tokens.csv'}",
                 f"--service-account-key-file={pki / 'sa.pub'}",
                 f"--service-account-signing-key-file={pki / 'sa.key'}",
                 "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
