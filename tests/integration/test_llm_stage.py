@@ -385,24 +385,27 @@ async def test_a_request_id_in_flight_is_refused_and_the_first_goes_on(
     # Long enough to be running still when both duplicates arrive, on a busy machine too.
     params = {"max_tokens": 256, "ignore_eos": True}
     await text_client.add_prompt_async("twice", prompt="a red cat", params=params)
-    # Refused by the client, and by the core for a peer that skips the client's check.
+    # Each refused by the core: through the stage's client, straight through vLLM's
+    # transport, and one the core would refuse anyway (refused in its input thread, it is
+    # still answered as a duplicate, in order with the first).
     await text_client.add_prompt_async("twice", prompt="a blue dog", params=params)
     duplicate = text_client.request_builder.build("twice", prompt="a blue dog", params=params)
     await AsyncMPClient.add_request_async(text_client, duplicate)
+    await text_client.add_request_async(_core_request(text_client, "twice", max_tokens=0))
     errors: list[StageError] = []
     first = StageLLMResult("twice")
     async with asyncio.timeout(DEADLINE_S):
-        while not (first.finished and len(errors) == 2):
+        while not (first.finished and len(errors) == 3):
             for output in (await text_client.get_outputs_async()).outputs:
                 assert output.request_id == "twice"
                 if output.error is not None:
                     errors.append(output.error)
                 else:
                     first.add(output)
-    assert [error.code for error in errors] == [StageErrorCode.REQUEST_ID_IN_FLIGHT] * 2
+    assert [error.code for error in errors] == [StageErrorCode.REQUEST_ID_IN_FLIGHT] * 3
     assert [error.message for error in errors] == [
         "request_id: 'twice' is in flight already; use an id of its own"
-    ] * 2
+    ] * 3
     assert first.finish_reason == FinishReason.LENGTH
     assert len(first.token_ids) == 256
     await run_good(text_client, "twice")  # free again once finished
@@ -662,18 +665,26 @@ async def test_data_parallel_client_serves_across_both_engines(
     assert all(len(result.token_ids) == 8 for result in results.values())
     # Both engines hold the same weights: the same greedy tokens wherever a request ran.
     assert len({tuple(result.token_ids) for result in results.values()}) == 1
-    # A refused duplicate id leaves the first request where the client can still abort it.
+    # Refused duplicate ids leave the first request where the client can still abort it:
+    # the core's refusals do not end the id's binding to it, even one the core refuses for
+    # another reason as well.
     params = {"max_tokens": 400, "ignore_eos": True}
     await data_parallel_client.add_prompt_async("dp-twice", prompt="a red cat", params=params)
     await data_parallel_client.add_prompt_async("dp-twice", prompt="a red cat", params=params)
+    invalid = _core_request(data_parallel_client, "dp-twice", max_tokens=0)
+    await data_parallel_client.add_request_async(invalid)
     finals: list[Any] = []
     async with asyncio.timeout(DEADLINE_S):
-        while len(finals) < 2:
+        while len(finals) < 3:
             for output in (await data_parallel_client.get_outputs_async()).outputs:
                 if output.finish_reason is None:
                     continue
                 finals.append(output)
-                if output.error is not None:
+                if len(finals) == 2:
                     await data_parallel_client.abort_requests_async(["dp-twice"])
-    assert [output.finish_reason for output in finals] == [FinishReason.ERROR, FinishReason.ABORT]
+    assert [output.finish_reason for output in finals] == [FinishReason.ERROR] * 2 + [
+        FinishReason.ABORT
+    ]
+    assert [output.error.code for output in finals[:2]] == [StageErrorCode.REQUEST_ID_IN_FLIGHT] * 2
     assert sum(data_parallel_client.engine_inflight.values()) == 0
+    assert data_parallel_client.reqs_in_flight == {}

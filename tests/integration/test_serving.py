@@ -574,6 +574,24 @@ def test_a_stage_server_answers_bad_input_with_errors_and_keeps_serving(
         load = exchange([StageCoreRequestType.HEALTH.value]).load
         assert load is not None
         assert (load.stage_id, load.name, load.alive) == (DIT, "dit", True)
+        # An id in flight is refused under that id, and the first request goes on.
+        first = StageServerRequest(
+            request_id="dup",
+            prompt="a cat",
+            params={"height": 32, "width": 32, "num_inference_steps": 20},
+        )
+        second = StageServerRequest(request_id="dup", prompt="a dog", params={"height": 32})
+        sock.send_multipart([add, *WireEncoder().encode(first)])
+        sock.send_multipart([add, *WireEncoder().encode(second)])
+        answers = [*decoder.decode(sock.recv_multipart()).outputs]
+        answers += decoder.decode(sock.recv_multipart()).outputs
+        assert [answer.request_id for answer in answers] == ["dup", "dup"]
+        refused, done = answers
+        assert refused.error is not None
+        assert refused.error.code == StageErrorCode.REQUEST_ID_IN_FLIGHT
+        assert done.error is None
+        assert done.images is not None
+        assert done.images.shape == (1, 32, 32, 3)
         # And the server still serves.
         good = StageServerRequest(
             request_id="g", prompt="a cat", params={"height": 32, "width": 32}

@@ -210,6 +210,13 @@ def test_refusal_is_a_finished_error_output() -> None:
     assert output.error is not None
     assert (output.error.code, output.error.param) == (StageErrorCode.BAD_REQUEST, "prompt")
     assert message.finished_requests == {"r9"}
+    # A refused duplicate: the first request under the id goes on, so the id is not
+    # finished (a data parallel client keeps it bound to its core).
+    duplicate = StageLLMCoreOutputs.refusal(
+        "r9", StageError(StageErrorCode.REQUEST_ID_IN_FLIGHT, "in flight"), still_in_flight=True
+    )
+    assert duplicate.outputs[0].finish_reason == FinishReason.ERROR
+    assert not duplicate.finished_requests
 
 
 def _stage(**fields: object) -> StageConfig:

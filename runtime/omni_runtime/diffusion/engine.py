@@ -2,22 +2,26 @@
 
 The engine owns validation: a request is checked against the loaded pipeline (sizes it can
 make, whether it takes an input image, its conditioning width) before any compute, and a
-bad one becomes an error output naming the field (``StageError.param``). Both the
-out-of-process core and the inline client run requests through
-:meth:`DiffusionEngine.execute`, so they answer alike.
+bad one becomes an error output naming the field (``StageError.param``). It also owns the
+ids of the requests in flight and which of them are aborted. Both the out-of-process core
+and the inline client admit, abort and run requests through it
+(:meth:`DiffusionEngine.admit`, :meth:`~DiffusionEngine.abort`,
+:meth:`~DiffusionEngine.execute`), so they answer alike.
 """
 
 from __future__ import annotations
 
 import logging
 import re
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Annotated, Any
 
 import msgspec
 import numpy as np
 
+from omni_runtime.engine.stage.stage_core_client import request_id_in_flight_error
 from omni_runtime.engine.stage.stage_core_types import (
     StageDiffusionCoreOutput,
     StageDiffusionCoreRequest,
@@ -121,6 +125,33 @@ class DiffusionEngine:
         # deep inside the pipeline.
         train_steps = getattr(self.pipeline.scheduler.config, "num_train_timesteps", None)
         self.max_steps = int(train_steps) - 1 if train_steps else None
+        # Requests admitted and not yet answered, and those of them aborted. Requests
+        # arrive on one thread (the core's input thread, the inline client's event loop)
+        # while another runs them (the busy loop, the inline client's worker).
+        self._lock = threading.Lock()
+        self._admitted: set[str] = set()
+        self._aborted: set[str] = set()
+
+    def admit(self, request_id: str) -> StageDiffusionCoreOutput | None:
+        """Take ``request_id`` as in flight until :meth:`execute` answers it; or, if an
+        unfinished request holds the id, the refusal to send instead (the first goes on)."""
+        with self._lock:
+            if request_id in self._admitted:
+                return StageDiffusionCoreOutput(
+                    request_id=request_id, error=request_id_in_flight_error(request_id)
+                )
+            self._admitted.add(request_id)
+        return None
+
+    def abort(self, request_ids: Iterable[str]) -> None:
+        """Abort the given admitted requests: a running one at its next step, a waiting one
+        as soon as it would start. Ids not in flight are ignored."""
+        with self._lock:
+            self._aborted.update(i for i in request_ids if i in self._admitted)
+
+    def abort_all(self) -> None:
+        with self._lock:
+            self._aborted.update(self._admitted)
 
     def describe(self) -> dict[str, Any]:
         """Plain facts about the loaded pipeline (answered over collective_rpc)."""
@@ -187,11 +218,21 @@ class DiffusionEngine:
                 )
         return params
 
-    def execute(
+    def execute(self, request: StageDiffusionCoreRequest) -> StageDiffusionCoreOutput:
+        """Run one (admitted) request to completion, and release its id. Never raises for a
+        request's own problems: a refused, failed or aborted request becomes an output
+        saying so."""
+        request_id = request.request_id
+        try:
+            return self._execute(request, lambda: request_id in self._aborted)
+        finally:
+            with self._lock:
+                self._admitted.discard(request_id)
+                self._aborted.discard(request_id)
+
+    def _execute(
         self, request: StageDiffusionCoreRequest, should_abort: Callable[[], bool]
     ) -> StageDiffusionCoreOutput:
-        """Run one request to completion. Never raises for a request's own problems: a
-        refused, failed or aborted request becomes an output saying so."""
         request_id = request.request_id
         try:
             params = self.validate(request)

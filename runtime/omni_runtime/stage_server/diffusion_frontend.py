@@ -13,10 +13,7 @@ import numpy as np
 
 from omni_runtime.config import PipelineConfig, StageConfig
 from omni_runtime.connectors import ConnectorError, ConnectorHandle
-from omni_runtime.engine.stage.stage_core_client import (
-    StageCoreClientBase,
-    request_id_in_flight_error,
-)
+from omni_runtime.engine.stage.stage_core_client import StageCoreClientBase
 from omni_runtime.engine.stage.stage_core_types import (
     StageDiffusionCoreOutput,
     StageDiffusionCoreOutputs,
@@ -40,6 +37,7 @@ class StageDiffusionFrontend(StageFrontend):
         connectors: StageConnectors,
     ) -> None:
         super().__init__(pipeline, stage, client, connectors)
+        # Unique: the stage server refuses an id in flight before it gets here.
         self._in_flight: set[str] = set()
 
     @property
@@ -51,8 +49,6 @@ class StageDiffusionFrontend(StageFrontend):
         if request.messages is not None:
             error = StageError.bad_request("messages: a diffusion stage takes a prompt", "messages")
             return [refusal(request_id, error)]
-        if request_id in self._in_flight:
-            return [refusal(request_id, request_id_in_flight_error(request_id))]
         prompt_embeds = None
         if request.prompt_embeds is not None:
             try:

@@ -19,7 +19,6 @@ from vllm.v1.engine import FinishReason
 
 from omni_runtime.config import PipelineConfig, StageConfig
 from omni_runtime.connectors import ConnectorHandle
-from omni_runtime.engine.stage.stage_core_client import request_id_in_flight_error
 from omni_runtime.engine.stage.stage_core_types import (
     StageError,
     StageErrorCode,
@@ -91,6 +90,8 @@ class StageLLMFrontend(StageFrontend):
         connectors: StageConnectors,
     ) -> None:
         super().__init__(pipeline, stage, client, connectors)
+        # Keyed by id, which is unique: the stage server refuses an id in flight before it
+        # gets here.
         self._requests: dict[str, _Request] = {}
         # request id -> (connector, key, when) of hidden states put and maybe not fetched,
         # so that an abort after the handoff still frees them.
@@ -106,9 +107,6 @@ class StageLLMFrontend(StageFrontend):
             if getattr(request, name) is not None:
                 message = f"{name}: an LLM stage takes text (prompt or messages)"
                 return [refusal(request_id, StageError.bad_request(message, name))]
-        if request_id in self._requests:
-            # The client refuses it too; answering here keeps the first request's state.
-            return [refusal(request_id, request_id_in_flight_error(request_id))]
         builder = self.client.request_builder
         try:
             core_request = builder.build(
@@ -161,7 +159,8 @@ class StageLLMFrontend(StageFrontend):
         state = self._requests.get(request_id)
         finished = output.finish_reason is not None
         if state is None:
-            # The client's own refusal of a request it never started (e.g. a duplicate id).
+            # Not a request of this frontend's (none is, in normal operation): a refusal
+            # still says why, the rest is nobody's.
             if output.error is not None:
                 return refusal(request_id, output.error)
             return None

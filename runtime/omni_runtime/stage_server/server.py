@@ -168,6 +168,8 @@ class StageServer:
         if not self.alive:
             await self._reply(identity, [refusal(request_id, self._dead_error())])
             return
+        # Here, before the frontend: outputs are routed back by id, and the frontends key
+        # their per-request state by it, so an id has one owner on this server.
         if request_id in self._routes:
             await self._reply(
                 identity, [refusal(request_id, request_id_in_flight_error(request_id))]

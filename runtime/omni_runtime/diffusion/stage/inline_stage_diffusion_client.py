@@ -10,18 +10,12 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from functools import partial
 from typing import Any
 
 from omni_runtime.diffusion.engine import DiffusionEngine, DiffusionEngineConfig
-from omni_runtime.engine.stage.stage_core_client import (
-    StageCoreClientBase,
-    StageCoreDeadError,
-    request_id_in_flight_error,
-)
+from omni_runtime.engine.stage.stage_core_client import StageCoreClientBase, StageCoreDeadError
 from omni_runtime.engine.stage.stage_core_types import (
     StageCoreRequest,
-    StageDiffusionCoreOutput,
     StageDiffusionCoreOutputs,
     StageDiffusionCoreRequest,
 )
@@ -33,9 +27,8 @@ class InlineStageDiffusionClient(StageCoreClientBase):
     def __init__(self, config: DiffusionEngineConfig) -> None:
         self.engine = DiffusionEngine(config)
         self.info = self.engine.describe()
+        # Admitted, waiting for the worker (the engine tracks ids and aborts).
         self._pending: deque[StageDiffusionCoreRequest] = deque()
-        self._aborted: set[str] = set()
-        self._running_id: str | None = None
         self._outputs: asyncio.Queue[StageDiffusionCoreOutputs] = asyncio.Queue()
         # The engine runs one call at a time: requests and collective_rpc alike.
         self._engine_lock = asyncio.Lock()
@@ -48,12 +41,10 @@ class InlineStageDiffusionClient(StageCoreClientBase):
                 f"a diffusion stage takes StageDiffusionCoreRequest, not {type(request).__name__}"
             )
         self.check_health()
-        request_id = request.request_id
-        if request_id == self._running_id or any(r.request_id == request_id for r in self._pending):
-            error = request_id_in_flight_error(request_id)
-            output = StageDiffusionCoreOutput(request_id=request_id, error=error)
+        refusal = self.engine.admit(request.request_id)
+        if refusal is not None:
             self._outputs.put_nowait(
-                StageDiffusionCoreOutputs(outputs=[output], timestamp=time.time())
+                StageDiffusionCoreOutputs(outputs=[refusal], timestamp=time.time())
             )
             return
         self._pending.append(request)
@@ -72,9 +63,7 @@ class InlineStageDiffusionClient(StageCoreClientBase):
             return None
 
     async def abort_requests_async(self, request_ids: list[str]) -> None:
-        waiting = {r.request_id for r in self._pending}
-        running = self._running_id
-        self._aborted.update(i for i in request_ids if i in waiting or i == running)
+        self.engine.abort(request_ids)
 
     async def collective_rpc_async(
         self,
@@ -103,14 +92,8 @@ class InlineStageDiffusionClient(StageCoreClientBase):
     async def _run_pending(self) -> None:
         while self._pending:
             request = self._pending.popleft()
-            request_id = request.request_id
-            self._running_id = request_id
             async with self._engine_lock:
-                output = await asyncio.to_thread(
-                    self.engine.execute, request, partial(self._aborted.__contains__, request_id)
-                )
-            self._running_id = None
-            self._aborted.discard(request_id)
+                output = await asyncio.to_thread(self.engine.execute, request)
             self._outputs.put_nowait(
                 StageDiffusionCoreOutputs(outputs=[output], timestamp=time.time())
             )

@@ -29,10 +29,8 @@ import msgspec
 import zmq
 
 from omni_runtime.diffusion.engine import DiffusionEngine, DiffusionEngineConfig
-from omni_runtime.engine.stage.stage_core_client import request_id_in_flight_error
 from omni_runtime.engine.stage.stage_core_types import (
     StageCoreRequestType,
-    StageDiffusionCoreOutput,
     StageDiffusionCoreOutputs,
     StageDiffusionCoreRequest,
     StageUtilityCall,
@@ -79,11 +77,6 @@ class StageDiffusionCoreProc:
         # (None, None) asks the busy loop to return.
         self._input_queue: queue.Queue[tuple[StageCoreRequestType | None, Any]] = queue.Queue()
         self._output_queue: queue.Queue[StageDiffusionCoreOutputs | None] = queue.Queue()
-        # Requests received and not yet answered, and those of them aborted. The input
-        # thread adds, the busy loop removes; both under the lock.
-        self._lock = threading.Lock()
-        self._pending: set[str] = set()
-        self._aborted: set[str] = set()
 
         input_socket = self._ctx.socket(zmq.PULL)
         input_socket.connect(input_address)
@@ -124,8 +117,7 @@ class StageDiffusionCoreProc:
     def request_shutdown(self) -> None:
         """Make the busy loop return soon; safe from any thread. A running request is
         aborted at its next step, so that stopping never waits for a long generation."""
-        with self._lock:
-            self._aborted.update(self._pending)
+        self.engine.abort_all()
         self._input_queue.put((None, None))
 
     def send_engine_dead(self, reason: str) -> None:
@@ -142,15 +134,7 @@ class StageDiffusionCoreProc:
         self._ctx.term()
 
     def _execute(self, request: StageDiffusionCoreRequest) -> None:
-        request_id = request.request_id
-
-        def should_abort() -> bool:
-            return request_id in self._aborted
-
-        output = self.engine.execute(request, should_abort)
-        with self._lock:
-            self._pending.discard(request_id)
-            self._aborted.discard(request_id)
+        output = self.engine.execute(request)
         self._output_queue.put(StageDiffusionCoreOutputs(outputs=[output], timestamp=time.time()))
 
     def _run_utility(self, call: StageUtilityCall) -> StageUtilityOutput:
@@ -185,19 +169,14 @@ class StageDiffusionCoreProc:
                     logger.warning("dropping undecodable message: %s", e)
                     continue
                 if kind is StageCoreRequestType.ABORT:
-                    with self._lock:
-                        self._aborted.update(i for i in payload if i in self._pending)
+                    # Here, not on the busy loop: a running request sees it at its next step.
+                    self.engine.abort(payload)
                     continue
                 if kind is StageCoreRequestType.ADD:
-                    request_id = payload.request_id
-                    with self._lock:
-                        in_flight = request_id in self._pending
-                        self._pending.add(request_id)
-                    if in_flight:
-                        error = request_id_in_flight_error(request_id)
-                        output = StageDiffusionCoreOutput(request_id=request_id, error=error)
+                    refusal = self.engine.admit(payload.request_id)
+                    if refusal is not None:
                         self._output_queue.put(
-                            StageDiffusionCoreOutputs(outputs=[output], timestamp=time.time())
+                            StageDiffusionCoreOutputs(outputs=[refusal], timestamp=time.time())
                         )
                         continue
                 self._input_queue.put((kind, payload))

@@ -49,10 +49,17 @@ class StageLLMCoreOutputs(EngineCoreOutputs, StageCoreOutputs):  # type: ignore[
     outputs: list[StageLLMCoreOutput] = []
 
     @classmethod
-    def refusal(cls, request_id: str, error: StageError) -> StageLLMCoreOutputs:
-        """The answer to a request the stage refused: its one, final output, saying why."""
+    def refusal(
+        cls, request_id: str, error: StageError, *, still_in_flight: bool = False
+    ) -> StageLLMCoreOutputs:
+        """The answer to a request the stage refused: its one, final output, saying why.
+
+        ``finished_requests`` lets a data parallel client forget which core had the id;
+        ``still_in_flight`` (a refused duplicate: the first request under the id goes on)
+        leaves the id out of it, so that the client keeps routing the id, and aborts of
+        the first request, to that core.
+        """
         output = StageLLMCoreOutput(
             request_id=request_id, new_token_ids=[], finish_reason=FinishReason.ERROR, error=error
         )
-        # finished_requests lets a data parallel client forget which core had the request.
-        return cls(outputs=[output], finished_requests={request_id})
+        return cls(outputs=[output], finished_requests=None if still_in_flight else {request_id})

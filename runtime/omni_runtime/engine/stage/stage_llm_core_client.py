@@ -36,15 +36,10 @@ from vllm.v1.executor import Executor
 from vllm.v1.serial_utils import MsgpackDecoder
 
 from omni_runtime.config import StageConfig
-from omni_runtime.engine.stage.stage_core_client import (
-    StageCoreClientBase,
-    StageCoreDeadError,
-    request_id_in_flight_error,
-)
+from omni_runtime.engine.stage.stage_core_client import StageCoreClientBase, StageCoreDeadError
 from omni_runtime.engine.stage.stage_core_types import (
     StageCoreRequest,
     StageError,
-    StageErrorCode,
     StageLLMCoreOutputs,
     StageLLMCoreRequest,
 )
@@ -94,8 +89,6 @@ class StageLLMCoreClientBase(StageCoreClientBase):
     client_addresses: dict[str, str]
     # The host a downstream stage pulls this stage's handoffs from.
     _core_host: str
-    # Ids of the requests added and not yet answered with a final output.
-    _in_flight: set[str]
 
     @staticmethod
     def make_async_mp_client(
@@ -195,12 +188,7 @@ class StageLLMCoreClientBase(StageCoreClientBase):
             )
         except InvalidLLMRequestError as e:
             self.check_health()
-            # Under an id in flight, only the in-flight refusal leaves the first request
-            # tracked (see _forget_finished).
-            if request_id in self._in_flight:
-                self._refuse(request_id, request_id_in_flight_error(request_id))
-            else:
-                self._refuse(request_id, e.error)
+            self._refuse(request_id, e.error)
             return
         await self.add_request_async(request)
 
@@ -214,7 +202,7 @@ class StageLLMCoreClientBase(StageCoreClientBase):
             # will arrive (EngineDeadError when the core died or said it is going).
             self.resources.engine_dead = True
             raise StageCoreDeadError(await self._dead_reason_async()) from e
-        return self._forget_finished(outputs)
+        return outputs
 
     def get_outputs_nowait(self) -> StageLLMCoreOutputs | None:
         self._ensure_output_queue_task()
@@ -227,7 +215,7 @@ class StageLLMCoreClientBase(StageCoreClientBase):
             self.resources.engine_dead = True
             raise StageCoreDeadError(self._dead_reason()) from outputs
         assert isinstance(outputs, StageLLMCoreOutputs)
-        return self._forget_finished(outputs)
+        return outputs
 
     def check_health(self) -> None:
         manager = self.proc_manager
@@ -260,7 +248,6 @@ class StageLLMCoreClientBase(StageCoreClientBase):
         """
         self.stage = metadata
         self.proc_manager = proc_manager
-        self._in_flight = set()
         self.client_addresses = dict(client_addresses or {})
         self._core_host = self._resolve_core_host(self.client_addresses)
         try:
@@ -284,31 +271,25 @@ class StageLLMCoreClientBase(StageCoreClientBase):
         if not isinstance(request, StageLLMCoreRequest):
             raise TypeError(f"an LLM stage takes StageLLMCoreRequest, not {type(request).__name__}")
         self.check_health()
-        request_id = request.request_id
-        # Caught here, not only by the core: when the core's refusal of a duplicate
-        # arrives, vLLM's data parallel client forgets which core runs the first request,
-        # and an abort of that request would then go nowhere.
-        if request_id in self._in_flight and not request.resumable:
-            self._refuse(request_id, request_id_in_flight_error(request_id))
-            return
-        self._in_flight.add(request_id)
+        # Ids in flight are the core's to check (StageLLMCoreProc.add_request), not the
+        # client's. A duplicate reaches the core that has the first request: vLLM's data
+        # parallel client keeps an unfinished request's core binding and routes a request
+        # under a bound id to that core (its streaming-input affinity), without a second
+        # count. The core's refusal of it does not list the id as finished, so the client
+        # keeps the binding and an abort of the first request still reaches its core.
         try:
             await vllm_add(request)
         except EngineDeadError as e:
             raise StageCoreDeadError(await self._dead_reason_async()) from e
 
     def _refuse(self, request_id: str, error: StageError) -> None:
-        """Answer a request here, as the core answers one it refuses."""
-        self.outputs_queue.put_nowait(StageLLMCoreOutputs.refusal(request_id, error))
+        """Answer a request that never reached a core, as a core answers one it refuses.
 
-    def _forget_finished(self, outputs: StageLLMCoreOutputs) -> StageLLMCoreOutputs:
-        for output in outputs.outputs:
-            # A refused duplicate's answer ends the duplicate, not the request it copied.
-            if output.finish_reason is not None and (
-                output.error is None or output.error.code != StageErrorCode.REQUEST_ID_IN_FLIGHT
-            ):
-                self._in_flight.discard(output.request_id)
-        return outputs
+        Straight onto the outputs queue, past the data parallel client's bookkeeping
+        (process_engine_outputs): no core was chosen for it, and a binding the id may have
+        is the in-flight request's, which goes on.
+        """
+        self.outputs_queue.put_nowait(StageLLMCoreOutputs.refusal(request_id, error))
 
     async def _until_core_dies(self, call: Awaitable[_T]) -> _T:
         """Await ``call``, or raise StageCoreDeadError once the core is gone (vLLM leaves a

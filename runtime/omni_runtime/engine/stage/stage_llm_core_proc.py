@@ -11,6 +11,9 @@ a stage adds:
   refuse (logprobs, logit bias, allowed token ids), a LoRA adapter or multimodal input the
   stage does not serve, an id in flight already. vLLM's front end checks these before its
   engine core sees a request, and the core trusts it: one such request kills the core.
+  Every refusal is answered from the busy loop, in order with the requests before it, so
+  that the answer can say whether the id is still in flight (a refused duplicate must not
+  end the first request's binding in a data parallel client).
 - Aborting a request yields an output (finish_reason ABORT), as the stage contract asks.
 - ``run_stage_core`` is its own process entry (vLLM's ``run_engine_core`` constructs
   vLLM's classes): SIGTERM, SIGINT or the death of the parent stop the busy loop cleanly,
@@ -31,6 +34,7 @@ import os
 import threading
 from collections.abc import Sequence
 from contextlib import ExitStack
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -53,6 +57,7 @@ from vllm.v1.serial_utils import MsgpackDecoder
 from omni_runtime.engine.stage.stage_core_client import request_id_in_flight_error
 from omni_runtime.engine.stage.stage_core_types import (
     StageError,
+    StageErrorCode,
     StageLLMCoreOutputs,
     StageLLMCoreRequest,
 )
@@ -77,6 +82,16 @@ class StageLLMRequest(Request):  # type: ignore[misc]
         return scheduled
 
 
+@dataclass(frozen=True)
+class _Refused:
+    """A request the core will not run, queued as an ADD so that the busy loop answers it
+    (only the busy loop may read the scheduler, which knows whether the id is in flight)."""
+
+    request_id: str
+    client_index: int
+    error: StageError
+
+
 class StageLLMCoreProc(EngineCoreProc):  # type: ignore[misc]
     """vLLM's engine-core process wrapper, speaking the LLM stage's wire types."""
 
@@ -91,21 +106,27 @@ class StageLLMCoreProc(EngineCoreProc):  # type: ignore[misc]
             self.structured_output_manager.grammar_init(scheduled)
         return scheduled, request.current_wave
 
-    def add_request(self, request: Request, request_wave: int = 0) -> None:
+    def add_request(self, request: Request | _Refused, request_wave: int = 0) -> None:
         """vLLM's, refusing a request whose id is in flight already (vLLM's scheduler
         asserts on one, which ends the core; its front end makes ids unique, a stage's
-        callers choose theirs). Runs on the busy loop, which owns the scheduler."""
-        existing = self.scheduler.requests.get(request.request_id)
+        callers choose theirs), and answering the ones the input thread refused. Runs on
+        the busy loop, which owns the scheduler."""
+        request_id = request.request_id
+        existing = self.scheduler.requests.get(request_id)
         if (
             existing is not None
             # A streaming-input session takes its next chunk under the same id.
             and existing.streaming_queue is None
             and existing.status != RequestStatus.WAITING_FOR_STREAMING_REQ
         ):
+            error = request_id_in_flight_error(request_id)
+            self._send_error_output(request_id, request.client_index, error, still_in_flight=True)
+            return
+        if isinstance(request, _Refused):
+            # A streaming session's id stays bound to this core whatever its next chunk.
+            held = existing is not None
             self._send_error_output(
-                request.request_id,
-                request.client_index,
-                request_id_in_flight_error(request.request_id),
+                request_id, request.client_index, request.error, still_in_flight=held
             )
             return
         super().add_request(request, request_wave)
@@ -230,14 +251,23 @@ class StageLLMCoreProc(EngineCoreProc):  # type: ignore[misc]
             return
         refusal = self._refusal(request)
         if refusal is not None:
-            self._send_error_output(request.request_id, request.client_index, refusal)
+            self._refuse(request.request_id, request.client_index, refusal, request.current_wave)
             return
         try:
             scheduled = self.preprocess_add_request(request)
-        except Exception:
-            self._handle_request_preproc_error(request)
+        except Exception as e:
+            logger.exception("preparing request %s failed", request.request_id)
+            failed = StageError(
+                StageErrorCode.STAGE_FAILED,
+                f"the engine could not prepare the request: {type(e).__name__}: {e}",
+            )
+            self._refuse(request.request_id, request.client_index, failed, request.current_wave)
             return
         self.input_queue.put_nowait((EngineCoreRequestType.ADD, scheduled))
+
+    def _refuse(self, request_id: str, client_index: int, error: StageError, wave: int) -> None:
+        refused = _Refused(request_id, client_index, error)
+        self.input_queue.put_nowait((EngineCoreRequestType.ADD, (refused, wave)))
 
     def _refusal(self, request: StageLLMCoreRequest) -> StageError | None:
         """Why the engine must not see ``request``, or None."""
@@ -329,11 +359,14 @@ class StageLLMCoreProc(EngineCoreProc):  # type: ignore[misc]
         if not isinstance(request_id, str) or not isinstance(client_index, int):
             logger.warning("dropping an undecodable request: %s", error)
             return
-        self._send_error_output(request_id, client_index, _describe_decode_error(error))
+        self._refuse(request_id, client_index, _describe_decode_error(error), 0)
 
-    def _send_error_output(self, request_id: str, client_index: int, error: StageError) -> None:
+    def _send_error_output(
+        self, request_id: str, client_index: int, error: StageError, *, still_in_flight: bool
+    ) -> None:
         logger.info("refusing request %s: %s", request_id, error)
-        self.output_queue.put_nowait((client_index, StageLLMCoreOutputs.refusal(request_id, error)))
+        refusal = StageLLMCoreOutputs.refusal(request_id, error, still_in_flight=still_in_flight)
+        self.output_queue.put_nowait((client_index, refusal))
 
     @staticmethod
     def run_stage_core(
