@@ -20,6 +20,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,7 @@ from aiohttp import web
 from kubernetes import client as k8s_client
 from kubernetes.config import incluster_config
 
-from omni_operator.handlers import connection_info
+from omni_operator.handlers import connection_info, login
 from omni_runtime.config import PipelineConfig
 from omni_runtime.engine.stage.stage_replica_pool import StageReplicaPool
 from omni_runtime.entrypoints.router_process import DiscoveryConfigError, parse_stage_services
@@ -211,7 +212,8 @@ def test_exec_plugin_credentials_are_used_and_its_failure_says_why(tmp_path: Pat
     assert "\n" not in message
 
 
-def test_reload_runs_the_exec_plugin_again(tmp_path: Path) -> None:
+def counting_plugin(tmp_path: Path) -> dict[str, Any]:
+    """An exec plugin whose n-th run hands out ``token-<n>``."""
     counter = tmp_path / "calls"
     body = (
         f"calls = open({str(counter)!r}, 'a+'); calls.write('x'); calls.seek(0)\n"
@@ -219,7 +221,11 @@ def test_reload_runs_the_exec_plugin_again(tmp_path: Path) -> None:
         "print(json.dumps({'apiVersion': 'client.authentication.k8s.io/v1',"
         " 'kind': 'ExecCredential', 'status': {'token': f'token-{n}'}}))"
     )
-    path = write_kubeconfig(tmp_path / "config", exec_plugin(tmp_path, body))
+    return exec_plugin(tmp_path, body)
+
+
+def test_reload_runs_the_exec_plugin_again(tmp_path: Path) -> None:
+    path = write_kubeconfig(tmp_path / "config", counting_plugin(tmp_path))
     config = load_kube_config(str(path), environ={})
     assert bearer(config) == "Bearer token-1"
     assert config.reload is not None
@@ -324,6 +330,19 @@ def test_kopf_logs_in_with_the_clients_credentials(tmp_path: Path, cert: tuple[P
     assert info.insecure
     assert info.private_key_path is not None
     assert Path(str(info.private_key_path)).read_bytes() == key.read_bytes()
+
+
+async def test_kopf_logs_in_again_with_credentials_loaded_afresh(tmp_path: Path) -> None:
+    path = write_kubeconfig(tmp_path / "config", counting_plugin(tmp_path))
+    async with KubeClient(load_kube_config(str(path), environ={})) as client:
+        memo = types.SimpleNamespace(kube=client)
+        first = await login(memo=memo)
+        assert first.token == "token-1"  # what the operator's client loaded: no new run
+        # kopf asks again only once the apiserver refused those: the plugin runs again,
+        # for kopf and for the operator's own calls alike.
+        again = await login(memo=memo)
+        assert again.token == "token-2"
+        assert bearer(client.config) == "Bearer token-2"
 
 
 # --- EndpointSlices -> addresses -------------------------------------------------------
