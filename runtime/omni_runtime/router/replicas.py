@@ -73,29 +73,6 @@ class ReplicaConnector:
                 if key not in self._connecting:
                     self._connecting[key] = asyncio.create_task(self._connect(stage_id, address))
 
-    async def wait_connected(self, timeout: float) -> None:
-        """Wait until every wanted address is in its pool; TimeoutError naming the rest."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        while True:
-            missing = [
-                f"{self.pools[stage_id].stage_name}@{address}"
-                + (
-                    f" ({self._failures[(stage_id, address)]})"
-                    if (stage_id, address) in self._failures
-                    else ""
-                )
-                for stage_id, addresses in self._addresses.items()
-                for address in addresses
-                if address not in {s.address for s in self.pools[stage_id].stats()}
-            ]
-            if not missing:
-                return
-            if loop.time() >= deadline:
-                raise TimeoutError("replicas not connected: " + ", ".join(missing))
-            self._wake.set()
-            await asyncio.sleep(0.1)
-
     async def _connect(self, stage_id: int, address: str) -> None:
         key = (stage_id, address)
         pool = self.pools[stage_id]

@@ -18,7 +18,9 @@ from omni_runtime.engine.stage.stage_core_client import StageCoreDeadError
 from omni_runtime.engine.stage.stage_core_types import StageUtilityOutput
 
 
-class _OutputsMessage(Protocol):
+class OutputsMessage(Protocol):
+    """What every stage outputs message carries, whatever the stage."""
+
     @property
     def outputs(self) -> Any: ...
     @property
@@ -27,7 +29,7 @@ class _OutputsMessage(Protocol):
     def engine_dead(self) -> str | None: ...
 
 
-OutputsT = TypeVar("OutputsT", bound=_OutputsMessage)
+OutputsT = TypeVar("OutputsT", bound=OutputsMessage)
 
 
 class StageOutputsInbox(Generic[OutputsT]):
