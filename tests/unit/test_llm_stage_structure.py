@@ -4,6 +4,7 @@ pure parts (engine arguments from the schema, the core host, inputs from upstrea
 from __future__ import annotations
 
 import inspect
+from typing import Generic
 
 import msgspec
 import pytest
@@ -38,6 +39,7 @@ from omni_runtime.engine.stage.stage_llm_engine_config import (
     make_stage_llm_engine_args,
 )
 from omni_runtime.engine.stage.stage_llm_results import StageLLMResult
+from omni_runtime.engine.stage.zmq_stage_client import ZmqStageClientBase
 
 CONTRACT = (
     "add_request_async",
@@ -58,7 +60,10 @@ CONTRACT = (
         (StageLLMCoreClientBase, (StageCoreClientBase,)),
         (StageLLMCoreClient, (AsyncMPClient, StageLLMCoreClientBase)),
         (DPLBStageLLMCoreClient, (DPLBAsyncMPClient, StageLLMCoreClientBase)),
-        (StageDiffusionCoreClient, (StageCoreClientBase,)),
+        # The out-of-process diffusion client shares its ZMQ machinery with the router's
+        # RemoteStageClient; the base they share meets the stage contract.
+        (StageDiffusionCoreClient, (ZmqStageClientBase,)),
+        (ZmqStageClientBase, (StageCoreClientBase, Generic)),
         (InlineStageDiffusionClient, (StageCoreClientBase,)),
     ],
 )
