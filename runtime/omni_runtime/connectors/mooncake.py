@@ -22,7 +22,6 @@ import itertools
 import logging
 import mmap
 import os
-import socket
 import threading
 import time
 from collections.abc import Mapping
@@ -40,6 +39,7 @@ from omni_runtime.connectors.base import (
     ConnectorUnavailableError,
     OmniConnector,
 )
+from omni_runtime.net import advertised_host
 
 if TYPE_CHECKING:
     import torch
@@ -151,26 +151,6 @@ def _load_transfer_engine_class() -> Any:
     except ImportError as exc:
         raise ConnectorUnavailableError(_unavailable_message(exc)) from None
     return engine_module.TransferEngine
-
-
-def _this_host() -> str:
-    """The address peers reach this process at: the interface of the default route."""
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
-            # connect() on UDP sends nothing; it only makes the kernel pick the route.
-            probe.connect(("10.255.255.255", 1))
-            address = str(probe.getsockname()[0])
-        if not address.startswith("0."):
-            return address
-    except OSError:
-        pass
-    try:
-        address = socket.gethostbyname(socket.gethostname())
-        if address:
-            return address
-    except OSError:
-        pass
-    return "127.0.0.1"
 
 
 def _bind_address(host: str) -> str:
@@ -335,7 +315,7 @@ class MooncakeTransferEngineConnector(OmniConnector):
         super().__init__(name, extra)
         self._closed = True  # until everything below exists, close() has nothing to do
         host = str(self.extra.get("host", "auto") or "auto")
-        self.host = _this_host() if host == "auto" else host
+        self.host = advertised_host() if host == "auto" else host
         self.protocol = str(self.extra.get("protocol", "tcp"))
         self.device_name = str(self.extra.get("device_name", "") or "")
         self.pool_size = int(self.extra.get("memory_pool_size", DEFAULT_MEMORY_POOL_SIZE))

@@ -27,7 +27,6 @@ extra: ``host`` (what consumers connect to; "auto" or absent: this machine's add
 from __future__ import annotations
 
 import contextlib
-import ipaddress
 import logging
 import socket
 import struct
@@ -43,6 +42,7 @@ import numpy as np
 
 from omni_runtime.connectors import _arrays
 from omni_runtime.connectors.base import ConnectorError, ConnectorHandle, OmniConnector
+from omni_runtime.net import advertised_host
 
 if TYPE_CHECKING:
     import torch
@@ -71,19 +71,6 @@ class _Reply(msgspec.Struct, array_like=True, omit_defaults=True):
 _encode = msgspec.msgpack.Encoder().encode
 _decode_request = msgspec.msgpack.Decoder(_Request).decode
 _decode_reply = msgspec.msgpack.Decoder(_Reply).decode
-
-
-def this_host() -> str:
-    """This machine's address as others reach it (its hostname's), else 127.0.0.1."""
-    try:
-        infos = socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET, socket.SOCK_STREAM)
-    except OSError:
-        return "127.0.0.1"
-    for info in infos:
-        address = str(info[4][0])
-        if not ipaddress.ip_address(address).is_loopback:
-            return address
-    return "127.0.0.1"
 
 
 @dataclass
@@ -297,7 +284,7 @@ class TCPConnector(OmniConnector):
         if host == "auto" and self.bind_host not in _WILDCARD_HOSTS:
             host = self.bind_host
         # What consumers connect to; set it (or pass advertise_host) before the first put.
-        self.advertise_host = this_host() if host == "auto" else host
+        self.advertise_host = advertised_host() if host == "auto" else host
         self._state = _State()
         # At exit too: the server's threads and sockets go with the connector.
         self._finalizer = weakref.finalize(self, self._state.close)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import socket
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 from urllib.parse import urlsplit
@@ -54,6 +53,7 @@ from omni_runtime.engine.stage.stage_llm_request_builder import (
     StageLLMRequestBuilder,
 )
 from omni_runtime.engine.stage.stage_llm_results import StageLLMResult
+from omni_runtime.net import advertised_host
 
 _T = TypeVar("_T")
 _WILDCARD_HOSTS = frozenset({"", "*", "0.0.0.0", "::"})
@@ -141,10 +141,7 @@ class StageLLMCoreClientBase(StageCoreClientBase):
                 if host not in _WILDCARD_HOSTS:
                     return host
         # ipc (the core runs on this machine) or a wildcard bind: this machine's address.
-        try:
-            return socket.gethostbyname(socket.gethostname())
-        except OSError:
-            return "127.0.0.1"
+        return advertised_host()
 
     @property
     def decoder(self) -> MsgpackDecoder:
