@@ -26,7 +26,7 @@ from vllm.lora.request import LoRARequest
 from vllm.v1.engine import FinishReason
 from vllm.v1.engine.core_client import AsyncMPClient
 
-from omni_runtime.config import StageConfig
+from omni_runtime.config import PipelineConfig, StageConfig
 from omni_runtime.diffusion.engine import DiffusionEngineConfig
 from omni_runtime.diffusion.stage.generate import generate
 from omni_runtime.diffusion.stage.inline_stage_diffusion_client import InlineStageDiffusionClient
@@ -36,6 +36,8 @@ from omni_runtime.engine.stage.stage_core_types import (
     StageError,
     StageErrorCode,
     StageLLMCoreRequest,
+    StageServerOutput,
+    StageServerRequest,
 )
 from omni_runtime.engine.stage.stage_llm_core_client import (
     DPLBStageLLMCoreClient,
@@ -44,6 +46,8 @@ from omni_runtime.engine.stage.stage_llm_core_client import (
 )
 from omni_runtime.engine.stage.stage_llm_engine_config import StageLLMConfigError
 from omni_runtime.engine.stage.stage_llm_results import StageLLMResult, collect_results
+from omni_runtime.stage_server.frontend import StageConnectors
+from omni_runtime.stage_server.llm_frontend import StageLLMFrontend
 from omni_runtime.tiny_models import DIFFUSION_SUBDIR, HIDDEN_SIZE, LLM_SUBDIR
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="module")]
@@ -183,9 +187,34 @@ async def test_greedy_generation_equals_transformers(text_client: LLMClient, hf_
     chat = await run(text_client, "greedy-chat", messages=messages)
     chat_ids = builder.build("ids", messages=messages).prompt_token_ids
     assert chat.token_ids == hf_greedy(hf_model, chat_ids, 16)
-    assert builder.decode(chat.token_ids) == builder.tokenizer.decode(
-        chat.token_ids, skip_special_tokens=True
-    )
+
+
+async def test_the_stage_frontend_streams_the_text_of_the_tokens(
+    text_client: LLMClient, llm_path: str
+) -> None:
+    pipeline = PipelineConfig.model_validate({"model": llm_path, "stages": [TEXT_STAGE]})
+    frontend = StageLLMFrontend(pipeline, TEXT_STAGE, text_client, StageConnectors({}))
+    tokenizer = text_client.request_builder.tokenizer
+    for skip_special_tokens in (True, False):
+        request_id = f"frontend-{skip_special_tokens}"
+        params = {"max_tokens": 24, "ignore_eos": True, "skip_special_tokens": skip_special_tokens}
+        refused = await frontend.add(
+            StageServerRequest(request_id=request_id, prompt=PROMPTS[1], params=params)
+        )
+        assert refused == []
+        outputs: list[StageServerOutput] = []
+        async with asyncio.timeout(DEADLINE_S):
+            while not (outputs and outputs[-1].finished):
+                outputs.extend(await frontend.next_outputs())
+        token_ids = [token for output in outputs for token in output.token_ids]
+        deltas = [output.text for output in outputs]
+        assert len(token_ids) == 24
+        assert "".join(deltas) == tokenizer.decode(
+            token_ids, skip_special_tokens=skip_special_tokens
+        )
+        assert len([delta for delta in deltas if delta]) > 1
+        assert (outputs[-1].finish_reason, outputs[-1].completion_tokens) == ("length", 24)
+        assert frontend.in_flight == 0
 
 
 async def test_chat_messages_go_through_the_models_template(
@@ -302,8 +331,24 @@ def _core_request(client: LLMClient, request_id: str, **fields: Any) -> StageLLM
     [
         (
             {"prompt_token_ids": [5] * 600},
-            "prompt_token_ids: 600 tokens, but this stage takes",
+            "prompt_token_ids: This model's maximum context length is 512 tokens",
             "prompt_token_ids",
+        ),
+        (
+            # Fits the context, but leaves no position for a generated token.
+            {"prompt_token_ids": [5] * 512},
+            "prompt_token_ids: The decoder prompt (length 512) plus",
+            "prompt_token_ids",
+        ),
+        (
+            {"prompt_token_ids": [5, 384]},
+            "prompt_token_ids: Token id 384 is out of vocabulary",
+            "prompt_token_ids",
+        ),
+        (
+            {"messages": [{"role": "user", "content": "cat " * 2000}]},
+            "messages: This model's maximum context length is 512 tokens",
+            "messages",
         ),
         ({"prompt": "cat " * 700}, "prompt: ", "prompt"),
         ({"prompt": ""}, "prompt: empty", "prompt"),
@@ -327,6 +372,11 @@ def _core_request(client: LLMClient, request_id: str, **fields: Any) -> StageLLM
             {"prompt": "x", "params": {"max_tokens": "8"}},
             "params.max_tokens: Expected `int",
             "max_tokens",
+        ),
+        (
+            {"prompt": "x", "params": {"stop_token_ids": [999]}},
+            "params.stop_token_ids: token_id(s) [999]",
+            "stop_token_ids",
         ),
     ],
 )

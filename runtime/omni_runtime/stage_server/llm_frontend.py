@@ -2,9 +2,10 @@
 
 The front-end work of vLLM's API server, done in the stage's own process so that routers
 need neither the model nor vLLM: requests are tokenized (chat messages through the model's
-chat template) by the stage's request builder, generated token ids are detokenized
-incrementally into text deltas, and an encode stage's hidden states are put into the
-connector that carries them to the next stage (the router receives only the handle).
+chat template) by the stage's request builder, generated token ids become text deltas
+through vLLM's incremental detokenizer (as its output processor drives it), and an encode
+stage's hidden states are put into the connector that carries them to the next stage (the
+router receives only the handle).
 """
 
 from __future__ import annotations
@@ -12,10 +13,10 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from vllm.v1.engine import FinishReason
+from vllm.v1.engine.detokenizer import IncrementalDetokenizer
 
 from omni_runtime.config import PipelineConfig, StageConfig
 from omni_runtime.connectors import ConnectorHandle
@@ -23,6 +24,7 @@ from omni_runtime.engine.stage.stage_core_types import (
     StageError,
     StageErrorCode,
     StageLLMCoreOutput,
+    StageLLMCoreRequest,
     StageServerOutput,
     StageServerRequest,
 )
@@ -46,32 +48,10 @@ _FINISH_REASONS = {
 
 
 @dataclass
-class _Detokenizer:
-    """Turns a growing list of token ids into text deltas.
-
-    A multi-byte character can span tokens: text is emitted only once the tokens decode
-    without a replacement character, so a delta never ends in half a character.
-    """
-
-    decode: Callable[[list[int]], str]
-    token_ids: list[int] = field(default_factory=list)
-    prefix_offset: int = 0
-    read_offset: int = 0
-
-    def add(self, new_ids: list[int], final: bool) -> str:
-        self.token_ids.extend(new_ids)
-        prefix = self.decode(self.token_ids[self.prefix_offset : self.read_offset])
-        full = self.decode(self.token_ids[self.prefix_offset :])
-        if len(full) > len(prefix) and (final or not full.endswith("\ufffd")):
-            self.prefix_offset = self.read_offset
-            self.read_offset = len(self.token_ids)
-            return full[len(prefix) :]
-        return ""
-
-
-@dataclass
 class _Request:
-    detokenizer: _Detokenizer
+    # vLLM's: text deltas that never end in half a character, special tokens skipped or
+    # not as the request's params say, no text for a request that asked for none.
+    detokenizer: IncrementalDetokenizer
     prompt_tokens: int
     output_connector: str | None
     start: float = field(default_factory=time.perf_counter)
@@ -117,13 +97,8 @@ class StageLLMFrontend(StageFrontend):
             )
         except InvalidLLMRequestError as e:
             return [refusal(request_id, e.error)]
-        skip_special = bool(request.params.get("skip_special_tokens", True))
-
-        def decode(ids: list[int]) -> str:
-            return builder.decode(ids, skip_special_tokens=skip_special)
-
         self._requests[request_id] = _Request(
-            _Detokenizer(decode),
+            self._detokenizer(core_request),
             prompt_tokens=len(core_request.prompt_token_ids or ()),
             output_connector=request.output_connector or DEFAULT_HANDOFF_CONNECTOR,
         )
@@ -154,6 +129,14 @@ class StageLLMFrontend(StageFrontend):
                 connector, key, _ = handoff
                 self.connectors.get(connector).release(key)
 
+    def _detokenizer(self, request: StageLLMCoreRequest) -> IncrementalDetokenizer:
+        params = request.sampling_params
+        if params is None:  # an encode stage: hidden states, no tokens to read
+            return IncrementalDetokenizer()
+        # As vLLM's output processor: no tokenizer for a request that asked for no text.
+        tokenizer = self.client.request_builder.tokenizer if params.detokenize else None
+        return IncrementalDetokenizer.from_new_request(tokenizer, request)
+
     async def _convert(self, output: StageLLMCoreOutput) -> StageServerOutput | None:
         request_id = output.request_id
         state = self._requests.get(request_id)
@@ -165,12 +148,11 @@ class StageLLMFrontend(StageFrontend):
                 return refusal(request_id, output.error)
             return None
         result = StageServerOutput(request_id=request_id, prompt_tokens=state.prompt_tokens)
-        if output.new_token_ids:
-            result.token_ids = list(output.new_token_ids)
-            result.text = state.detokenizer.add(result.token_ids, final=finished)
-        elif finished:
-            result.text = state.detokenizer.add([], final=True)
-        result.completion_tokens = len(state.detokenizer.token_ids)
+        result.token_ids = list(output.new_token_ids)
+        # As vLLM's output processor: a stop token ends the text without being part of it.
+        state.detokenizer.update(result.token_ids, output.finish_reason == FinishReason.STOP)
+        result.text = state.detokenizer.get_next_output_text(finished, delta=True)
+        result.completion_tokens = state.detokenizer.num_output_tokens()
         if output.pooling_output is not None:
             try:
                 result.prompt_embeds = await self._hand_off(request_id, state, output)

@@ -1,28 +1,32 @@
 """StageLLMRequestBuilder: a caller's prompt and sampling params -> a StageLLMCoreRequest.
 
-What vLLM's front end (its InputProcessor) does before a request reaches an engine core,
-for the one stage the builder is made for: tokenize (chat messages through the model's
-chat template), check the prompt against the model's limits, merge the pipeline's default
-sampling params under the request's own, validate them, and fill in what the core relies
-on (max_tokens, the end-of-sequence tokens). A generate stage gets SamplingParams; an
-encode stage (output: hidden_states) gets the pooling params that return each prompt
-token's hidden state. A request the builder refuses raises InvalidLLMRequestError, whose
-``error`` names the offending field (``param``) and says what is wrong in a message that
-starts with it, e.g. ``params.temperature: ...``.
+vLLM's own front end does the work, for the one stage the builder is made for: its
+renderer tokenizes (chat messages through the model's chat template) and checks the
+prompt's length and token ids; its InputProcessor validates the sampling params, fills in
+what the core relies on (max_tokens, the end-of-sequence tokens) and builds the engine-core
+request. The builder adds what a stage has beyond vLLM: the parameters a caller may send
+(SAMPLING_PARAM_NAMES), the merge of the pipeline's defaultSamplingParams under the
+request's own, and errors that name the caller's field. A generate stage gets
+SamplingParams; an encode stage (output: hidden_states) gets the pooling params that
+return each prompt token's hidden state. A request the builder refuses raises
+InvalidLLMRequestError, whose ``error`` names the offending field (``param``) and says what
+is wrong in a message that starts with it, e.g. ``params.temperature: ...``.
 """
 
 from __future__ import annotations
 
 import re
-import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import msgspec
-from transformers import AutoTokenizer
 from vllm import PoolingParams, SamplingParams
 from vllm.config import VllmConfig
 from vllm.exceptions import VLLMValidationError
+from vllm.renderers import renderer_from_config
+from vllm.renderers.params import ChatParams
+from vllm.v1.engine import EngineCoreRequest
+from vllm.v1.engine.input_processor import InputProcessor
 
 from omni_runtime.engine.stage.stage_core_types import StageError, StageLLMCoreRequest
 
@@ -81,19 +85,14 @@ class StageLLMRequestBuilder:
             )
         _check_names(self.default_sampling_params, "defaultSamplingParams")
         _convert_sampling_params(self.default_sampling_params, "defaultSamplingParams")
-        self.tokenizer = AutoTokenizer.from_pretrained(
-            self.model_config.tokenizer,
-            revision=self.model_config.tokenizer_revision,
-            trust_remote_code=self.model_config.trust_remote_code,
-        )
-        self._generation_config = self.model_config.try_get_generation_config()
-
-    @property
-    def max_prompt_len(self) -> int:
-        # Read each time: the engine may fit max_model_len to its KV cache at startup, and
-        # the client updates the config from the engine's ready message.
-        max_model_len: int = self.model_config.max_model_len
-        return max_model_len if self.encodes else max_model_len - 1
+        # The renderer reads max_model_len once, which the engine may fit to its KV cache
+        # at startup: build this once the cores are up (the client does, on first use).
+        self.renderer = renderer_from_config(vllm_config)
+        self.input_processor = InputProcessor(vllm_config, self.renderer)
+        self.tokenizer = self.renderer.get_tokenizer()
+        # The task this stage's runner was configured for (stage_llm_engine_config): what
+        # its requests ask of the core, which checks them against what it serves.
+        self._tasks = ("token_embed",) if self.encodes else ("generate",)
 
     def build(
         self,
@@ -109,13 +108,7 @@ class StageLLMRequestBuilder:
         ``messages`` (chat, through the chat template) or ``prompt_token_ids``."""
         if not isinstance(request_id, str) or not request_id:
             raise InvalidLLMRequestError("request_id: a non-empty string is required", "request_id")
-        token_ids, field_name = self._tokenize(prompt, messages, prompt_token_ids)
-        if len(token_ids) > self.max_prompt_len:
-            raise InvalidLLMRequestError(
-                f"{field_name}: {len(token_ids)} tokens, but this stage takes at most "
-                f"{self.max_prompt_len} (max_model_len {self.model_config.max_model_len})",
-                field_name,
-            )
+        engine_input, field_name = self._render(prompt, messages, prompt_token_ids)
         if additional_information is not None:
             try:
                 msgspec.msgpack.encode(additional_information)
@@ -124,97 +117,81 @@ class StageLLMRequestBuilder:
                     f"additional_information: plain data only (str, numbers, lists, maps): {e}",
                     "additional_information",
                 ) from None
-        sampling_params, pooling_params = self._params(dict(params or {}), len(token_ids))
+        stage_params = self._params(dict(params or {}))
+        try:
+            request = self.input_processor.process_inputs(
+                request_id, engine_input, stage_params, self._tasks
+            )
+        except (VLLMValidationError, ValueError) as e:
+            # The renderer checked the prompt but for one thing vLLM leaves to this step: a
+            # prompt that fills the context leaves no position for a generated token.
+            fills_context = len(engine_input["prompt_token_ids"]) >= self.model_config.max_model_len
+            if getattr(e, "parameter", None) is None and fills_context:
+                raise InvalidLLMRequestError(f"{field_name}: {e}", field_name) from None
+            raise _invalid_from_vllm(e, "params") from None
         return StageLLMCoreRequest(
-            request_id=request_id,
-            prompt_token_ids=token_ids,
-            mm_features=None,
-            sampling_params=sampling_params,
-            pooling_params=pooling_params,
-            arrival_time=time.time(),
-            lora_request=None,
-            cache_salt=None,
-            data_parallel_rank=None,
+            **{name: getattr(request, name) for name in EngineCoreRequest.__struct_fields__},
             additional_information=additional_information,
         )
 
-    def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        """The text of generated token ids, as the tokenizer that made the prompt reads it."""
-        text: str = self.tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
-        return text
-
-    def _tokenize(
+    def _render(
         self,
         prompt: str | None,
         messages: Sequence[Mapping[str, str]] | None,
         prompt_token_ids: Sequence[int] | None,
-    ) -> tuple[list[int], str]:
-        given = [
-            name
-            for name, value in (
-                ("prompt", prompt),
-                ("messages", messages),
-                ("prompt_token_ids", prompt_token_ids),
-            )
-            if value is not None
-        ]
+    ) -> tuple[Any, str]:
+        """vLLM's engine input for the prompt (token ids, arrival time), and the name of
+        the field it came from."""
+        fields = {"prompt": prompt, "messages": messages, "prompt_token_ids": prompt_token_ids}
+        given = {name: value for name, value in fields.items() if value is not None}
         if len(given) != 1:
             raise InvalidLLMRequestError(
                 "prompt: give exactly one of prompt, messages, prompt_token_ids "
                 f"(got {', '.join(given) or 'none'})",
                 "prompt",
             )
-        if prompt is not None:
-            if not isinstance(prompt, str):
-                raise InvalidLLMRequestError(
-                    f"prompt: expected text, got {type(prompt).__name__}", "prompt"
-                )
-            if not prompt:
-                raise InvalidLLMRequestError("prompt: empty", "prompt")
-            return list(self.tokenizer(prompt)["input_ids"]), "prompt"
+        ((field_name, value),) = given.items()
+        # What vLLM takes for granted about its input's shape is checked here first.
+        if prompt is not None and not isinstance(prompt, str):
+            raise InvalidLLMRequestError(
+                f"prompt: expected text, got {type(prompt).__name__}", "prompt"
+            )
+        if not value:
+            raise InvalidLLMRequestError(f"{field_name}: empty", field_name)
         if messages is not None:
-            return self._apply_chat_template(messages), "messages"
-        assert prompt_token_ids is not None
-        token_ids = list(prompt_token_ids)
-        if not token_ids:
-            raise InvalidLLMRequestError("prompt_token_ids: empty", "prompt_token_ids")
-        vocab_size = self.model_config.get_vocab_size()
-        if not all(isinstance(t, int) and 0 <= t < vocab_size for t in token_ids):
+            for index, message in enumerate(messages):
+                if not (
+                    isinstance(message, Mapping)
+                    and isinstance(message.get("role"), str)
+                    and isinstance(message.get("content"), str)
+                ):
+                    raise InvalidLLMRequestError(
+                        f"messages[{index}]: expected {{'role': str, 'content': str}}",
+                        "messages",
+                    )
+        token_ids = None if prompt_token_ids is None else list(prompt_token_ids)
+        if token_ids is not None and not all(isinstance(t, int) for t in token_ids):
             raise InvalidLLMRequestError(
-                f"prompt_token_ids: token ids must be integers in [0, {vocab_size})",
-                "prompt_token_ids",
+                "prompt_token_ids: token ids must be integers", "prompt_token_ids"
             )
-        return token_ids, "prompt_token_ids"
-
-    def _apply_chat_template(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
-        if not messages:
-            raise InvalidLLMRequestError("messages: empty", "messages")
-        for index, message in enumerate(messages):
-            if not (
-                isinstance(message, Mapping)
-                and isinstance(message.get("role"), str)
-                and isinstance(message.get("content"), str)
-            ):
-                raise InvalidLLMRequestError(
-                    f"messages[{index}]: expected {{'role': str, 'content': str}}", "messages"
+        try:
+            if messages is not None:
+                # A generate stage answers as the assistant; an encode stage encodes the
+                # conversation as it stands.
+                chat = ChatParams(chat_template_kwargs={"add_generation_prompt": not self.encodes})
+                _, (engine_input,) = self.renderer.render_chat(
+                    [[dict(message) for message in messages]], chat
                 )
-        if self.tokenizer.chat_template is None:
-            raise InvalidLLMRequestError(
-                "messages: this model has no chat template; send prompt", "messages"
-            )
-        # A generate stage answers as the assistant; an encode stage encodes the
-        # conversation as it stands.
-        text = self.tokenizer.apply_chat_template(
-            [dict(message) for message in messages],
-            tokenize=False,
-            add_generation_prompt=not self.encodes,
-        )
-        # The template writes the special tokens itself.
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+            elif token_ids is not None:
+                self.renderer.validate_token_ids(token_ids)
+                (engine_input,) = self.renderer.render_cmpl([{"prompt_token_ids": token_ids}])
+            else:
+                (engine_input,) = self.renderer.render_cmpl([{"prompt": prompt}])
+        except (VLLMValidationError, ValueError) as e:
+            raise InvalidLLMRequestError(f"{field_name}: {e}", field_name) from None
+        return engine_input, field_name
 
-    def _params(
-        self, params: dict[str, Any], prompt_len: int
-    ) -> tuple[SamplingParams | None, PoolingParams | None]:
+    def _params(self, params: dict[str, Any]) -> SamplingParams | PoolingParams:
         if self.encodes:
             if params:
                 name = next(iter(params))
@@ -223,28 +200,12 @@ class StageLLMRequestBuilder:
                     "parameters",
                     name,
                 )
-            pooling_params = HIDDEN_STATES_POOLING.clone()
-            pooling_params.verify(self.model_config)
-            return None, pooling_params
+            # vLLM's checks may fill in fields of the params they verify.
+            return HIDDEN_STATES_POOLING.clone()
         # The request's own params alone first, so that an error names what the caller sent.
         _check_names(params, "params")
         _convert_sampling_params(params, "params")
-        sampling_params = _convert_sampling_params(
-            {**self.default_sampling_params, **params}, "params"
-        )
-        if sampling_params.max_tokens is None:
-            # As vLLM's front end does: up to the end of the context.
-            sampling_params.max_tokens = self.model_config.max_model_len - prompt_len
-        # The core stops at the tokenizer's end-of-sequence token and the generation
-        # config's, which the front end puts on the params.
-        sampling_params.update_from_generation_config(
-            self._generation_config, self.tokenizer.eos_token_id
-        )
-        try:
-            sampling_params.verify(self.model_config, None, None, None)
-        except VLLMValidationError as e:
-            raise _invalid_from_vllm(e, "params") from None
-        return sampling_params, None
+        return _convert_sampling_params({**self.default_sampling_params, **params}, "params")
 
 
 def _check_names(params: Mapping[str, Any], where: str) -> None:
@@ -273,9 +234,11 @@ def _convert_sampling_params(params: Mapping[str, Any], where: str) -> SamplingP
     return sampling_params
 
 
-def _invalid_from_vllm(error: VLLMValidationError, where: str) -> InvalidLLMRequestError:
-    # vLLM names the parameter apart from its message (which repeats it, with the value).
+def _invalid_from_vllm(error: Exception, where: str) -> InvalidLLMRequestError:
+    # vLLM names the parameter apart from its message (which repeats it, with the value),
+    # where it knows which one.
     message = str(error.args[0]) if error.args else str(error)
-    if error.parameter is not None:
-        return InvalidLLMRequestError(f"{where}.{error.parameter}: {message}", error.parameter)
+    parameter = getattr(error, "parameter", None)
+    if parameter is not None:
+        return InvalidLLMRequestError(f"{where}.{parameter}: {message}", parameter)
     return InvalidLLMRequestError(f"{where}: {message}")
