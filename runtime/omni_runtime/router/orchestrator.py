@@ -86,6 +86,8 @@ class PipelineRequest:
     # An input image (image-to-image), uint8 RGB [height, width, 3].
     image: np.ndarray | None = None
     sticky_key: str | None = None
+    # Whether the caller reads the last stage's text as it is generated.
+    stream: bool = False
 
 
 def stage_chain(pipeline: PipelineConfig) -> list[StageConfig]:
@@ -196,6 +198,8 @@ class PipelineOrchestrator:
         if stage.type == "llm":
             if stage.output == "text":
                 result.params = dict(request.llm_params)
+                # Only a streaming caller reads the last stage's text in steps.
+                result.stream = request.stream and index == len(self.stages) - 1
             else:
                 result.output_connector = self._output_connector(index)
             if upstream is None:

@@ -185,7 +185,11 @@ class ChatCompletionRequest(_Body):
         if self.n != 1:
             raise RequestError(400, f"n: only 1 completion per request (got {self.n})", "n")
         return PipelineRequest(
-            request_id=request_id, messages=messages, llm_params=llm_params, sticky_key=self.user
+            request_id=request_id,
+            messages=messages,
+            llm_params=llm_params,
+            sticky_key=self.user,
+            stream=self.stream,
         )
 
     @property

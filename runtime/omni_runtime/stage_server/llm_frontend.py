@@ -54,6 +54,10 @@ class _Request:
     detokenizer: IncrementalDetokenizer
     prompt_tokens: int
     output_connector: str | None
+    stream: bool = True
+    # What a request that does not stream has generated so far (sent when it finishes).
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
     start: float = field(default_factory=time.perf_counter)
 
 
@@ -101,6 +105,7 @@ class StageLLMFrontend(StageFrontend):
             self._detokenizer(core_request),
             prompt_tokens=len(core_request.prompt_token_ids or ()),
             output_connector=request.output_connector or DEFAULT_HANDOFF_CONNECTOR,
+            stream=request.stream,
         )
         try:
             await self.client.add_request_async(core_request)
@@ -147,11 +152,21 @@ class StageLLMFrontend(StageFrontend):
             if output.error is not None:
                 return refusal(request_id, output.error)
             return None
-        result = StageServerOutput(request_id=request_id, prompt_tokens=state.prompt_tokens)
-        result.token_ids = list(output.new_token_ids)
+        new_token_ids = list(output.new_token_ids)
         # As vLLM's output processor: a stop token ends the text without being part of it.
-        state.detokenizer.update(result.token_ids, output.finish_reason == FinishReason.STOP)
-        result.text = state.detokenizer.get_next_output_text(finished, delta=True)
+        state.detokenizer.update(new_token_ids, output.finish_reason == FinishReason.STOP)
+        text = state.detokenizer.get_next_output_text(finished, delta=True)
+        if not state.stream:
+            # Per step, a message to the router and its handling there would cost more
+            # than the step itself on a small model; the caller reads only the whole.
+            state.text.append(text)
+            state.token_ids += new_token_ids
+            if not finished:
+                return None
+            text, new_token_ids = "".join(state.text), state.token_ids
+        result = StageServerOutput(request_id=request_id, prompt_tokens=state.prompt_tokens)
+        result.token_ids = new_token_ids
+        result.text = text
         result.completion_tokens = state.detokenizer.num_output_tokens()
         if output.pooling_output is not None:
             try:

@@ -197,6 +197,10 @@ class StageServerRequest(StageCoreRequest):
     prompt_embeds: ConnectorHandle | None = None
     # LLM hidden-states stages: the connector that carries them to the next stage.
     output_connector: str | None = None
+    # LLM generate stages: whether the caller reads the text as it is generated. False:
+    # one output when the request finishes, with all of its text and token ids (a stage
+    # that feeds another, or a caller that does not stream, needs no more).
+    stream: bool = True
 
 
 class StageServerOutput(StageCoreOutput):

@@ -27,6 +27,7 @@ from vllm.config import VllmConfig
 from vllm.platforms import current_platform
 from vllm.utils import numa_utils
 from vllm.utils.network_utils import get_open_zmq_ipc_path, zmq_socket_ctx
+from vllm.utils.ompmultiprocessing import OMPProcessManager
 from vllm.utils.system_utils import get_mp_context
 from vllm.v1.engine.coordinator import DPCoordinator
 from vllm.v1.engine.utils import (
@@ -103,6 +104,12 @@ class StageLLMCoreProcManager(CoreEngineProcManager):  # type: ignore[misc]
         # tracker, which unblocks SIGINT/SIGTERM in the starting thread on its way: a core
         # started next would begin with them unblocked (see stop_watchers).
         resource_tracker.ensure_running()
+        # On a CPU, vLLM pins its workers' OpenMP threads and keeps CPUs free for the
+        # processes around them (VLLM_CPU_OMP_THREADS_BIND, VLLM_CPU_NUM_OF_RESERVED_CPU).
+        # A stage core runs its worker in its own process, so it is pinned as vLLM pins a
+        # worker; unpinned, its spinning OpenMP threads take every CPU from the stage
+        # server and the router, which then answer late.
+        omp = OMPProcessManager(vllm_config)
         try:
             for rank, proc in enumerate(self.processes):
                 # As vLLM does: platforms that cannot select a device per process are
@@ -115,6 +122,7 @@ class StageLLMCoreProcManager(CoreEngineProcManager):  # type: ignore[misc]
                     numa_utils.configure_subprocess(
                         vllm_config, local_rank=0, dp_local_rank=rank, process_kind="EngineCore"
                     ),
+                    omp.configure_omp_envs(rank=0, local_rank=0),
                     stop_signals_blocked(),
                 ):
                     proc.start()
