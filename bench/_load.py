@@ -1,8 +1,9 @@
 """Helpers shared by the HTTP benchmarks: servers started and stopped for sure, readiness
 polling, a closed-loop load generator, percentiles and a markdown table.
 
-Not a benchmark itself; `router_vs_vllm.py` and `two_stage_overhead.py` import it (scripts
-in bench/ see this directory first on sys.path).
+Not a benchmark itself; the scripts in bench/ import it (they see this directory first on
+sys.path). It also lends them the stage tests' result helpers (``collect_results``), so
+that a benchmark reads a stage client's outputs exactly as the tests do.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from collections.abc import Awaitable, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 import httpx
 import psutil
@@ -256,3 +258,17 @@ def ratio_cell(value: float, target: float, higher_is_better: bool) -> str:
         return "-"
     met = value >= target if higher_is_better else value <= target
     return f"{value:.2f}x {'ok' if met else 'MISS'}"
+
+
+def _stage_test_helpers() -> Any:
+    directory = str(Path(__file__).resolve().parents[1] / "tests" / "integration")
+    if directory not in sys.path:
+        sys.path.append(directory)
+    import stage_outputs
+
+    return stage_outputs
+
+
+async def collect_results(client: Any, request_ids: Any, timeout: float | None = None) -> Any:
+    """tests/integration/stage_outputs.collect_results (see there)."""
+    return await _stage_test_helpers().collect_results(client, request_ids, timeout)

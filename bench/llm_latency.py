@@ -22,9 +22,9 @@ import time
 
 import psutil
 
+from _load import collect_results
 from omni_runtime.config import StageConfig
 from omni_runtime.engine.stage.stage_llm_core_client import start_stage_llm_client
-from omni_runtime.engine.stage.stage_llm_results import collect_results
 from omni_runtime.entrypoints.cli import DEFAULT_MODELS_DIR
 from omni_runtime.tiny_models import LLM_SUBDIR, ensure_tiny_models
 

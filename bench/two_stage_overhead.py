@@ -42,6 +42,7 @@ from openai import AsyncOpenAI
 from _load import (
     ManagedProcess,
     ServerStartError,
+    collect_results,
     exit_on_sigterm,
     free_port,
     markdown_table,
@@ -144,7 +145,6 @@ async def run_in_process(pipeline: PipelineConfig, args: argparse.Namespace) -> 
     )
     from omni_runtime.engine.stage.stage_core_types import StageDiffusionCoreRequest
     from omni_runtime.engine.stage.stage_llm_core_client import start_stage_llm_client
-    from omni_runtime.engine.stage.stage_llm_results import collect_results
 
     llm_stage, diffusion_stage = sorted(pipeline.stages, key=lambda s: s.stage_id)
     print("in-process: starting", file=sys.stderr, flush=True)

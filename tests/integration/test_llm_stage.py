@@ -19,7 +19,7 @@ import numpy as np
 import psutil
 import pytest
 import torch
-from stage_outputs import outputs_until_dead
+from stage_outputs import StageLLMResult, collect_results, outputs_until_dead
 from transformers import AutoModel, AutoModelForCausalLM
 from vllm import PoolingParams, SamplingParams
 from vllm.lora.request import LoRARequest
@@ -35,6 +35,7 @@ from omni_runtime.engine.stage.stage_core_types import (
     StageDiffusionCoreRequest,
     StageError,
     StageErrorCode,
+    StageLLMCoreOutput,
     StageLLMCoreRequest,
     StageServerOutput,
     StageServerRequest,
@@ -45,7 +46,6 @@ from omni_runtime.engine.stage.stage_llm_core_client import (
     start_stage_llm_client,
 )
 from omni_runtime.engine.stage.stage_llm_engine_config import StageLLMConfigError
-from omni_runtime.engine.stage.stage_llm_results import StageLLMResult, collect_results
 from omni_runtime.stage_server.frontend import StageConnectors
 from omni_runtime.stage_server.llm_frontend import StageLLMFrontend
 from omni_runtime.tiny_models import DIFFUSION_SUBDIR, HIDDEN_SIZE, LLM_SUBDIR
@@ -215,6 +215,30 @@ async def test_the_stage_frontend_streams_the_text_of_the_tokens(
         assert len([delta for delta in deltas if delta]) > 1
         assert (outputs[-1].finish_reason, outputs[-1].completion_tokens) == ("length", 24)
         assert frontend.in_flight == 0
+
+
+async def test_a_request_that_does_not_stream_gets_one_output_with_all_its_text(
+    text_client: LLMClient, llm_path: str
+) -> None:
+    pipeline = PipelineConfig.model_validate({"model": llm_path, "stages": [TEXT_STAGE]})
+    frontend = StageLLMFrontend(pipeline, TEXT_STAGE, text_client, StageConnectors({}))
+    params = {"max_tokens": 24, "ignore_eos": True}
+    streamed: list[StageServerOutput] = []
+    whole: list[StageServerOutput] = []
+    for request_id, stream, outputs in (("streamed", True, streamed), ("whole", False, whole)):
+        request = StageServerRequest(
+            request_id=request_id, prompt=PROMPTS[1], params=params, stream=stream
+        )
+        assert await frontend.add(request) == []
+        async with asyncio.timeout(DEADLINE_S):
+            while not (outputs and outputs[-1].finished):
+                outputs.extend(await frontend.next_outputs())
+    assert len(streamed) > 1
+    assert len(whole) == 1  # greedy: the same tokens, in one message
+    assert whole[0].token_ids == [t for output in streamed for t in output.token_ids]
+    assert whole[0].text == "".join(output.text for output in streamed)
+    assert (whole[0].finish_reason, whole[0].completion_tokens) == ("length", 24)
+    assert frontend.in_flight == 0
 
 
 async def test_chat_messages_go_through_the_models_template(
@@ -738,3 +762,13 @@ async def test_data_parallel_client_serves_across_both_engines(
     assert [output.error.code for output in finals[:2]] == [StageErrorCode.REQUEST_ID_IN_FLIGHT] * 2
     assert sum(data_parallel_client.engine_inflight.values()) == 0
     assert data_parallel_client.reqs_in_flight == {}
+
+
+async def test_result_joins_deltas_in_order_and_ends_at_the_last() -> None:
+    result = StageLLMResult("r")
+    result.add(StageLLMCoreOutput("r", [4]))
+    result.add(StageLLMCoreOutput("r", [9]), engine_index=1)
+    result.add(StageLLMCoreOutput("r", [2], finish_reason=FinishReason.STOP))
+    assert (result.token_ids, result.num_outputs, result.finished) == ([4, 9, 2], 3, True)
+    with pytest.raises(ValueError, match="after its last"):
+        result.add(StageLLMCoreOutput("r", [1]))

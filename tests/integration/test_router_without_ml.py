@@ -9,7 +9,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-
 from serving import free_port, wait_until
 
 pytestmark = pytest.mark.integration

@@ -285,7 +285,7 @@ def test_round_robin_spreads_evenly_and_an_added_replica_takes_traffic(
         for _ in range(2):
             ask_image(client, "a tree", height=32, width=32)
         # Added while serving: it joins the rotation.
-        router.replicas.add_address(DIT, dits[1])
+        router.replicas.set_addresses(DIT, dits[:2])
         wait_until(lambda: pool.live_replica_count == 2, 30, "second replica live")
         before = {s.address: s.done for s in pool.stats()}
         for _ in range(8):

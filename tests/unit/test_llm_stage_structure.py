@@ -3,6 +3,7 @@ pure parts (engine arguments from the schema, the core host, inputs from upstrea
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from typing import Generic
 
@@ -38,7 +39,6 @@ from omni_runtime.engine.stage.stage_llm_engine_config import (
     StageLLMConfigError,
     make_stage_llm_engine_args,
 )
-from omni_runtime.engine.stage.stage_llm_results import StageLLMResult
 from omni_runtime.engine.stage.zmq_stage_client import ZmqStageClientBase
 
 CONTRACT = (
@@ -262,23 +262,20 @@ def test_core_host() -> None:
     assert local == resolve({})
 
 
+@dataclasses.dataclass
+class _Upstream:
+    request_id: str
+    token_ids: list[int] = dataclasses.field(default_factory=list)
+    error: StageError | None = None
+
+
 def test_default_process_core_inputs_takes_the_generated_tokens() -> None:
-    first = StageLLMResult("a", token_ids=[5, 6, 2])
-    second = StageLLMResult("b", token_ids=[7])
+    first = _Upstream("a", token_ids=[5, 6, 2])
+    second = _Upstream("b", token_ids=[7])
     assert StageLLMCoreClientBase._default_process_core_inputs([first, second]) == [
         [5, 6, 2],
         [7],
     ]
-    encoded = StageLLMResult("c", hidden_states=torch.zeros(3, 128))
+    encoded = _Upstream("c")  # an encode stage generates no tokens
     with pytest.raises(ValueError, match="upstream request c has no prompt"):
         StageLLMCoreClientBase._default_process_core_inputs([encoded])
-
-
-def test_result_joins_deltas_in_order_and_ends_at_the_last() -> None:
-    result = StageLLMResult("r")
-    result.add(StageLLMCoreOutput("r", [4]))
-    result.add(StageLLMCoreOutput("r", [9]), engine_index=1)
-    result.add(StageLLMCoreOutput("r", [2], finish_reason=FinishReason.STOP))
-    assert (result.token_ids, result.num_outputs, result.finished) == ([4, 9, 2], 3, True)
-    with pytest.raises(ValueError, match="after its last"):
-        result.add(StageLLMCoreOutput("r", [1]))

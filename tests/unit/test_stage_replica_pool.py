@@ -278,20 +278,6 @@ async def test_a_failed_health_check_evicts_before_routing(make_pool: PoolFactor
     assert [s.replica_id for s in pool.stats()] == [1]
 
 
-async def test_check_replicas_evicts_the_unhealthy(make_pool: PoolFactory) -> None:
-    pool, (_, r1) = make_pool(2)
-    await pool.add_request(req("a"))
-    on_r1 = await pool.add_request(req("b"))
-    assert on_r1.replica_id == 1
-    r1.dead = "pod deleted"
-    assert pool.check_replicas() == [1]
-    with pytest.raises(
-        ReplicaLostError, match="health check failed: StageCoreDeadError: pod deleted"
-    ):
-        await collect(on_r1)
-    assert pool.check_replicas() == []
-
-
 async def test_a_replica_dying_on_send_is_skipped(make_pool: PoolFactory) -> None:
     pool, (r0, r1) = make_pool(2)
     r0.dead_on_send = True

@@ -44,9 +44,6 @@ class ReplicaConnector:
         self._addresses[stage_id] = set(addresses)
         self._wake.set()
 
-    def add_address(self, stage_id: int, address: str) -> None:
-        self.set_addresses(stage_id, {*self._addresses[stage_id], address})
-
     async def run(self) -> None:
         """Reconcile forever (cancel to stop)."""
         try:

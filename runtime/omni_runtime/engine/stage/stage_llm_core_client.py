@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import functools
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 from urllib.parse import urlsplit
 
 from vllm import envs
@@ -52,11 +52,21 @@ from omni_runtime.engine.stage.stage_llm_request_builder import (
     InvalidLLMRequestError,
     StageLLMRequestBuilder,
 )
-from omni_runtime.engine.stage.stage_llm_results import StageLLMResult
 from omni_runtime.net import advertised_host
 
 _T = TypeVar("_T")
 _WILDCARD_HOSTS = frozenset({"", "*", "0.0.0.0", "::"})
+
+
+class UpstreamResult(Protocol):
+    """What ``_default_process_core_inputs`` reads of an upstream LLM request's result."""
+
+    @property
+    def request_id(self) -> str: ...
+    @property
+    def token_ids(self) -> Sequence[int]: ...
+    @property
+    def error(self) -> StageError | None: ...
 
 
 class StageLLMCoreClientBase(StageCoreClientBase):
@@ -117,7 +127,7 @@ class StageLLMCoreClientBase(StageCoreClientBase):
         )
 
     @staticmethod
-    def _default_process_core_inputs(source_outputs: Sequence[StageLLMResult]) -> list[list[int]]:
+    def _default_process_core_inputs(source_outputs: Sequence[UpstreamResult]) -> list[list[int]]:
         """The prompt of this stage's next request for each upstream request: the token
         ids the upstream LLM generated (an upstream that encoded hidden states generated
         none, and cannot feed an LLM stage this way)."""

@@ -302,17 +302,6 @@ class StageReplicaPool:
                 )
         await self._stop(replica)
 
-    def check_replicas(self) -> list[int]:
-        """Run every replica's health check; evict those that fail. Returns their ids."""
-        evicted = []
-        for replica in list(self._replicas.values()):
-            try:
-                replica.client.check_health()
-            except Exception as e:
-                self._evict(replica, f"health check failed: {_describe(e)}")
-                evicted.append(replica.replica_id)
-        return evicted
-
     async def add_request(
         self, request: StageCoreRequest, *, sticky_key: str | None = None
     ) -> PoolRequest:
