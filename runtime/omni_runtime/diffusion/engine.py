@@ -23,6 +23,7 @@ import numpy as np
 
 from omni_runtime.engine.stage.stage_core_client import request_id_in_flight_error
 from omni_runtime.engine.stage.stage_core_types import (
+    InvalidStageRequestError,
     StageDiffusionCoreOutput,
     StageDiffusionCoreRequest,
     StageError,
@@ -74,17 +75,8 @@ class DiffusionParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 PARAM_NAMES = DiffusionParams.__struct_fields__
 
 
-class InvalidRequestError(ValueError):
-    """A request the engine refuses; the message starts with the offending field, which
-    ``param`` names (a sampling parameter by its own name: "height", not "params.height")."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
-
-    @property
-    def error(self) -> StageError:
-        return StageError.bad_request(str(self), self.param)
+class InvalidRequestError(InvalidStageRequestError):
+    """A request the diffusion engine refuses."""
 
 
 class RequestAbortedError(Exception):

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     )
 
 __all__ = [
+    "InvalidStageRequestError",
     "StageCoreOutput",
     "StageCoreOutputs",
     "StageCoreRequest",
@@ -91,6 +92,20 @@ class StageError(msgspec.Struct, array_like=True, omit_defaults=True, frozen=Tru
 
     def __str__(self) -> str:
         return self.message
+
+
+class InvalidStageRequestError(ValueError):
+    """A request a stage refuses, raised where it is checked; the message starts with the
+    offending field, which ``param`` names (a sampling parameter by its own name: "height",
+    not "params.height"). ``error`` is what goes on the wire."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+    @property
+    def error(self) -> StageError:
+        return StageError.bad_request(str(self), self.param)
 
 
 class StageCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -28,7 +28,10 @@ from vllm.renderers.params import ChatParams
 from vllm.v1.engine import EngineCoreRequest
 from vllm.v1.engine.input_processor import InputProcessor
 
-from omni_runtime.engine.stage.stage_core_types import StageError, StageLLMCoreRequest
+from omni_runtime.engine.stage.stage_core_types import (
+    InvalidStageRequestError,
+    StageLLMCoreRequest,
+)
 
 # The sampling parameters an engine core honours by itself. Others are front-end work that
 # a stage does not do (n > 1 fans out into several requests, stop strings need the
@@ -54,17 +57,8 @@ SAMPLING_PARAM_NAMES = (
 HIDDEN_STATES_POOLING = PoolingParams(task="token_embed", use_activation=False)
 
 
-class InvalidLLMRequestError(ValueError):
-    """A request the stage refuses; the message starts with the offending field, which
-    ``param`` names (a sampling parameter by its own name)."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
-
-    @property
-    def error(self) -> StageError:
-        return StageError.bad_request(str(self), self.param)
+class InvalidLLMRequestError(InvalidStageRequestError):
+    """A request the LLM stage refuses before it reaches the core."""
 
 
 class StageLLMRequestBuilder:
