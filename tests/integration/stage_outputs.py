@@ -92,3 +92,19 @@ async def collect_results(
                 if output.finish_reason is not None:
                     pending.discard(output.request_id)
     return results
+
+
+# The LLM core's introspection utilities (StageLLMCoreProc.stage_info, describe_request),
+# called as vLLM calls any core utility: on every data parallel core.
+async def stage_info(client: Any, timeout: float = 30) -> list[dict[str, Any]]:
+    """Facts each core reports about itself, one entry per data parallel rank."""
+    async with asyncio.timeout(timeout):
+        answers: list[dict[str, Any]] = await client.call_utility_all_async("stage_info")
+    return answers
+
+
+async def describe_request(client: Any, request_id: str, timeout: float = 30) -> Any:
+    """A running request's state on its core (None if no core has it unfinished)."""
+    async with asyncio.timeout(timeout):
+        answers = await client.call_utility_all_async("describe_request", request_id)
+    return next((answer for answer in answers if answer is not None), None)

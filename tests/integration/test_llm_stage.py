@@ -19,7 +19,13 @@ import numpy as np
 import psutil
 import pytest
 import torch
-from stage_outputs import StageLLMResult, collect_results, outputs_until_dead
+from stage_outputs import (
+    StageLLMResult,
+    collect_results,
+    describe_request,
+    outputs_until_dead,
+    stage_info,
+)
 from transformers import AutoModel, AutoModelForCausalLM
 from vllm import PoolingParams, SamplingParams
 from vllm.lora.request import LoRARequest
@@ -322,7 +328,7 @@ async def test_abort_and_additional_information_on_the_scheduled_request(
     )
     first = await text_client.get_outputs_async()
     assert first.outputs[0].request_id == "long"
-    scheduled = await text_client.describe_request_async("long")
+    scheduled = await describe_request(text_client, "long")
     assert scheduled is not None
     assert scheduled["additional_information"] == info
     await text_client.abort_requests_async(["long"])
@@ -334,7 +340,7 @@ async def test_abort_and_additional_information_on_the_scheduled_request(
                 result.add(output)
     assert result.aborted
     assert len(result.token_ids) < 400
-    assert await text_client.describe_request_async("long") is None
+    assert await describe_request(text_client, "long") is None
     await run_good(text_client, "after-abort")
 
 
@@ -554,8 +560,8 @@ async def test_hidden_states_condition_the_diffusion_stage(
 async def test_cores_report_themselves_and_run_collective_rpc(
     text_client: LLMClient, encode_client: LLMClient
 ) -> None:
-    (text_info,) = await text_client.stage_info_async()
-    (encode_info,) = await encode_client.stage_info_async()
+    (text_info,) = await stage_info(text_client)
+    (encode_info,) = await stage_info(encode_client)
     assert (text_info["runner"], encode_info["runner"]) == ("generate", "pooling")
     assert "token_embed" in encode_info["supported_tasks"]
     # Pickle stays off in the cores as well as here.
@@ -724,7 +730,7 @@ async def test_data_parallel_client_serves_across_both_engines(
     data_parallel_client: LLMClient,
 ) -> None:
     assert isinstance(data_parallel_client, DPLBStageLLMCoreClient)
-    infos = await data_parallel_client.stage_info_async()
+    infos = await stage_info(data_parallel_client)
     assert sorted(info["engine_index"] for info in infos) == [0, 1]
     assert len({info["pid"] for info in infos}) == 2
     ids = [f"dp-{index}" for index in range(8)]

@@ -229,17 +229,6 @@ class StageLLMCoreClientBase(StageCoreClientBase):
         if self.resources.engine_dead or (manager is not None and manager.finished_procs()):
             raise StageCoreDeadError(self._dead_reason()) from EngineDeadError()
 
-    async def stage_info_async(self) -> list[dict[str, Any]]:
-        """Facts each core reports about itself, one entry per data parallel rank."""
-        return await self._until_core_dies(self.call_utility_all_async("stage_info"))
-
-    async def describe_request_async(self, request_id: str) -> dict[str, Any] | None:
-        """A running request's state on its core (None if no core has it unfinished)."""
-        answers = await self._until_core_dies(
-            self.call_utility_all_async("describe_request", request_id)
-        )
-        return next((answer for answer in answers if answer is not None), None)
-
     def _init_stage(
         self,
         init_transport: Callable[[], None],
