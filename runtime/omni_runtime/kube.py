@@ -333,7 +333,11 @@ class KubeClient:
         if self.config.reload is None:
             return self.config
         config = await self._run(self.config.reload)
-        self.config, self._api = config, self._api_client(config)
+        previous, self._api = self._api, self._api_client(config)
+        self.config = config
+        # Calls under the old credentials were failing anyway (this follows a 401); its
+        # connections go with it rather than staying open until exit.
+        previous.close()
         return config
 
     async def _run(self, fn: Callable[..., T], *args: Any) -> T:

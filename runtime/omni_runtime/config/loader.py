@@ -117,7 +117,7 @@ def _read(path: Path) -> Any:
             raise PipelineConfigError([(where, message)], source=where) from None
         except RecursionError:
             raise PipelineConfigError([(where, _too_deep())], source=where) from None
-        if _depth(data) > MAX_NESTING:
+        if nesting_depth(data, MAX_NESTING) > MAX_NESTING:
             raise PipelineConfigError([(where, _too_deep())], source=where)
         return data
     try:
@@ -135,16 +135,19 @@ def _too_deep() -> str:
     return f"nested deeper than {MAX_NESTING} levels; a pipeline file needs a handful"
 
 
-def _depth(data: Any) -> int:
-    """How deep lists and maps nest in ``data`` (iterative: the input may be deep)."""
-    deepest, stack = 0, [(data, 1)]
+def nesting_depth(value: Any, limit: int) -> int:
+    """How deep lists and maps nest in ``value`` (parsed JSON or YAML), counted up to
+    ``limit`` + 1. Iterative: the input may be nested deeper than Python can recurse."""
+    deepest, stack = 0, [(value, 1)]
     while stack:
-        value, depth = stack.pop()
-        children = value.values() if isinstance(value, dict) else value
-        if isinstance(value, dict | list):
-            deepest = max(deepest, depth)
-            if depth <= MAX_NESTING:
-                stack.extend((child, depth + 1) for child in children)
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            item = item.values()
+        elif not isinstance(item, list):
+            continue
+        deepest = max(deepest, depth)
+        if depth <= limit:
+            stack.extend((child, depth + 1) for child in item)
     return deepest
 
 

@@ -322,19 +322,15 @@ def _parse_params(params: dict[str, Any], where: str) -> DiffusionParams:
 
 
 def _invalid_params(error: msgspec.ValidationError, where: str) -> InvalidRequestError:
-    # msgspec gives the field only in its text, e.g. "Expected `int` >= 1 - at `$.height`"
-    # or "Object contains unknown field `foo`": both become "field: what is wrong".
+    # An unknown field is named in the text alone ("Object contains unknown field `foo`");
+    # the list of allowed ones is what the caller needs to fix it.
     message = str(error)
     unknown = re.fullmatch(r"Object contains unknown field `(.+)`", message)
     if unknown:
         name = unknown.group(1)
         allowed = ", ".join(PARAM_NAMES)
         return InvalidRequestError(f"{where}.{name}: unknown parameter (allowed: {allowed})", name)
-    located = re.fullmatch(r"(.*) - at `\$\.?(.*)`", message)
-    if located:
-        name = located.group(2)
-        return InvalidRequestError(f"{where}.{name}: {located.group(1)}", name or None)
-    return InvalidRequestError(f"{where}: {message}")
+    return InvalidRequestError.from_validation(error, where)
 
 
 def _size_multiple(pipeline: Any) -> int:

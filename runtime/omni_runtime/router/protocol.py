@@ -19,6 +19,7 @@ import numpy as np
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
 
+from omni_runtime.config.loader import nesting_depth
 from omni_runtime.images import decode_image
 from omni_runtime.router.orchestrator import OutputKind, PipelineRequest
 
@@ -270,28 +271,13 @@ def decode_json(raw: bytes, limits: RouterLimits) -> Any:
         if "depth limit" in str(e):
             raise RequestError(400, _too_deep(limits)) from None
         raise RequestError(400, f"the body is not valid JSON: {e}") from None
-    if _nesting(body, limits.max_json_nesting) > limits.max_json_nesting:
+    if nesting_depth(body, limits.max_json_nesting) > limits.max_json_nesting:
         raise RequestError(400, _too_deep(limits))
     return body
 
 
 def _too_deep(limits: RouterLimits) -> str:
     return f"the body nests deeper than {limits.max_json_nesting} levels of arrays and objects"
-
-
-def _nesting(value: Any, limit: int) -> int:
-    """How deep arrays and objects nest in ``value``, counted up to ``limit`` + 1."""
-    deepest, stack = 0, [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if isinstance(item, dict):
-            item = item.values()
-        elif not isinstance(item, list):
-            continue
-        deepest = max(deepest, depth)
-        if depth <= limit:
-            stack.extend((child, depth + 1) for child in item)
-    return deepest
 
 
 def parse_body(model: type[_Body], body: Any) -> Any:

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import enum
 import importlib
-from typing import TYPE_CHECKING, Any
+import re
+from typing import TYPE_CHECKING, Any, Self
 
 import msgspec
 import numpy as np
@@ -106,6 +107,19 @@ class InvalidStageRequestError(ValueError):
     @property
     def error(self) -> StageError:
         return StageError.bad_request(str(self), self.param)
+
+    @classmethod
+    def from_validation(cls, error: msgspec.ValidationError, where: str) -> Self:
+        """The refusal of params that msgspec could not convert, ``where`` naming them.
+
+        msgspec gives the field only in its text ("Expected `int` >= 1 - at `$.height`"):
+        it becomes "params.height: Expected `int` >= 1", param "height".
+        """
+        message = str(error)
+        located = re.fullmatch(r"(.*) - at `\$\.?(.*)`", message)
+        if located and located[2]:
+            return cls(f"{where}.{located[2]}: {located[1]}", located[2])
+        return cls(f"{where}: {located[1] if located else message}")
 
 
 class StageCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

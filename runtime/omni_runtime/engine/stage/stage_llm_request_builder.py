@@ -15,7 +15,6 @@ is wrong in a message that starts with it, e.g. ``params.temperature: ...``.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -218,13 +217,7 @@ def _convert_sampling_params(params: Mapping[str, Any], where: str) -> SamplingP
     except VLLMValidationError as e:
         raise _invalid_from_vllm(e, where) from None
     except msgspec.ValidationError as e:
-        # msgspec gives the path only in its text: "Expected `int | null`, got `str` - at
-        # `$.max_tokens`" -> "params.max_tokens: ...", param max_tokens.
-        located = re.fullmatch(r"(.*) - at `\$\.(.*)`", str(e))
-        if located:
-            name = located[2]
-            raise InvalidLLMRequestError(f"{where}.{name}: {located[1]}", name) from None
-        raise InvalidLLMRequestError(f"{where}: {e}") from None
+        raise InvalidLLMRequestError.from_validation(e, where) from None
     return sampling_params
 
 
