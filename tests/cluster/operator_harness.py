@@ -1,4 +1,5 @@
-"""The operator as the cluster tests run it: `kopf run` in a process of its own."""
+"""The operator as the cluster tests run it (`kopf run` in a process of its own), and the
+objects several cluster tests make by hand."""
 
 from __future__ import annotations
 
@@ -125,3 +126,22 @@ def example(name: str, *, metadata_name: str | None = None) -> dict[str, Any]:
         body["metadata"]["name"] = metadata_name
     body["metadata"].pop("namespace", None)
     return body
+
+
+def endpoint_slice(namespace: str, address: tuple[str, int], ready: bool) -> dict[str, Any]:
+    return {
+        "apiVersion": "discovery.k8s.io/v1",
+        "kind": "EndpointSlice",
+        "metadata": {
+            "name": "stages-hand",
+            "namespace": namespace,
+            "labels": {
+                "kubernetes.io/service-name": "stages",
+                # Not the EndpointSlice controller's, so that it leaves the slice alone.
+                "endpointslice.kubernetes.io/managed-by": "omni-test",
+            },
+        },
+        "addressType": "IPv4",
+        "endpoints": [{"addresses": [address[0]], "conditions": {"ready": ready}}],
+        "ports": [{"name": "stage-0", "port": address[1], "protocol": "TCP"}],
+    }

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 import yaml
-from operator_harness import CRD_FILE, OperatorProcess, example, free_port
+from operator_harness import CRD_FILE, OperatorProcess, endpoint_slice, example, free_port
 
 from omni_runtime.kube import KubeApiError, KubeClient, load_kube_config
 
@@ -253,23 +253,7 @@ def test_router_discovery_works_through_the_plugin_and_stops_cleanly(
     eventually(lambda: logged("stage 0 (dit): 0 replica(s)"), timeout=60, what="first list")
     assert via_plugin.runs(), "the router never ran the exec plugin"
     # A documentation address: nothing answers there, and nothing needs to.
-    kube.apply(
-        {
-            "apiVersion": "discovery.k8s.io/v1",
-            "kind": "EndpointSlice",
-            "metadata": {
-                "name": "stages-hand",
-                "namespace": namespace,
-                "labels": {
-                    "kubernetes.io/service-name": "stages",
-                    "endpointslice.kubernetes.io/managed-by": "omni-test",
-                },
-            },
-            "addressType": "IPv4",
-            "endpoints": [{"addresses": ["192.0.2.7"], "conditions": {"ready": True}}],
-            "ports": [{"name": "stage-0", "port": 52007, "protocol": "TCP"}],
-        }
-    )
+    kube.apply(endpoint_slice(namespace, ("192.0.2.7", 52007), ready=True))
     # Seen through the watch (the list came before the slice existed).
     eventually(
         lambda: logged("stage 0 (dit): 1 replica(s): 192.0.2.7:52007"),

@@ -29,6 +29,7 @@ import httpx
 import openai
 import psutil
 import pytest
+from operator_harness import endpoint_slice
 from PIL import Image
 
 from omni_runtime.kube import (
@@ -291,25 +292,6 @@ def router(kube: Kube, namespace: str, pipeline_file: Path, tmp_path: Path) -> I
         yield Router(proc, f"http://127.0.0.1:{port}", log)
     finally:
         stop(proc)
-
-
-def endpoint_slice(namespace: str, address: tuple[str, int], ready: bool) -> dict[str, Any]:
-    return {
-        "apiVersion": "discovery.k8s.io/v1",
-        "kind": "EndpointSlice",
-        "metadata": {
-            "name": "stages-hand",
-            "namespace": namespace,
-            "labels": {
-                "kubernetes.io/service-name": "stages",
-                # Not the EndpointSlice controller's, so that it leaves the slice alone.
-                "endpointslice.kubernetes.io/managed-by": "omni-test",
-            },
-        },
-        "addressType": "IPv4",
-        "endpoints": [{"addresses": [address[0]], "conditions": {"ready": ready}}],
-        "ports": [{"name": "stage-0", "port": address[1], "protocol": "TCP"}],
-    }
 
 
 @pytest.mark.integration
