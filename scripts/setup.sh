@@ -108,6 +108,10 @@ link_venv() {
     if [ -x "$venv/bin/omni-runtime" ] && [ -x "$venv/bin/kopf" ] \
         && [ "$(cat "$pth_file" 2>/dev/null)" = "$pth_line" ] \
         && "$venv/bin/python" -c 'import omni_runtime, omni_operator' 2>/dev/null; then
+        # The code is live (editable), but the entry points and scripts are the metadata
+        # of pyproject.toml as it was at install time.
+        [ "$(cat "$venv/pyproject.sha256" 2>/dev/null)" = "$(pyproject_hash)" ] \
+            || install_project "$venv"
         return 0
     fi
     log "linking $venv to the base environment"
@@ -115,10 +119,19 @@ link_venv() {
     "$PYTHON" -m venv --without-pip "$venv"
     # addsitedir (not a bare path) so that the base's own .pth files are processed too.
     echo "$pth_line" >"$pth_file"
+    install_project "$venv"
+    link_commands "$base" "$venv"
+}
+
+pyproject_hash() { sha256sum "$ROOT/pyproject.toml" | cut -c1-16; }
+
+install_project() {
+    local venv=$1
+    log "installing the project into $venv"
     "$venv/bin/python" -m pip --disable-pip-version-check install -q --no-deps \
         --no-build-isolation -e "$ROOT" 2>"$venv/install.log" \
         || { cat "$venv/install.log" >&2; exit 1; }
-    link_commands "$base" "$venv"
+    pyproject_hash >"$venv/pyproject.sha256"
 }
 
 link_commands() {

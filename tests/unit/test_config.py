@@ -286,13 +286,13 @@ def test_bagel_topology_matches_by_last_path_component(model: str) -> None:
     assert [(s.type, s.name) for s in config.stages] == [("llm", "thinker"), ("diffusion", "dit")]
 
 
-@pytest.mark.parametrize("model", ["Qwen/Qwen2.5-7B-Instruct", "/models/bagel/qwen-image", ""])
+@pytest.mark.parametrize("model", ["Qwen/Qwen2.5-7B-Instruct", "/models/qwen-image/sdxl", ""])
 def test_other_models_have_no_topology(model: str) -> None:
     assert find_topology(model) is None
 
 
 def test_unknown_model_without_types_asks_for_type() -> None:
-    error = errors_of(seed_mapping(), model="Qwen/Qwen-Image-Edit")
+    error = errors_of(seed_mapping(), model="stabilityai/sdxl-turbo")
     paths = [path for path, _ in error.issues]
     assert paths == ["stages[0].type", "stages[1].type"]
     for _, message in error.issues:
@@ -303,7 +303,7 @@ def test_unknown_model_with_types_loads_and_names_default_to_stage_id() -> None:
     data = seed_mapping()
     data["stages"][0]["type"] = "llm"
     data["stages"][1]["type"] = "diffusion"
-    config = load_pipeline(data, model="Qwen/Qwen-Image-Edit")
+    config = load_pipeline(data, model="stabilityai/sdxl-turbo")
     assert [(s.type, s.name) for s in config.stages] == [
         ("llm", "stage-0"),
         ("diffusion", "stage-1"),
@@ -554,7 +554,7 @@ INVALID: list[tuple[str, list[tuple[str, Any]], str, str]] = [
     ),
     ("router-port", [("router", {"port": 70000})], "router.port", "65535"),
     ("router-policy", [("router", {"policy": "random"})], "router.policy", "'sticky'"),
-    ("unknown-top-level-key", [("stagez", [])], "stagez", "allowed: model, asyncChunk, stages"),
+    ("unknown-top-level-key", [("stagez", [])], "stagez", "allowed: model, asyncChunk, family"),
 ]
 
 

@@ -13,6 +13,7 @@ import yaml
 from pydantic import ValidationError
 
 from .errors import PipelineConfigError, join_path
+from .families import read_checkpoint_family
 from .models import PipelineConfig
 
 # A file may hold the pipeline at its root (the engine's deploy YAML), under this key, or as
@@ -48,7 +49,7 @@ def load_pipeline(
     if model is not None:
         data = {**data, "model": model}
     try:
-        return PipelineConfig.model_validate(data)
+        return with_checkpoint_family(PipelineConfig.model_validate(data))
     except ValidationError as error:
         # `from None`: pydantic's own dump is what this error exists to replace.
         found = PipelineConfigError.from_validation_error(error, PipelineConfig, source=origin)
@@ -58,6 +59,21 @@ def load_pipeline(
             if not _follows_from_missing_model(path, message, found.issues)
         ]
         raise PipelineConfigError(issues, source=origin) from None
+
+
+def with_checkpoint_family(config: PipelineConfig) -> PipelineConfig:
+    """``config`` with its family filled in from the DiT's checkpoint, where it names none
+    and the checkpoint is a local directory whose model_index.json gives a known family."""
+    if config.family is not None:
+        return config
+    for stage in config.stages:
+        if stage.type == "diffusion":
+            family = read_checkpoint_family(config.stage_model(stage))
+            if family is not None:
+                return PipelineConfig.model_validate(
+                    {**dump_pipeline(config), "family": family.name}
+                )
+    return config
 
 
 def dump_pipeline(config: PipelineConfig) -> dict[str, Any]:

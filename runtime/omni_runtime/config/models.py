@@ -24,6 +24,7 @@ from pydantic import (
 from pydantic.alias_generators import to_camel
 
 from .errors import PipelineConfigError
+from .families import FAMILIES, FAMILY_NAMES, Family, FamilyName, family_of_model_name
 from .topologies import STAGE_TYPES, StageType, find_topology
 
 LLMOutput = Literal["text", "hidden_states"]
@@ -376,6 +377,13 @@ class PipelineConfig(_Model):
         description="The seed's async_chunk flag (stream a stage's output to the next in "
         "chunks); accepted for compatibility, not used by this runtime.",
     )
+    family: FamilyName | None = Field(
+        default=None,
+        description="The model family whose encoder and DiT the stages split: "
+        + ", ".join(FAMILY_NAMES)
+        + ". Found from the model's name or its model_index.json where left out; none: an "
+        "LLM's last hidden states condition the DiT as they are.",
+    )
     stages: list[StageConfig] = Field(min_length=1, description="The stages, by stageId.")
     connectors: dict[str, ConnectorConfig] = Field(
         default_factory=dict,
@@ -395,6 +403,10 @@ class PipelineConfig(_Model):
         if not isinstance(data, Mapping):
             return data
         model, stages = data.get("model"), data.get("stages")
+        if isinstance(model, str) and data.get("family") is None:
+            family = family_of_model_name(model)
+            if family is not None:
+                data = {**data, "family": family.name}
         topology = find_topology(model) if isinstance(model, str) else None
         if topology is None or not isinstance(stages, list):
             return data
@@ -405,7 +417,10 @@ class PipelineConfig(_Model):
             )
             known = topology.stage(stage_id) if type(stage_id) is int else None
             if known is not None:
-                stage = {"type": known.type, "name": known.name, **stage}
+                defaults: dict[str, Any] = {"type": known.type, "name": known.name}
+                if known.output is not None:
+                    defaults["output"] = known.output
+                stage = {**defaults, **stage}
             filled.append(stage)
         return {**data, "stages": filled}
 
@@ -448,9 +463,35 @@ class PipelineConfig(_Model):
                     issues.append(
                         (path, f"unknown connector {connector!r}; defined connectors: {connectors}")
                     )
+        if self.family is not None:
+            issues += self._family_issues(index_of_id)
         if issues:
             raise PipelineConfigError(issues)
         return self
+
+    def _family_issues(self, index_of_id: Mapping[int, int]) -> list[tuple[str, str]]:
+        """A family's pipeline ends in its DiT; an LLM stage feeding it hands over hidden
+        states (the family's embeddings), not text."""
+        last = max(self.stages, key=lambda s: s.stage_id)
+        if last.type != "diffusion":
+            where = f"stages[{index_of_id[last.stage_id]}].type"
+            return [(where, f"a {self.family} pipeline ends in its DiT, a diffusion stage")]
+        issues = []
+        for upstream in last.input_stages:
+            stage = self.stages[index_of_id[upstream]] if upstream in index_of_id else None
+            if stage is not None and stage.type == "llm" and stage.output != "hidden_states":
+                issues.append(
+                    (
+                        f"stages[{index_of_id[upstream]}].output",
+                        f"the encoder of a {self.family} pipeline outputs hidden_states",
+                    )
+                )
+        return issues
+
+    @property
+    def family_recipe(self) -> Family | None:
+        """The recipe of the pipeline's model family, if it has one."""
+        return FAMILIES[self.family] if self.family is not None else None
 
     def stage_model(self, stage: StageConfig) -> str:
         """The model ``stage`` loads: its own, else the pipeline's."""

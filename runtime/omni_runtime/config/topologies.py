@@ -26,6 +26,8 @@ class TopologyStage:
     stage_id: int
     name: str
     type: StageType
+    # LLM stages: what they output (text unless the topology says otherwise).
+    output: Literal["text", "hidden_states"] | None = None
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,18 @@ TOPOLOGIES: Mapping[str, Topology] = MappingProxyType(
                 TopologyStage(stage_id=1, name="dit", type="diffusion"),
             ),
         ),
+        # An LLM encodes the prompt (and the input image, for an edit) into the hidden
+        # states a DiT denoises with (config.families has what each computes).
+        **{
+            key: Topology(
+                key=key,
+                stages=(
+                    TopologyStage(stage_id=0, name="encoder", type="llm", output="hidden_states"),
+                    TopologyStage(stage_id=1, name="dit", type="diffusion"),
+                ),
+            )
+            for key in ("qwen-image", "qwen-image-edit", "z-image")
+        },
     }
 )
 

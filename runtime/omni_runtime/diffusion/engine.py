@@ -1,4 +1,10 @@
-"""DiffusionEngine: one local diffusers text-to-image pipeline, served request by request.
+"""DiffusionEngine: one local diffusers pipeline, served request by request.
+
+A pipeline of a known family (``config.families``: Qwen-Image, Qwen-Image-Edit, Z-Image)
+fed by an encoder stage is loaded without its text encoder, tokenizer and processor, and
+takes the encoder's embeddings (and the negative prompt's, for guidance) the way the
+family's pipeline takes its own: padded with a mask, or as rows. Any other pipeline takes
+upstream hidden states as ``prompt_embeds`` as they are.
 
 The engine owns validation: a request is checked against the loaded pipeline (sizes it can
 make, whether it takes an input image, its conditioning width) before any compute, and a
@@ -11,7 +17,9 @@ and the inline client admit, abort and run requests through it
 
 from __future__ import annotations
 
+import inspect
 import logging
+import os
 import re
 import threading
 import time
@@ -21,6 +29,7 @@ from typing import Annotated, Any
 import msgspec
 import numpy as np
 
+from omni_runtime.config.families import FAMILIES, Family, family_of_pipeline_class
 from omni_runtime.engine.stage.stage_core_client import request_id_in_flight_error
 from omni_runtime.engine.stage.stage_core_types import (
     InvalidStageRequestError,
@@ -56,22 +65,35 @@ class DiffusionEngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=
     # "auto": the first visible GPU if there is one (the stage's process sees only its
     # `devices`), else the CPU; "cpu" forces the CPU; "cuda" / "cuda:N" insist on a GPU.
     device: str = "auto"
+    # The model family (config.families) whose pipeline the checkpoint holds; None: any
+    # other pipeline, which must then be of no known family.
+    family: str | None = None
+    # Whether an encoder stage upstream computes the text embeddings: a family's
+    # checkpoint is then loaded without its text components (the encoder stage has them).
+    text_from_upstream: bool = False
 
 
 class DiffusionParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """The sampling parameters a diffusion request may carry (``params`` on the wire)."""
+    """The sampling parameters a diffusion request may carry (``params`` on the wire).
+
+    None (or left out) is the loaded pipeline's own default, as its ``__call__`` has it;
+    a parameter the pipeline does not take is refused by name."""
 
     height: Annotated[int, msgspec.Meta(ge=1, le=MAX_SIDE)] | None = None
     width: Annotated[int, msgspec.Meta(ge=1, le=MAX_SIDE)] | None = None
-    num_inference_steps: Annotated[int, msgspec.Meta(ge=1, le=1000)] = 20
-    guidance_scale: Annotated[float, msgspec.Meta(ge=0.0)] = 7.5
+    num_inference_steps: Annotated[int, msgspec.Meta(ge=1, le=1000)] | None = None
+    guidance_scale: Annotated[float, msgspec.Meta(ge=0.0)] | None = None
+    # Qwen-Image's classifier-free guidance (> 1 with a negative prompt).
+    true_cfg_scale: Annotated[float, msgspec.Meta(ge=0.0)] | None = None
     seed: Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)] | None = None
     negative_prompt: str | None = None
     num_images: Annotated[int, msgspec.Meta(ge=1, le=MAX_IMAGES)] = 1
     # Image-to-image only: how far from the input image to go (1.0 ignores it).
-    strength: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] = 0.8
+    strength: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] | None = None
 
 
+# Parameters passed to the pipeline's __call__ under their own name when set.
+_CALL_PARAMS = ("num_inference_steps", "guidance_scale", "true_cfg_scale", "strength")
 PARAM_NAMES = DiffusionParams.__struct_fields__
 
 
@@ -99,17 +121,34 @@ class DiffusionEngine:
         self.config = config
         _parse_params(config.default_params, "defaultSamplingParams")
         self._torch_dtype = getattr(torch, _DTYPES[config.dtype])
+        self.family = _family(config.family)
+        left_out: dict[str, None] = {}
+        if self.family is not None and config.text_from_upstream:
+            left_out = dict.fromkeys(self.family.dit.text_components)
+        # A hub id is fetched into HF_HOME (without the left-out components' files).
         self.pipeline = DiffusionPipeline.from_pretrained(
-            config.model, local_files_only=True, dtype=self._torch_dtype
+            config.model,
+            local_files_only=os.path.isdir(config.model),
+            dtype=self._torch_dtype,
+            **left_out,
         )
+        _check_family(type(self.pipeline).__name__, self.family)
         self.device = _choose_device(config.device)
         self.pipeline.to(self.device)
         self.pipeline.set_progress_bar_config(disable=True)
-        try:
-            self._img2img = AutoPipelineForImage2Image.from_pipe(self.pipeline)
-            self._img2img.set_progress_bar_config(disable=True)
-        except ValueError:
-            self._img2img = None  # this pipeline family has no image-to-image variant
+        self._img2img = None
+        if self.family is None:
+            try:
+                self._img2img = AutoPipelineForImage2Image.from_pipe(self.pipeline)
+                self._img2img.set_progress_bar_config(disable=True)
+            except ValueError:
+                pass  # this pipeline family has no image-to-image variant
+        # What the pipeline's __call__ takes, so a parameter it would ignore or choke on
+        # is refused by name instead.
+        self._call_params = frozenset(inspect.signature(self.pipeline.__call__).parameters)
+        self.takes_image = self._img2img is not None or (
+            self.family is not None and self.family.dit.takes_image
+        )
         self.size_multiple = _size_multiple(self.pipeline)
         self.default_size = _default_size(self.pipeline)
         self.conditioning_width = _conditioning_width(self.pipeline)
@@ -155,6 +194,8 @@ class DiffusionEngine:
             "default_size": list(self.default_size),
             "conditioning_width": self.conditioning_width,
             "image_to_image": self._img2img is not None,
+            "family": self.family.name if self.family is not None else None,
+            "takes_image": self.takes_image,
         }
 
     def validate(self, request: StageDiffusionCoreRequest) -> DiffusionParams:
@@ -162,26 +203,37 @@ class DiffusionEngine:
         # The request's own params alone first, so an error names what the caller sent.
         _parse_params(request.params, "params")
         params = _parse_params({**self.config.default_params, **request.params}, "params")
-        if self.max_steps is not None and params.num_inference_steps > self.max_steps:
+        steps = params.num_inference_steps
+        if self.max_steps is not None and steps is not None and steps > self.max_steps:
             raise InvalidRequestError(
                 f"num_inference_steps: at most {self.max_steps} for this pipeline's scheduler "
-                f"(got {params.num_inference_steps})",
+                f"(got {steps})",
                 "num_inference_steps",
             )
+        self._check_call_params(params)
         if request.prompt is None and request.prompt_embeds is None:
             raise InvalidRequestError(
                 "prompt: required (or prompt_embeds from an upstream stage)", "prompt"
             )
-        if request.prompt_embeds is not None:
-            shape = tuple(request.prompt_embeds.shape)
+        if request.prompt_embeds is None and self.family and self.config.text_from_upstream:
+            raise InvalidRequestError(
+                "prompt_embeds: this stage's text encoder is the encoder stage; its "
+                "embeddings are required",
+                "prompt_embeds",
+            )
+        for name in ("prompt_embeds", "negative_prompt_embeds"):
+            embeds = getattr(request, name)
+            if embeds is None:
+                continue
+            shape = tuple(embeds.shape)
             if len(shape) != 2 or shape[0] < 1 or shape[1] != self.conditioning_width:
                 raise InvalidRequestError(
-                    f"prompt_embeds: expected shape [tokens, {self.conditioning_width}], "
+                    f"{name}: expected shape [tokens, {self.conditioning_width}], "
                     f"got {list(shape)}",
-                    "prompt_embeds",
+                    name,
                 )
         if request.image is not None:
-            if self._img2img is None:
+            if not self.takes_image:
                 raise InvalidRequestError(
                     "image: this pipeline does not take an input image", "image"
                 )
@@ -192,23 +244,41 @@ class DiffusionEngine:
                     f"{list(image.shape)}",
                     "image",
                 )
+            if self.family is None:
+                # Image-to-image makes an image the size of its input unless told.
+                if params.height is None:
+                    params.height = int(image.shape[0])
+                if params.width is None:
+                    params.width = int(image.shape[1])
+        elif self.family is not None and self.family.dit.takes_image:
+            raise InvalidRequestError(
+                f"image: required: a {self.family.name} pipeline edits an input image", "image"
+            )
+        if self.family is None:
+            # A family's pipeline sizes its output itself (an edit: from its input image).
             if params.height is None:
-                params.height = int(image.shape[0])
+                params.height = self.default_size[0]
             if params.width is None:
-                params.width = int(image.shape[1])
-        if params.height is None:
-            params.height = self.default_size[0]
-        if params.width is None:
-            params.width = self.default_size[1]
+                params.width = self.default_size[1]
         for name in ("height", "width"):
             value = getattr(params, name)
-            if value % self.size_multiple:
+            if value is not None and value % self.size_multiple:
                 raise InvalidRequestError(
                     f"{name}: must be a multiple of {self.size_multiple} for this pipeline "
                     f"(got {value})",
                     name,
                 )
         return params
+
+    def _check_call_params(self, params: DiffusionParams) -> None:
+        pipeline = type(self.pipeline).__name__
+        for name in _CALL_PARAMS:
+            if getattr(params, name) is not None and name not in self._call_params:
+                if name == "strength" and self._img2img is not None:
+                    continue  # taken by the image-to-image variant
+                raise InvalidRequestError(
+                    f"{name}: not a parameter of this pipeline ({pipeline})", name
+                )
 
     def execute(self, request: StageDiffusionCoreRequest) -> StageDiffusionCoreOutput:
         """Run one (admitted) request to completion, and release its id. Never raises for a
@@ -269,35 +339,103 @@ class DiffusionEngine:
             return tensors
 
         kwargs: dict[str, Any] = {
-            "num_inference_steps": params.num_inference_steps,
-            "guidance_scale": params.guidance_scale,
-            "num_images_per_prompt": params.num_images,
-            "output_type": "np",
-            "callback_on_step_end": on_step_end,
+            name: value for name in _CALL_PARAMS if (value := getattr(params, name)) is not None
         }
+        kwargs.update(
+            num_images_per_prompt=params.num_images,
+            output_type="np",
+            callback_on_step_end=on_step_end,
+        )
+        if params.height is not None and params.width is not None:
+            kwargs.update(height=params.height, width=params.width)
         if params.seed is not None:
             kwargs["generator"] = torch.Generator("cpu").manual_seed(params.seed)
         if request.prompt_embeds is not None:
-            embeds = torch.as_tensor(
-                np.array(request.prompt_embeds), dtype=self._torch_dtype, device=self.device
-            )
-            kwargs["prompt_embeds"] = embeds.unsqueeze(0)
-            # Classifier-free guidance needs an unconditional branch of the same shape.
-            kwargs["negative_prompt_embeds"] = torch.zeros_like(kwargs["prompt_embeds"])
+            kwargs.update(self._embeds_kwargs(request))
         else:
             kwargs["prompt"] = request.prompt
             kwargs["negative_prompt"] = params.negative_prompt
+        image = None
+        if request.image is not None:
+            image = Image.fromarray(np.asarray(request.image), mode="RGB")
         with torch.inference_mode():
-            if request.image is not None:
-                assert self._img2img is not None
-                image = Image.fromarray(np.asarray(request.image), mode="RGB")
+            if image is not None and self._img2img is not None:
                 if image.size != (params.width, params.height):
                     image = image.resize((params.width, params.height), Image.Resampling.BICUBIC)
-                result = self._img2img(image=image, strength=params.strength, **kwargs)
+                kwargs.pop("height", None), kwargs.pop("width", None)
+                result = self._img2img(image=image, **kwargs)
+            elif image is not None:
+                result = self.pipeline(image=image, **kwargs)
             else:
-                result = self.pipeline(height=params.height, width=params.width, **kwargs)
+                kwargs.pop("strength", None)
+                result = self.pipeline(**kwargs)
         images = np.asarray(result.images)
         return np.clip(np.round(images * 255.0), 0, 255).astype(np.uint8)
+
+    def _embeds_kwargs(self, request: StageDiffusionCoreRequest) -> dict[str, Any]:
+        """The pipeline arguments that carry upstream embeddings, as its family takes them."""
+        import torch
+
+        def tensor(array: np.ndarray) -> Any:
+            return torch.as_tensor(np.array(array), dtype=self._torch_dtype, device=self.device)
+
+        assert request.prompt_embeds is not None
+        positive = tensor(request.prompt_embeds)
+        negative = None
+        if request.negative_prompt_embeds is not None:
+            negative = tensor(request.negative_prompt_embeds)
+        if self.family is None:
+            # Guidance needs an unconditional branch of the prompt's shape; an LLM has no
+            # hidden states for an empty prompt, so zeros stand for it.
+            return {
+                "prompt_embeds": positive.unsqueeze(0),
+                "negative_prompt_embeds": torch.zeros_like(positive).unsqueeze(0),
+            }
+        if self.family.dit.embeds == "rows":
+            return {
+                "prompt_embeds": [positive],
+                "negative_prompt_embeds": [negative] if negative is not None else None,
+            }
+        # One prompt, so no padding: the mask is all ones.
+        result = {
+            "prompt_embeds": positive.unsqueeze(0),
+            "prompt_embeds_mask": _ones_mask(positive),
+        }
+        if negative is not None:
+            result["negative_prompt_embeds"] = negative.unsqueeze(0)
+            result["negative_prompt_embeds_mask"] = _ones_mask(negative)
+        return result
+
+
+def _ones_mask(embeds: Any) -> Any:
+    import torch
+
+    return torch.ones((1, embeds.shape[0]), dtype=torch.long, device=embeds.device)
+
+
+def _family(name: str | None) -> Family | None:
+    if name is None:
+        return None
+    if name not in FAMILIES:
+        raise InvalidRequestError(f"family: {name!r} is not one of {', '.join(FAMILIES)}", "family")
+    return FAMILIES[name]
+
+
+def _check_family(pipeline_class: str, family: Family | None) -> None:
+    """A checkpoint's pipeline must be the family's; one of a known family must be named,
+    since without its recipe upstream embeddings would enter it wrongly."""
+    if family is not None and pipeline_class != family.dit.pipeline_class:
+        raise InvalidRequestError(
+            f"family: {family.name} runs {family.dit.pipeline_class}, but the checkpoint "
+            f"holds a {pipeline_class}",
+            "family",
+        )
+    if family is None and (found := family_of_pipeline_class(pipeline_class)) is not None:
+        raise InvalidRequestError(
+            f"family: the checkpoint holds a {pipeline_class}: set family: {found.name} "
+            "in the pipeline",
+            "family",
+        )
 
 
 def _choose_device(device: str) -> str:
@@ -341,6 +479,11 @@ def _size_multiple(pipeline: Any) -> int:
         # Each down block but the last halves the latent.
         downsamples: int = len(unet.config.block_out_channels) - 1
         return int(vae_scale * 2**downsamples)
+    processor = getattr(pipeline, "image_processor", None)
+    if processor is not None:
+        # Transformer pipelines pack latents into patches; their image processor is built
+        # with the multiple that makes (VAE scale times patch size).
+        return int(processor.config.vae_scale_factor)
     transformer = getattr(pipeline, "transformer", None)
     patch = int(getattr(getattr(transformer, "config", None), "patch_size", 1) or 1)
     return vae_scale * patch
@@ -362,4 +505,9 @@ def _conditioning_width(pipeline: Any) -> int:
         return int(unet.config.cross_attention_dim)
     transformer = getattr(pipeline, "transformer", None)
     config = getattr(transformer, "config", None)
-    return int(getattr(config, "joint_attention_dim", 0) or 0)
+    # MMDiTs (Qwen-Image) call it joint_attention_dim, Z-Image's DiT cap_feat_dim.
+    for name in ("joint_attention_dim", "cap_feat_dim"):
+        width = getattr(config, name, None)
+        if width:
+            return int(width)
+    return 0

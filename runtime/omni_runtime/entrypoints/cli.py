@@ -328,6 +328,7 @@ def _generate(args: argparse.Namespace) -> int:
 async def _generate_async(
     args: argparse.Namespace, model: str, prompts: list[str], width: int, height: int
 ) -> int:
+    from omni_runtime.config.families import read_checkpoint_family
     from omni_runtime.diffusion.engine import DiffusionEngineConfig
     from omni_runtime.diffusion.stage.generate import generate
     from omni_runtime.diffusion.stage.inline_stage_diffusion_client import (
@@ -340,7 +341,9 @@ async def _generate_async(
     from omni_runtime.engine.stage.stage_core_types import StageDiffusionCoreRequest
     from omni_runtime.images import encode_png
 
-    config = DiffusionEngineConfig(model=model)
+    # The whole checkpoint (its own text encoder included), run as its family's pipeline.
+    family = read_checkpoint_family(model)
+    config = DiffusionEngineConfig(model=model, family=family.name if family else None)
     start = time.perf_counter()
     client: InlineStageDiffusionClient | StageDiffusionCoreClient
     try:

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from omni_runtime.config import PipelineConfig, StageConfig, stage_port
+from omni_runtime.config.families import EncoderRecipe
 from omni_runtime.connectors import ConnectorError
 from omni_runtime.engine.stage.stage_core_client import StageCoreClientBase, StageCoreStartupError
 from omni_runtime.stage_server.frontend import (
@@ -66,6 +67,21 @@ def resolve_model(model: str) -> str:
     return os.path.expanduser(os.path.expandvars(model))
 
 
+def _is_hub_id(model: str) -> bool:
+    return not os.path.isdir(model) and not model.startswith(("/", ".", "~"))
+
+
+def fetch_encoder_files(hub_id: str, encoder: EncoderRecipe) -> str:
+    """The local snapshot of the parts of a family's checkpoint its encoder stage loads
+    (the text encoder and its tokenizer or processor), fetched into HF_HOME if not there."""
+    from huggingface_hub import snapshot_download
+
+    folders = (encoder.text_encoder_subfolder, encoder.tokenizer_subfolder)
+    patterns = ["model_index.json", *(f"{folder}/*" for folder in folders)]
+    path: str = snapshot_download(hub_id, allow_patterns=patterns)
+    return path
+
+
 def start_frontend(
     pipeline: PipelineConfig,
     stage: StageConfig,
@@ -95,7 +111,13 @@ def start_frontend(
             from omni_runtime.stage_server.llm_frontend import StageLLMFrontend
 
             try:
-                llm_client = start_stage_llm_client(stage, model, startup_timeout=startup_timeout)
+                family = pipeline.family_recipe
+                encoder = family.encoder if family and stage.output == "hidden_states" else None
+                if encoder is not None and stage.model is None and _is_hub_id(model):
+                    model = fetch_encoder_files(model, encoder)
+                llm_client = start_stage_llm_client(
+                    stage, model, encoder=encoder, startup_timeout=startup_timeout
+                )
             except StageLLMConfigError as e:
                 raise StageStartError(f"stage {stage.name!r}: {e}") from None
             return StageLLMFrontend(pipeline, stage, llm_client, connectors)
@@ -105,16 +127,18 @@ def start_frontend(
         )
         from omni_runtime.stage_server.diffusion_frontend import StageDiffusionFrontend
 
-        if not os.path.isdir(model):
+        if not os.path.isdir(model) and not _is_hub_id(model):
             raise StageStartError(
                 f"stage {stage.name!r}: model {model} is not a directory (a diffusion stage "
-                "loads a local diffusers pipeline)"
+                "loads a local diffusers pipeline, or one by its hub id, org/name)"
             )
         config = DiffusionEngineConfig(
             model=model,
             dtype=stage.dtype or "float32",
             default_params=dict(stage.default_sampling_params),
             device="cpu" if stage.devices == "cpu" else "auto",
+            family=pipeline.family,
+            text_from_upstream=bool(stage.input_connectors),
         )
         client = StageDiffusionCoreClient(config, startup_timeout=startup_timeout)
         return StageDiffusionFrontend(pipeline, stage, client, connectors)

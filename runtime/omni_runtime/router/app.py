@@ -3,6 +3,8 @@
     POST /v1/chat/completions    text (``stream`` as SSE) for pipelines ending in an LLM;
                                  ``modalities: ["image"]`` for pipelines ending in diffusion
     POST /v1/images/generations  b64_json images
+    POST /v1/images/edits        b64_json images from an input image (multipart/form-data:
+                                 image, prompt, n, size, ...; image-to-image diffusion)
     GET  /v1/models              the one served model
     GET  /health                 200 when every stage has a live replica, else 503 naming them
     GET  /livez                  200 while the process serves (liveness: not about replicas)
@@ -31,9 +33,11 @@ from omni_runtime.router.metrics import RouterMetrics
 from omni_runtime.router.orchestrator import PipelineError
 from omni_runtime.router.protocol import (
     ChatCompletionRequest,
+    ImageEditForm,
     ImageGenerationRequest,
     RequestError,
     RouterLimits,
+    body_too_large,
     decode_json,
     parse_body,
 )
@@ -86,6 +90,11 @@ def create_app(
         body = parse_body(ImageGenerationRequest, await read_json(request, serving.limits))
         return await serving.images(body, request)
 
+    @app.post("/v1/images/edits")
+    async def images_edits(request: Request) -> Response:
+        body, image = (await read_form(request, serving.limits)).finish()
+        return await serving.image_edits(body, image, request)
+
     @app.get("/v1/models")
     async def models() -> Response:
         return JSONBody(serving.models())
@@ -112,21 +121,31 @@ async def read_json(request: Request, limits: RouterLimits) -> Any:
         raise RequestError(
             415, f"Content-Type must be application/json (got {content_type or 'none'!r})"
         )
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limits.max_body_bytes:
-        raise RequestError(413, _too_large(limits))
+    _check_declared_length(request, limits)
     chunks: list[bytes] = []
     size = 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > limits.max_body_bytes:
-            raise RequestError(413, _too_large(limits))
+            raise body_too_large(limits)
         chunks.append(chunk)
     return decode_json(b"".join(chunks), limits)
 
 
-def _too_large(limits: RouterLimits) -> str:
-    return f"the body is over the limit of {limits.max_body_bytes // (1024 * 1024)} MiB"
+async def read_form(request: Request, limits: RouterLimits) -> ImageEditForm:
+    """The request's multipart/form-data body, parsed as it streams in, each limit enforced
+    on the way (``ImageEditForm``): nothing past a limit is read, let alone held."""
+    form = ImageEditForm(request.headers.get("content-type", ""), limits)
+    _check_declared_length(request, limits)
+    async for chunk in request.stream():
+        form.feed(chunk)
+    return form
+
+
+def _check_declared_length(request: Request, limits: RouterLimits) -> None:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limits.max_body_bytes:
+        raise body_too_large(limits)
 
 
 class _CountRequests:

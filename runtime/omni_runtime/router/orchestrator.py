@@ -2,7 +2,11 @@
 
 Stage 0 gets the caller's prompt (or chat messages); each later stage gets its upstream's
 output: text as its prompt, or hidden states as ``prompt_embeds``, by a connector handle
-that the orchestrator passes on without ever holding the array. The last stage's outputs
+that the orchestrator passes on without ever holding the array. In a model family's
+pipeline (``config.families``) the encoder stage gets the prompt text (and, for an edit,
+the input image, which the DiT gets too), and where the DiT will run guidance a companion
+request of the same stage encodes the negative prompt, whose handle goes to the DiT as
+``negative_prompt_embeds``. The last stage's outputs
 are what the caller receives (streamed text, or images). Each stage's replica comes from
 its StageReplicaPool.
 
@@ -18,13 +22,14 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import numpy as np
 
 from omni_runtime.config import PipelineConfig, StageConfig
+from omni_runtime.connectors.base import ConnectorHandle
 from omni_runtime.engine.stage.stage_core_types import (
     StageError,
     StageErrorCode,
@@ -39,6 +44,7 @@ from omni_runtime.engine.stage.stage_replica_pool import (
 )
 
 logger = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 OutputKind = Literal["text", "image"]
 # One retry: a second lost replica in a row says more about the stage than the request.
@@ -168,19 +174,57 @@ class PipelineOrchestrator:
     ) -> AsyncIterator[StageServerOutput]:
         upstream: StageServerOutput | None = None
         upstream_text = ""
+        negative: ConnectorHandle | None = None
         for index, stage in enumerate(self.stages):
-            last = index == len(self.stages) - 1
-            stage_request = self._stage_request(request, attempt, index, upstream, upstream_text)
-            text_parts: list[str] = []
-            final: StageServerOutput | None = None
-            async for output in self._run_stage(stage, stage_request, request.sticky_key):
-                if last:
+            stage_request = self._stage_request(
+                request, attempt, index, upstream, upstream_text, negative
+            )
+            if index == len(self.stages) - 1:
+                async for output in self._run_stage(stage, stage_request, request.sticky_key):
                     yield output
-                text_parts.append(output.text)
-                if output.finished:
-                    final = output
-            assert final is not None
-            upstream, upstream_text = final, "".join(text_parts)
+                return
+            companion = self._negative_request(request, index, stage_request)
+            runs = [self._final_output(stage, stage_request, request.sticky_key)]
+            if companion is not None:
+                runs.append(self._final_output(stage, companion, request.sticky_key))
+            results = await _all_or_none(runs)
+            upstream, upstream_text = results[0]
+            negative = results[1][0].prompt_embeds if companion is not None else None
+
+    async def _final_output(
+        self, stage: StageConfig, stage_request: StageServerRequest, sticky_key: str | None
+    ) -> tuple[StageServerOutput, str]:
+        """The final output of a stage that feeds another, and all of its text."""
+        text_parts: list[str] = []
+        final: StageServerOutput | None = None
+        async for output in self._run_stage(stage, stage_request, sticky_key):
+            text_parts.append(output.text)
+            if output.finished:
+                final = output
+        assert final is not None
+        return final, "".join(text_parts)
+
+    def _negative_request(
+        self, request: PipelineRequest, index: int, stage_request: StageServerRequest
+    ) -> StageServerRequest | None:
+        """The companion request that encodes the negative prompt, where the stage at
+        ``index`` is a family's encoder and the DiT it feeds will run guidance."""
+        family = self.pipeline.family_recipe
+        stage = self.stages[index]
+        if family is None or stage.type != "llm" or stage.output != "hidden_states":
+            return None
+        dit = self.stages[-1]
+        negative = family.negative_prompt(
+            {**dit.default_sampling_params, **request.diffusion_params}
+        )
+        if negative is None:
+            return None
+        return StageServerRequest(
+            request_id=f"{stage_request.request_id}-negative",
+            prompt=negative,
+            image=stage_request.image,
+            output_connector=stage_request.output_connector,
+        )
 
     def _stage_request(
         self,
@@ -189,8 +233,10 @@ class PipelineOrchestrator:
         index: int,
         upstream: StageServerOutput | None,
         upstream_text: str,
+        negative: ConnectorHandle | None,
     ) -> StageServerRequest:
         stage = self.stages[index]
+        family = self.pipeline.family_recipe
         # Ids are unique per stage and attempt: a retried request must not collide with
         # what a replica may still hold of the first attempt.
         request_id = f"{request.request_id}-{attempt}" if attempt else request.request_id
@@ -202,21 +248,23 @@ class PipelineOrchestrator:
                 result.stream = request.stream and index == len(self.stages) - 1
             else:
                 result.output_connector = self._output_connector(index)
-            if upstream is None:
-                result.prompt, result.messages = request.prompt, request.messages
-            else:
+            if upstream is not None:
                 result.prompt = upstream_text
+            elif family is not None and stage.output == "hidden_states":
+                # A family's encoder applies the family's own template to the prompt text.
+                result.prompt = _prompt_text(request)
+                if family.encoder.takes_image:
+                    result.image = request.image
+            else:
+                result.prompt, result.messages = request.prompt, request.messages
             return result
         result.params = dict(request.diffusion_params)
         result.image = request.image
         if upstream is None:
-            result.prompt = (
-                request.prompt
-                if request.prompt is not None
-                else _last_user_text(request.messages or [])
-            )
+            result.prompt = _prompt_text(request)
         elif upstream.prompt_embeds is not None:
             result.prompt_embeds = upstream.prompt_embeds
+            result.negative_prompt_embeds = negative
         else:
             result.prompt = upstream_text
         return result
@@ -262,6 +310,25 @@ def _stage_error(stage: StageConfig, error: StageError) -> PipelineError:
     # Only a bad request is the caller's to fix, so only then is a field of theirs named.
     param = error.param if error.code is StageErrorCode.BAD_REQUEST else None
     return PipelineError(status, f"stage {stage.name!r}: {error.message}", kind=kind, param=param)
+
+
+def _prompt_text(request: PipelineRequest) -> str:
+    """The caller's prompt as text: its prompt, else its last user message."""
+    if request.prompt is not None:
+        return request.prompt
+    return _last_user_text(request.messages or [])
+
+
+async def _all_or_none(runs: Sequence[Awaitable[_T]]) -> list[_T]:
+    """The results of ``runs``, run concurrently; if one fails, the others are cancelled
+    (aborting their requests) and awaited, and its error is raised."""
+    tasks = [asyncio.ensure_future(run) for run in runs]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _last_user_text(messages: Sequence[Mapping[str, str]]) -> str:

@@ -5,6 +5,8 @@ Bodies are validated here, before any stage sees them, so that a bad request is 
 OpenAI refuses them. The image extensions of vLLM-Omni's API are accepted on chat
 completions: ``modalities: ["image"]`` with height, width, num_inference_steps,
 guidance_scale, seed and negative_prompt; input images come as data URLs in the content.
+/v1/images/edits takes OpenAI's multipart form (``ImageEditForm`` parses it as it arrives,
+within the limits) with the same extensions as form fields.
 """
 
 from __future__ import annotations
@@ -13,15 +15,20 @@ import base64
 import binascii
 import re
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import numpy as np
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
+from python_multipart.exceptions import FormParserError
+from python_multipart.multipart import MultipartParser, parse_options_header
 
 from omni_runtime.config.loader import nesting_depth
 from omni_runtime.images import decode_image
 from omni_runtime.router.orchestrator import OutputKind, PipelineRequest
+
+if TYPE_CHECKING:
+    from python_multipart.multipart import MultipartCallbacks
 
 
 @dataclass(frozen=True)
@@ -87,7 +94,10 @@ class StreamOptions(_Body):
     include_usage: StrictBool = False
 
 
-NonNegativeFloat = Annotated[float, Field(ge=0)]
+# JSON has no inf or nan, but form fields do ("inf" parses as a float): refused for both.
+NonNegativeFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+Strength = Annotated[float, Field(gt=0, le=1)]
+Seed = Annotated[StrictInt, Field(ge=0, le=2**63 - 1)]
 
 
 class ChatCompletionRequest(_Body):
@@ -106,7 +116,7 @@ class ChatCompletionRequest(_Body):
     presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
     repetition_penalty: Annotated[float, Field(gt=0)] | None = None
-    seed: Annotated[StrictInt, Field(ge=0, le=2**63 - 1)] | None = None
+    seed: Seed | None = None
     n: Annotated[StrictInt, Field(ge=1)] = 1
     user: str | None = None
     # vLLM-Omni's image generation extensions.
@@ -115,8 +125,9 @@ class ChatCompletionRequest(_Body):
     width: Annotated[StrictInt, Field(ge=1)] | None = None
     num_inference_steps: Annotated[StrictInt, Field(ge=1)] | None = None
     guidance_scale: NonNegativeFloat | None = None
+    true_cfg_scale: NonNegativeFloat | None = None
     negative_prompt: str | None = None
-    strength: Annotated[float, Field(gt=0, le=1)] | None = None
+    strength: Strength | None = None
 
     def has_input_image(self) -> bool:
         """Whether converting this request decodes an image (worth a thread of its own)."""
@@ -173,6 +184,7 @@ class ChatCompletionRequest(_Body):
                     width=self.width,
                     num_inference_steps=self.num_inference_steps,
                     guidance_scale=self.guidance_scale,
+                    true_cfg_scale=self.true_cfg_scale,
                     seed=self.seed,
                     negative_prompt=self.negative_prompt,
                     num_images=self.n,
@@ -211,47 +223,95 @@ _LLM_PARAMS = (
 )
 
 
-class ImageGenerationRequest(_Body):
-    """POST /v1/images/generations."""
+class _ImageRequest(_Body):
+    """What /v1/images/generations and /v1/images/edits share: the prompt, how many images
+    of what size, and the diffusion stage's params; one place checks them all."""
 
     prompt: str = Field(min_length=1)
     model: str | None = None
     n: Annotated[StrictInt, Field(ge=1)] = 1
     size: str | None = None
-    response_format: Literal["b64_json"] = "b64_json"
-    seed: Annotated[StrictInt, Field(ge=0, le=2**63 - 1)] | None = None
+    # OpenAI's default is "url" for its older models; this server keeps no files to link to.
+    response_format: str = "b64_json"
+    seed: Seed | None = None
     num_inference_steps: Annotated[StrictInt, Field(ge=1)] | None = None
     guidance_scale: NonNegativeFloat | None = None
+    # Qwen-Image's classifier-free guidance scale (with a negative prompt).
+    true_cfg_scale: NonNegativeFloat | None = None
     negative_prompt: str | None = None
     user: str | None = None
+
+    def _diffusion_params(
+        self, output_kind: OutputKind, limits: RouterLimits, **more: Any
+    ) -> dict[str, Any]:
+        """The diffusion stage's params for these images (``more``: those of one path);
+        RequestError naming the field when the pipeline makes no images or a field is over
+        a limit."""
+        if output_kind != "image":
+            raise RequestError(
+                400,
+                "this pipeline ends in an LLM stage and makes no images; use /v1/chat/completions",
+            )
+        if self.response_format != "b64_json":
+            raise RequestError(
+                400,
+                "response_format: only 'b64_json' is supported (images come back in the "
+                f"response; this server keeps no files to link to); got {self.response_format!r}",
+                param="response_format",
+            )
+        check_common(limits, len(self.prompt), self.n, self.num_inference_steps, "prompt")
+        height, width = parse_size(self.size, limits)
+        return _given(
+            height=height,
+            width=width,
+            num_inference_steps=self.num_inference_steps,
+            guidance_scale=self.guidance_scale,
+            true_cfg_scale=self.true_cfg_scale,
+            seed=self.seed,
+            negative_prompt=self.negative_prompt,
+            num_images=self.n,
+            **more,
+        )
+
+    def _pipeline_request(
+        self, request_id: str, params: dict[str, Any], image: np.ndarray | None = None
+    ) -> PipelineRequest:
+        return PipelineRequest(
+            request_id=request_id,
+            # As a chat message: an LLM first stage reads it through its chat template, like
+            # the same prompt sent to /v1/chat/completions.
+            messages=[{"role": "user", "content": self.prompt}],
+            diffusion_params=params,
+            image=image,
+            sticky_key=self.user,
+        )
+
+
+class ImageGenerationRequest(_ImageRequest):
+    """POST /v1/images/generations (a JSON body)."""
 
     def to_pipeline_request(
         self, request_id: str, output_kind: OutputKind, limits: RouterLimits
     ) -> PipelineRequest:
         """The pipeline request for these images; RequestError naming the field when the
         pipeline makes no images or the request is over a limit."""
-        if output_kind != "image":
-            raise RequestError(
-                400,
-                "this pipeline ends in an LLM stage and makes no images; use /v1/chat/completions",
-            )
-        check_common(limits, len(self.prompt), self.n, self.num_inference_steps)
-        height, width = parse_size(self.size, limits)
-        return PipelineRequest(
-            request_id=request_id,
-            # As a chat message: an LLM first stage reads it through its chat template, like
-            # the same prompt sent to /v1/chat/completions.
-            messages=[{"role": "user", "content": self.prompt}],
-            diffusion_params=_given(
-                height=height,
-                width=width,
-                num_inference_steps=self.num_inference_steps,
-                guidance_scale=self.guidance_scale,
-                seed=self.seed,
-                negative_prompt=self.negative_prompt,
-                num_images=self.n,
-            ),
-            sticky_key=self.user,
+        return self._pipeline_request(request_id, self._diffusion_params(output_kind, limits))
+
+
+class ImageEditRequest(_ImageRequest):
+    """POST /v1/images/edits: the form's fields (the image travels beside, as bytes)."""
+
+    strength: Strength | None = None
+
+    def to_pipeline_request(
+        self, request_id: str, output_kind: OutputKind, limits: RouterLimits, image: bytes
+    ) -> PipelineRequest:
+        """The pipeline request that edits ``image`` (a PNG/JPEG/... file's bytes), decoded
+        last, once every field has passed; RequestError naming the field otherwise. The
+        decode takes milliseconds: call this off the event loop."""
+        params = self._diffusion_params(output_kind, limits, strength=self.strength)
+        return self._pipeline_request(
+            request_id, params, decode_input_image(image, limits, "image")
         )
 
 
@@ -287,9 +347,13 @@ def parse_body(model: type[_Body], body: Any) -> Any:
     try:
         return model.model_validate(body)
     except ValidationError as e:
-        first = e.errors(include_url=False)[0]
-        path = _path(first["loc"])
-        raise RequestError(400, f"{path}: {_describe(first)}", param=path) from None
+        raise _first_error(e) from None
+
+
+def _first_error(error: ValidationError) -> RequestError:
+    first = error.errors(include_url=False)[0]
+    path = _path(first["loc"])
+    return RequestError(400, f"{path}: {_describe(first)}", param=path)
 
 
 def _path(loc: tuple[Any, ...]) -> str:
@@ -321,12 +385,18 @@ def _short(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def check_common(limits: RouterLimits, prompt_chars: int, n: int, steps: int | None) -> None:
+def check_common(
+    limits: RouterLimits,
+    prompt_chars: int,
+    n: int,
+    steps: int | None,
+    prompt_param: str = "messages",
+) -> None:
     if prompt_chars > limits.max_prompt_chars:
         raise RequestError(
             400,
             f"prompt is {prompt_chars} characters; the limit is {limits.max_prompt_chars}",
-            param="messages",
+            param=prompt_param,
         )
     if n > limits.max_n:
         raise RequestError(400, f"n: at most {limits.max_n} (got {n})", param="n")
@@ -379,20 +449,39 @@ def decode_data_url(url: str, limits: RouterLimits, where: str) -> np.ndarray:
         )
     payload = url[match.end() :]
     if len(payload) * 3 // 4 > limits.max_input_image_bytes:
-        raise RequestError(
-            413,
-            f"{where}: the image is over {limits.max_input_image_bytes // (1024 * 1024)} MiB",
-            param=where,
-        )
+        raise image_too_large(limits, where)
     try:
         data = base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError):
         raise RequestError(400, f"{where}: the data URL is not valid base64", param=where) from None
+    return decode_input_image(data, limits, where)
+
+
+def decode_input_image(data: bytes, limits: RouterLimits, where: str) -> np.ndarray:
+    """An input image file's bytes as uint8 RGB, within the limits; RequestError naming
+    ``where`` (413 over the bytes limit, 400 over the pixels limit, read from the header
+    before the pixels are decoded, or not an image)."""
+    if len(data) > limits.max_input_image_bytes:
+        raise image_too_large(limits, where)
     try:
-        image = decode_image(data, max_pixels=limits.max_input_image_pixels)
+        return decode_image(data, max_pixels=limits.max_input_image_pixels)
     except ValueError as e:
         raise RequestError(400, f"{where}: {e}", param=where) from None
-    return image
+
+
+def image_too_large(limits: RouterLimits, where: str) -> RequestError:
+    return RequestError(
+        413, f"{where}: the image is over {_amount(limits.max_input_image_bytes)}", param=where
+    )
+
+
+def body_too_large(limits: RouterLimits) -> RequestError:
+    return RequestError(413, f"the body is over the limit of {_amount(limits.max_body_bytes)}")
+
+
+def _amount(size: int) -> str:
+    mib = 1024 * 1024
+    return f"{size // mib} MiB" if size >= mib and size % mib == 0 else f"{size} bytes"
 
 
 def flatten_messages(
@@ -414,3 +503,150 @@ def flatten_messages(
                 images.append(decode_data_url(part.image_url.url, limits, where))
         flat.append({"role": message.role, "content": "\n".join(texts)})
     return flat, images
+
+
+# The form's image part: "image" as the openai client sends one file, "image[]" as newer
+# clients send a list (of which this server takes one).
+_IMAGE_PARTS = ("image", "image[]")
+_UNSUPPORTED_PARTS = {
+    "mask": "inpainting masks are not supported here; send the image alone (all of it is "
+    "edited, as far as strength says)",
+}
+_EDIT_FIELDS = frozenset(ImageEditRequest.model_fields)
+
+
+class ImageEditForm:
+    """A /v1/images/edits ``multipart/form-data`` body, parsed chunk by chunk as it arrives.
+
+    Every limit holds while the body streams in, so nothing is held past its limit: the
+    whole body at ``max_body_bytes`` (413), the image at ``max_input_image_bytes`` (413
+    naming ``image``), a text field at 4 bytes (UTF-8's most) per character of
+    ``max_prompt_chars`` (413 naming it); python-multipart bounds each part's headers. A
+    second image, a mask, a field given twice or one that is not part of this API is refused
+    (400 naming it) as soon as its part's headers arrive, before its data: so a form has at
+    most one part per field.
+    """
+
+    def __init__(self, content_type: str, limits: RouterLimits) -> None:
+        media, options = parse_options_header(content_type)
+        if media != b"multipart/form-data":
+            raise RequestError(
+                415,
+                f"Content-Type must be multipart/form-data (got {content_type or 'none'!r})",
+            )
+        boundary = options.get(b"boundary")
+        if not boundary:
+            raise RequestError(
+                400, "Content-Type: multipart/form-data needs its boundary parameter"
+            )
+        self.limits = limits
+        self.fields: dict[str, str] = {}
+        self.image: bytes | None = None
+        self._max_field_bytes = 4 * limits.max_prompt_chars
+        self._received = 0
+        self._ended = False
+        self._header = bytearray()
+        self._value = bytearray()
+        self._disposition = b""
+        self._name = ""
+        self._data = bytearray()
+        callbacks: MultipartCallbacks = {
+            "on_part_begin": self._part_begin,
+            "on_header_field": self._header_field,
+            "on_header_value": self._header_value,
+            "on_header_end": self._header_end,
+            "on_headers_finished": self._headers_finished,
+            "on_part_data": self._part_data,
+            "on_part_end": self._part_end,
+            "on_end": self._end,
+        }
+        self._parser = MultipartParser(boundary, callbacks)
+
+    def feed(self, chunk: bytes) -> None:
+        """The body's next bytes; RequestError as soon as they break a limit or the format."""
+        self._received += len(chunk)
+        if self._received > self.limits.max_body_bytes:
+            raise body_too_large(self.limits)
+        try:
+            self._parser.write(chunk)
+        except FormParserError as e:
+            raise RequestError(400, f"the body is not valid multipart/form-data: {e}") from None
+
+    def finish(self) -> tuple[ImageEditRequest, bytes]:
+        """The validated fields and the image's bytes, once the whole body is fed."""
+        if not self._ended:
+            raise RequestError(
+                400, "the body is not valid multipart/form-data: it ends before its last boundary"
+            )
+        if self.image is None:
+            raise RequestError(400, "image: required (a file part named image)", param="image")
+        try:
+            # Form fields are text: "2" is the integer 2 here, "abc" is not.
+            request = ImageEditRequest.model_validate_strings(self.fields)
+        except ValidationError as e:
+            raise _first_error(e) from None
+        return request, self.image
+
+    # -- python-multipart's callbacks --------------------------------------------------
+
+    def _part_begin(self) -> None:
+        self._disposition = b""
+        self._data = bytearray()
+
+    def _header_field(self, data: bytes, start: int, end: int) -> None:
+        self._header += data[start:end]
+
+    def _header_value(self, data: bytes, start: int, end: int) -> None:
+        self._value += data[start:end]
+
+    def _header_end(self) -> None:
+        if self._header.lower() == b"content-disposition":
+            self._disposition = bytes(self._value)
+        self._header = bytearray()
+        self._value = bytearray()
+
+    def _headers_finished(self) -> None:
+        _, options = parse_options_header(self._disposition)
+        raw = options.get(b"name")
+        if not raw:
+            raise RequestError(
+                400, 'a form part has no name (Content-Disposition: form-data; name="...")'
+            )
+        name = raw.decode("utf-8", errors="replace")
+        label = name if len(name) <= 60 else name[:57] + "..."
+        self._name = name
+        if name in _IMAGE_PARTS:
+            if self.image is not None:
+                raise RequestError(400, "image: one input image per request", param="image")
+        elif name in _UNSUPPORTED_PARTS:
+            raise RequestError(400, f"{name}: {_UNSUPPORTED_PARTS[name]}", param=name)
+        elif name not in _EDIT_FIELDS:
+            raise RequestError(400, f"{label}: unknown field (not part of this API)", param=label)
+        elif name in self.fields:
+            raise RequestError(400, f"{name}: given more than once", param=name)
+
+    def _part_data(self, data: bytes, start: int, end: int) -> None:
+        if len(self._data) + end - start > self._part_limit():
+            if self._name in _IMAGE_PARTS:
+                raise image_too_large(self.limits, "image")
+            raise RequestError(
+                413, f"{self._name}: over {self._part_limit()} bytes", param=self._name
+            )
+        self._data += data[start:end]
+
+    def _part_limit(self) -> int:
+        if self._name in _IMAGE_PARTS:
+            return self.limits.max_input_image_bytes
+        return self._max_field_bytes
+
+    def _part_end(self) -> None:
+        if self._name in _IMAGE_PARTS:
+            self.image = bytes(self._data)
+            return
+        try:
+            self.fields[self._name] = self._data.decode("utf-8")
+        except UnicodeDecodeError:
+            raise RequestError(400, f"{self._name}: not UTF-8 text", param=self._name) from None
+
+    def _end(self) -> None:
+        self._ended = True

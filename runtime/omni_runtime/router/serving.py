@@ -33,6 +33,7 @@ from omni_runtime.router.metrics import RouterMetrics
 from omni_runtime.router.orchestrator import PipelineError, PipelineOrchestrator, PipelineRequest
 from omni_runtime.router.protocol import (
     ChatCompletionRequest,
+    ImageEditRequest,
     ImageGenerationRequest,
     RequestError,
     RouterLimits,
@@ -143,10 +144,19 @@ class OpenAIServing:
         request = body.to_pipeline_request(
             f"img-{uuid.uuid4().hex}", self.orchestrator.output_kind, self.limits
         )
-        outputs = await self._run_to_end(request, http)
-        encoded = await asyncio.to_thread(_png_base64, outputs[-1].images)
-        data = [{"b64_json": b64} for b64 in encoded]
-        return JSONBody({"created": int(time.time()), "data": data})
+        return await self._images_response(request, http)
+
+    async def image_edits(self, body: ImageEditRequest, image: bytes, http: Request) -> Response:
+        self._check_model(body.model)
+        # Decoding the image (PIL) takes milliseconds: not on the event loop.
+        request = await asyncio.to_thread(
+            body.to_pipeline_request,
+            f"img-{uuid.uuid4().hex}",
+            self.orchestrator.output_kind,
+            self.limits,
+            image,
+        )
+        return await self._images_response(request, http)
 
     def models(self) -> dict[str, Any]:
         return {
@@ -184,6 +194,12 @@ class OpenAIServing:
             await pool.close()
 
     # -- running requests --------------------------------------------------------------
+
+    async def _images_response(self, request: PipelineRequest, http: Request) -> Response:
+        outputs = await self._run_to_end(request, http)
+        encoded = await asyncio.to_thread(_png_base64, outputs[-1].images)
+        data = [{"b64_json": b64} for b64 in encoded]
+        return JSONBody({"created": int(time.time()), "data": data})
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.served_model_name:

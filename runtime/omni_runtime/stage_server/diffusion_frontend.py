@@ -1,8 +1,9 @@
 """StageDiffusionFrontend: a diffusion stage behind the stage server protocol.
 
-An upstream stage's hidden states arrive as a connector handle; they are fetched here, in
-the stage's process, straight from the producer (the router never carries them), and go to
-the core as the request's ``prompt_embeds``.
+An upstream stage's hidden states (and its negative prompt's, for guidance) arrive as
+connector handles; they are fetched here, in the stage's process, straight from the
+producer (the router never carries them), and go to the core as the request's
+``prompt_embeds`` and ``negative_prompt_embeds``.
 """
 
 from __future__ import annotations
@@ -49,14 +50,15 @@ class StageDiffusionFrontend(StageFrontend):
         if request.messages is not None:
             error = StageError.bad_request("messages: a diffusion stage takes a prompt", "messages")
             return [refusal(request_id, error)]
-        prompt_embeds = None
-        if request.prompt_embeds is not None:
+        fetched: dict[str, np.ndarray | None] = {}
+        for name in ("prompt_embeds", "negative_prompt_embeds"):
+            handle = getattr(request, name)
             try:
-                prompt_embeds = await self._fetch(request.prompt_embeds)
+                fetched[name] = None if handle is None else await self._fetch(handle)
             except (ConnectorError, KeyError) as e:
                 # The upstream stage's hand-off is gone or unreachable: not this request's
                 # fault, and not one a resend fixes.
-                failed = StageError(StageErrorCode.STAGE_FAILED, f"prompt_embeds: {e}")
+                failed = StageError(StageErrorCode.STAGE_FAILED, f"{name}: {e}")
                 return [refusal(request_id, failed)]
         self._in_flight.add(request_id)
         try:
@@ -66,7 +68,8 @@ class StageDiffusionFrontend(StageFrontend):
                     prompt=request.prompt,
                     params=request.params,
                     image=request.image,
-                    prompt_embeds=prompt_embeds,
+                    prompt_embeds=fetched["prompt_embeds"],
+                    negative_prompt_embeds=fetched["negative_prompt_embeds"],
                 )
             )
         except BaseException:

@@ -5,7 +5,8 @@ need neither the model nor vLLM: requests are tokenized (chat messages through t
 chat template) by the stage's request builder, generated token ids become text deltas
 through vLLM's incremental detokenizer (as its output processor drives it), and an encode
 stage's hidden states are put into the connector that carries them to the next stage (the
-router receives only the handle).
+router receives only the handle); a model family's encoder first drops the rows of its
+template, as the family's pipeline does.
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ class StageLLMFrontend(StageFrontend):
 
     async def add(self, request: StageServerRequest) -> list[StageServerOutput]:
         request_id = request.request_id
-        for name in ("image", "prompt_embeds"):
+        for name in ("prompt_embeds", "negative_prompt_embeds"):
             if getattr(request, name) is not None:
                 message = f"{name}: an LLM stage takes text (prompt or messages)"
                 return [refusal(request_id, StageError.bad_request(message, name))]
@@ -98,6 +99,7 @@ class StageLLMFrontend(StageFrontend):
                 prompt=request.prompt,
                 messages=request.messages,
                 params=request.params,
+                image=request.image,
             )
         except InvalidLLMRequestError as e:
             return [refusal(request_id, e.error)]
@@ -197,7 +199,12 @@ class StageLLMFrontend(StageFrontend):
     ) -> ConnectorHandle:
         assert state.output_connector is not None
         connector = self.connectors.get(state.output_connector)
-        handle = await asyncio.to_thread(connector.put, request_id, output.pooling_output)
+        hidden_states = output.pooling_output
+        encoder = self.client.encoder_recipe
+        if encoder is not None and encoder.drop_prefix:
+            # The family's pipeline drops its template's rows before its DiT sees them.
+            hidden_states = hidden_states[encoder.drop_prefix :]
+        handle = await asyncio.to_thread(connector.put, request_id, hidden_states)
         now = time.monotonic()
         self._handoffs[request_id] = (connector.name, request_id, now)
         # Forget records older than the connector keeps their arrays anyway.

@@ -138,9 +138,9 @@ class StageDiffusionCoreRequest(StageCoreRequest):
     """A generation request to a diffusion stage.
 
     ``params`` is the request's free-form sampling map (height, width, num_inference_steps,
-    guidance_scale, seed, negative_prompt, num_images, strength). It stays a map on the wire
-    so that the engine, not every client, validates it against the loaded pipeline and
-    answers a bad field with an error output naming it.
+    guidance_scale, true_cfg_scale, seed, negative_prompt, num_images, strength). It stays a
+    map on the wire so that the engine, not every client, validates it against the loaded
+    pipeline and answers a bad field with an error output naming it.
     """
 
     request_id: str
@@ -151,6 +151,8 @@ class StageDiffusionCoreRequest(StageCoreRequest):
     # Text conditioning computed upstream (an LLM stage's hidden states), [tokens, width];
     # replaces the pipeline's own text encoder for this request.
     prompt_embeds: np.ndarray | None = None
+    # The negative prompt's, for guidance (from the same upstream stage), [tokens, width].
+    negative_prompt_embeds: np.ndarray | None = None
     arrival_time: float = 0.0
 
 
@@ -224,6 +226,8 @@ class StageServerRequest(StageCoreRequest):
     image: np.ndarray | None = None
     # An upstream stage's hidden states, to fetch through their connector.
     prompt_embeds: ConnectorHandle | None = None
+    # The same stage's hidden states of the request's negative prompt (guidance).
+    negative_prompt_embeds: ConnectorHandle | None = None
     # LLM hidden-states stages: the connector that carries them to the next stage.
     output_connector: str | None = None
     # LLM generate stages: whether the caller reads the text as it is generated. False:

@@ -35,6 +35,7 @@ from vllm.v1.executor import Executor
 from vllm.v1.serial_utils import MsgpackDecoder
 
 from omni_runtime.config import StageConfig
+from omni_runtime.config.families import EncoderRecipe
 from omni_runtime.engine.stage.stage_core_client import StageCoreClientBase, StageCoreDeadError
 from omni_runtime.engine.stage.stage_core_types import (
     StageCoreRequest,
@@ -95,6 +96,9 @@ class StageLLMCoreClientBase(StageCoreClientBase):
     # The pipeline's entry for this stage (name, output kind, default sampling params);
     # None for a client made from a bare VllmConfig.
     stage: StageConfig | None
+    # Set by start_stage_llm_client for a model family's encoder stage, before the first
+    # request: how prompts become what the family's DiT reads.
+    encoder_recipe: EncoderRecipe | None = None
     proc_manager: StageLLMCoreProcManager | None
     client_addresses: dict[str, str]
     # The host a downstream stage pulls this stage's handoffs from.
@@ -170,7 +174,7 @@ class StageLLMCoreClientBase(StageCoreClientBase):
     def request_builder(self) -> StageLLMRequestBuilder:
         """Builds this stage's requests (with the stage's default sampling params)."""
         defaults = self.stage.default_sampling_params if self.stage is not None else None
-        return StageLLMRequestBuilder(self.vllm_config, defaults)
+        return StageLLMRequestBuilder(self.vllm_config, defaults, self.encoder_recipe)
 
     async def add_prompt_async(
         self,
@@ -403,21 +407,23 @@ def start_stage_llm_client(
     stage: StageConfig,
     model: str,
     *,
+    encoder: EncoderRecipe | None = None,
     log_stats: bool = False,
     startup_timeout: float = DEFAULT_STARTUP_TIMEOUT,
 ) -> StageLLMCoreClient | DPLBStageLLMCoreClient:
-    """Start the cores of the LLM stage ``stage`` serving ``model`` and return its client.
+    """Start the cores of the LLM stage ``stage`` serving ``model`` and return its client;
+    ``encoder``: the stage encodes prompts for its model family's DiT, by this recipe.
 
     Blocks until the cores are ready (about 10 s for a small model on CPU); raises
     StageCoreStartupError, with nothing left running, if they are not.
     """
     _refuse_insecure_serialization()  # before anything is started
-    vllm_config = make_stage_llm_vllm_config(stage, model)
+    vllm_config = make_stage_llm_vllm_config(stage, model, encoder)
     executor_class = Executor.get_class(vllm_config)
     launch = launch_stage_llm_cores(
         vllm_config, executor_class, log_stats, startup_timeout=startup_timeout
     )
-    return StageLLMCoreClientBase.make_async_mp_client(
+    client = StageLLMCoreClientBase.make_async_mp_client(
         vllm_config,
         executor_class,
         log_stats,
@@ -426,6 +432,8 @@ def start_stage_llm_client(
         proc_manager=launch.proc_manager,
         coordinator=launch.coordinator,
     )
+    client.encoder_recipe = encoder
+    return client
 
 
 def _refuse_insecure_serialization() -> None:

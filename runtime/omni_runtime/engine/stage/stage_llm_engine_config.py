@@ -21,6 +21,7 @@ from vllm.engine.arg_utils import EngineArgs
 from vllm.usage.usage_lib import UsageContext
 
 from omni_runtime.config import StageConfig
+from omni_runtime.config.families import MODEL_INDEX, EncoderRecipe
 from omni_runtime.config.models import ENGINE_ARG_FIELDS
 
 _ENGINE_ARG_NAMES = frozenset(field.name for field in dataclasses.fields(EngineArgs))
@@ -30,8 +31,14 @@ class StageLLMConfigError(ValueError):
     """A stage that cannot become a vLLM engine; the message names the field."""
 
 
-def make_stage_llm_engine_args(stage: StageConfig, model: str) -> EngineArgs:
-    """vLLM's engine arguments for ``stage`` serving ``model`` (a path or hub id)."""
+def make_stage_llm_engine_args(
+    stage: StageConfig, model: str, encoder: EncoderRecipe | None = None
+) -> EngineArgs:
+    """vLLM's engine arguments for ``stage`` serving ``model`` (a path or hub id).
+
+    An encoder stage of a model family (``encoder``) given the family's whole diffusers
+    checkpoint loads only its text encoder (and the tokenizer or processor beside it),
+    with the architecture that returns the layer the family's DiT reads."""
     if stage.type != "llm":
         raise StageLLMConfigError(f"type: stage {stage.stage_id} is a {stage.type} stage")
     unknown = sorted(set(stage.engine_args) - _ENGINE_ARG_NAMES)
@@ -47,10 +54,21 @@ def make_stage_llm_engine_args(stage: StageConfig, model: str) -> EngineArgs:
         args.update(runner="pooling", convert="embed")
     else:
         args.update(runner="generate")
-    return EngineArgs(model=model, **args, **stage.engine_args)
+    extra = dict(stage.engine_args)
+    if encoder is not None:
+        if os.path.isfile(os.path.join(model, MODEL_INDEX)):
+            extra.setdefault("tokenizer", os.path.join(model, encoder.tokenizer_subfolder))
+            model = os.path.join(model, encoder.text_encoder_subfolder)
+        if encoder.architecture is not None:
+            overrides = dict(extra.get("hf_overrides") or {})
+            overrides["architectures"] = [encoder.architecture]
+            extra["hf_overrides"] = overrides
+    return EngineArgs(model=model, **args, **extra)
 
 
-def make_stage_llm_vllm_config(stage: StageConfig, model: str) -> VllmConfig:
+def make_stage_llm_vllm_config(
+    stage: StageConfig, model: str, encoder: EncoderRecipe | None = None
+) -> VllmConfig:
     """The VllmConfig of ``stage``: what StageLLMCoreProcManager and the clients take.
 
     An engine of one worker (no tensor or pipeline parallelism) runs its worker inside the
@@ -63,7 +81,7 @@ def make_stage_llm_vllm_config(stage: StageConfig, model: str) -> VllmConfig:
         raise StageLLMConfigError(
             f"model: {model} is not a directory (a local model must exist; a hub id reads org/name)"
         )
-    engine_args = make_stage_llm_engine_args(stage, model)
+    engine_args = make_stage_llm_engine_args(stage, model, encoder)
     try:
         vllm_config = engine_args.create_engine_config(usage_context=UsageContext.ENGINE_CONTEXT)
     except (ValueError, OSError) as e:

@@ -11,6 +11,11 @@ SamplingParams; an encode stage (output: hidden_states) gets the pooling params 
 return each prompt token's hidden state. A request the builder refuses raises
 InvalidLLMRequestError, whose ``error`` names the offending field (``param``) and says what
 is wrong in a message that starts with it, e.g. ``params.temperature: ...``.
+
+The encoder stage of a model family (``config.families``) renders a prompt as the family's
+pipeline does before its text encoder sees it: its template (or its tokenizer's chat
+template), its truncation, and for an edit the input image, resized as the pipeline resizes
+it, through vLLM's multimodal processor.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import msgspec
+import numpy as np
 from vllm import PoolingParams, SamplingParams
 from vllm.config import VllmConfig
 from vllm.exceptions import VLLMValidationError
@@ -27,6 +33,7 @@ from vllm.renderers.params import ChatParams
 from vllm.v1.engine import EngineCoreRequest
 from vllm.v1.engine.input_processor import InputProcessor
 
+from omni_runtime.config.families import EncoderRecipe, prompt_image_size
 from omni_runtime.engine.stage.stage_core_types import (
     InvalidStageRequestError,
     StageLLMCoreRequest,
@@ -67,8 +74,10 @@ class StageLLMRequestBuilder:
         self,
         vllm_config: VllmConfig,
         default_sampling_params: Mapping[str, Any] | None = None,
+        encoder: EncoderRecipe | None = None,
     ) -> None:
         self.model_config = vllm_config.model_config
+        self.encoder = encoder
         self.encodes = self.model_config.runner_type == "pooling"
         self.default_sampling_params = dict(default_sampling_params or {})
         if self.encodes and self.default_sampling_params:
@@ -96,12 +105,21 @@ class StageLLMRequestBuilder:
         prompt_token_ids: Sequence[int] | None = None,
         params: Mapping[str, Any] | None = None,
         additional_information: dict[str, Any] | None = None,
+        image: np.ndarray | None = None,
     ) -> StageLLMCoreRequest:
         """The request for one prompt: give exactly one of ``prompt`` (text),
-        ``messages`` (chat, through the chat template) or ``prompt_token_ids``."""
+        ``messages`` (chat, through the chat template) or ``prompt_token_ids``; ``image``
+        (uint8 RGB) only to a family's encoder that takes one."""
         if not isinstance(request_id, str) or not request_id:
             raise InvalidLLMRequestError("request_id: a non-empty string is required", "request_id")
-        engine_input, field_name = self._render(prompt, messages, prompt_token_ids)
+        if self.encoder is not None:
+            engine_input, field_name = self._render_for_family(
+                self.encoder, prompt, messages, prompt_token_ids, image
+            )
+        elif image is not None:
+            raise InvalidLLMRequestError("image: this LLM stage takes text only", "image")
+        else:
+            engine_input, field_name = self._render(prompt, messages, prompt_token_ids)
         if additional_information is not None:
             try:
                 msgspec.msgpack.encode(additional_information)
@@ -184,6 +202,55 @@ class StageLLMRequestBuilder:
             raise InvalidLLMRequestError(f"{field_name}: {e}", field_name) from None
         return engine_input, field_name
 
+    def _render_for_family(
+        self,
+        encoder: EncoderRecipe,
+        prompt: str | None,
+        messages: Sequence[Mapping[str, str]] | None,
+        prompt_token_ids: Sequence[int] | None,
+        image: np.ndarray | None,
+    ) -> tuple[Any, str]:
+        if messages is not None or prompt_token_ids is not None or not isinstance(prompt, str):
+            raise InvalidLLMRequestError(
+                "prompt: this encoder stage takes the prompt as text (it applies its model "
+                "family's template)",
+                "prompt",
+            )
+        if encoder.template is not None:
+            text = encoder.template.format(prompt)
+        else:
+            text = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}],
+                tokenize=False,
+                **dict(encoder.chat_template_kwargs),
+            )
+        truncate = encoder.max_length is not None
+        token_ids = list(
+            self.tokenizer(text, truncation=truncate, max_length=encoder.max_length)["input_ids"]
+        )
+        if len(token_ids) <= encoder.drop_prefix:
+            # The template's own rows are dropped; nothing of the prompt would be left.
+            raise InvalidLLMRequestError(
+                f"prompt: the template gives {len(token_ids)} tokens, no more than the "
+                f"{encoder.drop_prefix} it drops (a tokenizer that does not fit the family)",
+                "prompt",
+            )
+        engine_prompt: dict[str, Any] = {"prompt_token_ids": token_ids}
+        if encoder.image_area is not None:
+            if image is None:
+                raise InvalidLLMRequestError(
+                    "image: required: this encoder reads the input image with the prompt",
+                    "image",
+                )
+            engine_prompt["multi_modal_data"] = {"image": _prompt_image(image, encoder.image_area)}
+        elif image is not None:
+            raise InvalidLLMRequestError("image: this encoder stage takes text only", "image")
+        try:
+            (engine_input,) = self.renderer.render_cmpl([engine_prompt])
+        except (VLLMValidationError, ValueError) as e:
+            raise InvalidLLMRequestError(f"prompt: {e}", "prompt") from None
+        return engine_input, "prompt"
+
     def _params(self, params: dict[str, Any]) -> SamplingParams | PoolingParams:
         if self.encodes:
             if params:
@@ -199,6 +266,21 @@ class StageLLMRequestBuilder:
         _check_names(params, "params")
         _convert_sampling_params(params, "params")
         return _convert_sampling_params({**self.default_sampling_params, **params}, "params")
+
+
+def _prompt_image(image: np.ndarray, area: int) -> Any:
+    """The input image as an edit pipeline gives it to its text encoder: resized to about
+    ``area`` pixels, as diffusers' VaeImageProcessor resizes (Lanczos)."""
+    from PIL import Image
+
+    if image.ndim != 3 or image.shape[2] != 3 or image.dtype != np.uint8:
+        raise InvalidLLMRequestError(
+            f"image: expected uint8 RGB [height, width, 3], got {image.dtype} {list(image.shape)}",
+            "image",
+        )
+    picture = Image.fromarray(image, mode="RGB")
+    size = prompt_image_size(picture.width, picture.height, area)
+    return picture.resize(size, resample=Image.Resampling.LANCZOS)
 
 
 def _check_names(params: Mapping[str, Any], where: str) -> None:
