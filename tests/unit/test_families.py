@@ -1,0 +1,124 @@
+"""Model family recipes: which family a pipeline is, and when its DiT needs a negative prompt."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from omni_runtime.config import PipelineConfigError, load_pipeline
+from omni_runtime.config.families import (
+    FAMILIES,
+    family_of_model_name,
+    family_of_pipeline_class,
+    prompt_image_size,
+    read_checkpoint_family,
+)
+
+
+def two_stages(model: str, **more: Any) -> dict[str, Any]:
+    return {
+        "model": model,
+        "stages": [
+            {"stageId": 0},
+            {"stageId": 1, "inputConnectors": {"from_stage_0": "shm"}},
+        ],
+        "connectors": {"shm": {"name": "SharedMemoryConnector"}},
+        **more,
+    }
+
+
+@pytest.mark.parametrize(
+    ("model", "family"),
+    [
+        ("Qwen/Qwen-Image", "qwen-image"),
+        ("Qwen/Qwen-Image-Edit", "qwen-image-edit"),
+        ("/models/qwen_image_edit/", "qwen-image-edit"),
+        ("Tongyi-MAI/Z-Image-Turbo", "z-image"),
+        ("Qwen/Qwen2.5-VL-7B-Instruct", None),
+        ("/models/qwen-image/sdxl", None),
+    ],
+)
+def test_family_from_the_models_last_name(model: str, family: str | None) -> None:
+    found = family_of_model_name(model)
+    assert (found.name if found else None) == family
+
+
+def test_a_known_family_needs_no_stage_types() -> None:
+    config = load_pipeline(two_stages("Qwen/Qwen-Image-Edit"))
+    assert config.family == "qwen-image-edit"
+    assert [(s.name, s.type, s.output) for s in config.stages] == [
+        ("encoder", "llm", "hidden_states"),
+        ("dit", "diffusion", None),
+    ]
+    assert config.family_recipe is FAMILIES["qwen-image-edit"]
+
+
+def test_family_from_the_checkpoints_model_index(tmp_path: Path) -> None:
+    checkpoint = tmp_path / "my-checkpoint"
+    checkpoint.mkdir()
+    (checkpoint / "model_index.json").write_text(json.dumps({"_class_name": "ZImagePipeline"}))
+    data = two_stages(str(checkpoint))
+    data["stages"][0].update(type="llm", output="hidden_states")
+    data["stages"][1]["type"] = "diffusion"
+    assert load_pipeline(data).family == "z-image"
+    assert read_checkpoint_family(str(tmp_path / "missing")) is None
+    assert family_of_pipeline_class("StableDiffusionPipeline") is None
+
+
+def test_a_named_family_wins_over_the_models_name() -> None:
+    config = load_pipeline(two_stages("Qwen/Qwen-Image", family="qwen-image-edit"))
+    assert config.family == "qwen-image-edit"
+
+
+def test_unknown_family_names_the_field() -> None:
+    with pytest.raises(PipelineConfigError) as caught:
+        load_pipeline(two_stages("Qwen/Qwen-Image", family="sdxl"))
+    paths = [path for path, _ in caught.value.issues]
+    assert paths == ["family"]
+
+
+def test_a_family_encoder_that_outputs_text_is_refused() -> None:
+    data = two_stages("Qwen/Qwen-Image")
+    data["stages"][0]["output"] = "text"
+    with pytest.raises(PipelineConfigError) as caught:
+        load_pipeline(data)
+    ((path, message),) = caught.value.issues
+    assert path == "stages[0].output"
+    assert "hidden_states" in message
+
+
+@pytest.mark.parametrize(
+    ("family", "params", "negative"),
+    [
+        # Qwen-Image: guidance only with a negative prompt and true_cfg_scale > 1 (default 4).
+        ("qwen-image", {}, None),
+        ("qwen-image", {"negative_prompt": "blurry"}, "blurry"),
+        ("qwen-image", {"negative_prompt": " ", "true_cfg_scale": 1.0}, None),
+        ("qwen-image-edit", {"negative_prompt": "", "true_cfg_scale": 2}, ""),
+        # Z-Image: guidance while guidance_scale > 0 (default 5), "" unless one is given.
+        ("z-image", {}, ""),
+        ("z-image", {"negative_prompt": "dark"}, "dark"),
+        ("z-image", {"guidance_scale": 0.0, "negative_prompt": "dark"}, None),
+        # Wrong types are the DiT's to refuse; the router decides as if they were absent.
+        ("z-image", {"guidance_scale": "high", "negative_prompt": 3}, ""),
+    ],
+)
+def test_when_the_dit_needs_negative_embeddings(
+    family: str, params: dict[str, Any], negative: str | None
+) -> None:
+    assert FAMILIES[family].negative_prompt(params) == negative
+
+
+@pytest.mark.parametrize(
+    ("size", "expected"),
+    [((1024, 1024), (1024, 1024)), ((64, 64), (1024, 1024)), ((800, 400), (1440, 736))],
+)
+def test_edit_image_resized_as_the_pipeline_does(
+    size: tuple[int, int], expected: tuple[int, int]
+) -> None:
+    width, height = prompt_image_size(*size, 1024 * 1024)
+    assert (width, height) == expected
+    assert width % 32 == height % 32 == 0
