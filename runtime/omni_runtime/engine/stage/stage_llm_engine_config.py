@@ -12,7 +12,9 @@ generate runner, ``hidden_states`` the pooling runner with the ``embed`` convers
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
+import shutil
 from typing import Any
 
 import pydantic
@@ -56,14 +58,43 @@ def make_stage_llm_engine_args(
         args.update(runner="generate")
     extra = dict(stage.engine_args)
     if encoder is not None:
-        if os.path.isfile(os.path.join(model, MODEL_INDEX)):
-            extra.setdefault("tokenizer", os.path.join(model, encoder.tokenizer_subfolder))
-            model = os.path.join(model, encoder.text_encoder_subfolder)
         if encoder.architecture is not None:
             overrides = dict(extra.get("hf_overrides") or {})
             overrides["architectures"] = [encoder.architecture]
             extra["hf_overrides"] = overrides
+        if encoder.vision_language and not encoder.takes_image:
+            # A vision-language text encoder that reads text only: no vision tower, and no
+            # image processor to find.
+            extra.setdefault("language_model_only", True)
     return EngineArgs(model=model, **args, **extra)
+
+
+def encoder_model_view(checkpoint: str, encoder: EncoderRecipe) -> str:
+    """One directory vLLM can load a family's encoder from: the files of the diffusers
+    checkpoint's text encoder and of its tokenizer (or processor) folder, linked side by
+    side (vLLM takes the weights, the tokenizer and the image processor all from its
+    ``model``). Made under the cache directory, afresh at each start; the weights' own
+    files win where both folders have one."""
+    checkpoint = os.path.abspath(checkpoint)
+    folders = (encoder.text_encoder_subfolder, encoder.tokenizer_subfolder)
+    key = hashlib.sha256("\0".join((checkpoint, *folders)).encode()).hexdigest()[:16]
+    cache = os.environ.get("OMNI_CACHE_DIR") or os.path.expanduser("~/.cache/omni-operator")
+    view = os.path.join(cache, "encoder-views", key)
+    shutil.rmtree(view, ignore_errors=True)
+    os.makedirs(view)
+    for folder in folders:
+        source = os.path.join(checkpoint, folder)
+        if not os.path.isdir(source):
+            raise StageLLMConfigError(
+                f"model: {checkpoint} has no {folder}/ (the {encoder.text_encoder_subfolder} "
+                f"and {encoder.tokenizer_subfolder} folders of a diffusers checkpoint are "
+                "what its encoder stage loads)"
+            )
+        for name in os.listdir(source):
+            target = os.path.join(view, name)
+            if not os.path.lexists(target):
+                os.symlink(os.path.join(source, name), target)
+    return view
 
 
 def make_stage_llm_vllm_config(
@@ -81,6 +112,8 @@ def make_stage_llm_vllm_config(
         raise StageLLMConfigError(
             f"model: {model} is not a directory (a local model must exist; a hub id reads org/name)"
         )
+    if encoder is not None and os.path.isfile(os.path.join(model, MODEL_INDEX)):
+        model = encoder_model_view(model, encoder)
     engine_args = make_stage_llm_engine_args(stage, model, encoder)
     try:
         vllm_config = engine_args.create_engine_config(usage_context=UsageContext.ENGINE_CONTEXT)

@@ -1,0 +1,78 @@
+"""Tiny models built from configs with fixed seeds, for the main job, the tests and bench/.
+
+Nothing is downloaded: the tokenizers are trained here on generated text and the weights
+are random. Under one root:
+
+- ``llm/`` and ``diffusion/``: a chat LLM (Qwen2) and a Stable Diffusion pipeline built to
+  fit together the way a real omni pipeline does: the diffusion pipeline's text
+  conditioning width (its UNet's cross-attention dim and its text encoder's hidden size)
+  equals the LLM's hidden size, so an LLM stage's hidden states can condition the diffusion
+  stage as prompt embeddings.
+- ``qwen-image/``, ``qwen-image-edit/``, ``z-image/``: full diffusers checkpoints
+  (``model_index.json`` and one folder per component) of QwenImagePipeline,
+  QwenImageEditPipeline and ZImagePipeline, laid out and shaped as the real checkpoints
+  are, scaled down. Their text encoders (Qwen2.5-VL, Qwen3) load in vLLM from the
+  ``text_encoder/`` folders.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+from ._common import HIDDEN_SIZE, SEED, VOCAB_SIZE
+from ._tokenizer import CHATML_TEMPLATE, build_qwen_tokenizer
+from .chat_llm import build_chat_llm
+from .qwen_image import MAX_POSITIONS, build_qwen_image
+from .stable_diffusion import build_stable_diffusion
+from .z_image import build_z_image
+
+__all__ = [
+    "CHATML_TEMPLATE",
+    "DIFFUSION_SUBDIR",
+    "HIDDEN_SIZE",
+    "LLM_SUBDIR",
+    "QWEN_IMAGE_EDIT_SUBDIR",
+    "QWEN_IMAGE_SUBDIR",
+    "SUBDIRS",
+    "VOCAB_SIZE",
+    "Z_IMAGE_SUBDIR",
+    "ensure_tiny_models",
+]
+
+LLM_SUBDIR = "llm"
+DIFFUSION_SUBDIR = "diffusion"
+QWEN_IMAGE_SUBDIR = "qwen-image"
+QWEN_IMAGE_EDIT_SUBDIR = "qwen-image-edit"
+Z_IMAGE_SUBDIR = "z-image"
+SUBDIRS = (LLM_SUBDIR, DIFFUSION_SUBDIR, QWEN_IMAGE_SUBDIR, QWEN_IMAGE_EDIT_SUBDIR, Z_IMAGE_SUBDIR)
+_MARKER = "omni-tiny-models.json"
+# Bump when what is built changes, so that old directories are rebuilt.
+_RECIPE_VERSION = 4
+
+
+def ensure_tiny_models(root: str | Path) -> Path:
+    """Build every tiny model under ``root`` unless this recipe's build is already there."""
+    root = Path(root)
+    marker = root / _MARKER
+    if marker.is_file() and json.loads(marker.read_text()).get("recipe") == _RECIPE_VERSION:
+        return root
+    root.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and move into place, so an interrupted build never leaves a
+    # directory that looks complete.
+    with tempfile.TemporaryDirectory(dir=root, prefix=".building-") as tmp:
+        staging = Path(tmp)
+        build_chat_llm(staging / LLM_SUBDIR)
+        build_stable_diffusion(staging / DIFFUSION_SUBDIR, staging / LLM_SUBDIR)
+        qwen_tokenizer = build_qwen_tokenizer(model_max_length=MAX_POSITIONS)
+        build_qwen_image(
+            staging / QWEN_IMAGE_SUBDIR, staging / QWEN_IMAGE_EDIT_SUBDIR, qwen_tokenizer
+        )
+        build_z_image(staging / Z_IMAGE_SUBDIR, qwen_tokenizer)
+        for sub in SUBDIRS:
+            shutil.rmtree(root / sub, ignore_errors=True)
+            (staging / sub).rename(root / sub)
+    marker.write_text(json.dumps({"recipe": _RECIPE_VERSION, "seed": SEED}))
+    return root

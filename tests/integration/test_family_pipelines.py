@@ -1,0 +1,415 @@
+"""Qwen-Image, Qwen-Image-Edit and Z-Image split over a vLLM encoder and a diffusers DiT.
+
+On each family's tiny random checkpoint: the embeddings the encoder stage hands over equal
+the family's own (diffusers' ``encode_prompt``; for the edit family transformers called
+with ``mm_token_type_ids``, which diffusers 0.42.1 leaves out), and the image `serve`
+returns equals the image the monolithic diffusers pipeline makes from the same weights,
+prompt, negative prompt, seed, steps and size.
+
+Image tolerance: the two paths compute the same function on the same CPU, but the
+embeddings come from different kernels (vLLM's and transformers', equal to ~1e-6), so a
+pixel may round to the neighbouring uint8 value: at most 1 level apart, and nearly all
+pixels identical.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import os
+import subprocess
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from multiprocessing import resource_tracker
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import openai
+import pytest
+import torch
+import yaml
+from PIL import Image
+from serving import CLI, free_port, wait_until
+
+from omni_runtime.config import PipelineConfig, load_pipeline
+from omni_runtime.config.families import FAMILIES, prompt_image_size
+from omni_runtime.engine.stage.stage_core_types import StageServerOutput, StageServerRequest
+from omni_runtime.engine.stage.stage_llm_core_client import start_stage_llm_client
+from omni_runtime.stage_server.frontend import StageConnectors
+from omni_runtime.stage_server.llm_frontend import StageLLMFrontend
+from omni_runtime.tiny_models import QWEN_IMAGE_EDIT_SUBDIR, QWEN_IMAGE_SUBDIR, Z_IMAGE_SUBDIR
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[2]
+CHECKPOINTS = {
+    "qwen-image": QWEN_IMAGE_SUBDIR,
+    "qwen-image-edit": QWEN_IMAGE_EDIT_SUBDIR,
+    "z-image": Z_IMAGE_SUBDIR,
+}
+PROMPTS = ["a red cat on a green hydrant", "paint a blue river under the moon"]
+STEPS = 3
+SIZE = 64
+DEADLINE_S = 120
+
+
+@pytest.fixture(scope="module", autouse=True)
+def engine_environment() -> Iterator[None]:
+    with pytest.MonkeyPatch.context() as patch:
+        if not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+            patch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+        yield
+    # multiprocessing's resource tracker started with the first core (see test_llm_stage).
+    resource_tracker._resource_tracker._stop()  # type: ignore[attr-defined]
+
+
+def example(family: str, tiny_models: Path) -> PipelineConfig:
+    """The tiny example pipeline of ``family``, its models under ``tiny_models``."""
+    data = yaml.safe_load((REPO / "examples" / f"tiny-{family}.yaml").read_text())
+    data["model"] = str(tiny_models / CHECKPOINTS[family])
+    return load_pipeline(data)
+
+
+def input_image(seed: int = 0, size: tuple[int, int] = (80, 48)) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+
+
+def png(image: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    Image.fromarray(image).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def to_uint8(images: np.ndarray) -> np.ndarray:
+    # As the DiT stage turns the pipeline's floats into pixels.
+    return np.clip(np.round(np.asarray(images) * 255.0), 0, 255).astype(np.uint8)
+
+
+def assert_same_image(served: np.ndarray, reference: np.ndarray) -> None:
+    assert served.shape == reference.shape
+    difference = np.abs(served.astype(np.int16) - reference.astype(np.int16))
+    assert difference.max() <= 1, difference.max()
+    assert (difference == 0).mean() > 0.99
+
+
+# --- the references: the family's own diffusers pipeline, whole, in this process
+
+
+_MONOLITHIC: dict[str, Any] = {}
+
+
+def monolithic(family: str, tiny_models: Path) -> Any:
+    if family not in _MONOLITHIC:
+        from diffusers import DiffusionPipeline
+
+        pipeline = DiffusionPipeline.from_pretrained(
+            tiny_models / CHECKPOINTS[family], local_files_only=True, dtype=torch.float32
+        )
+        pipeline.set_progress_bar_config(disable=True)
+        _MONOLITHIC[family] = pipeline
+    return _MONOLITHIC[family]
+
+
+def edit_reference_inputs(pipeline: Any, prompt: str, image: np.ndarray) -> Any:
+    """What QwenImageEditPipeline gives its text encoder, plus the mm_token_type_ids that
+    make transformers apply M-RoPE as Qwen2.5-VL defines it."""
+    picture = Image.fromarray(image)
+    width, height = prompt_image_size(picture.width, picture.height, 1024 * 1024)
+    prompt_image = pipeline.image_processor.resize(picture, height, width)
+    template = FAMILIES["qwen-image-edit"].encoder.template
+    assert template is not None
+    return pipeline.processor(
+        text=[template.format(prompt)], images=prompt_image, padding=True, return_tensors="pt"
+    )
+
+
+@torch.inference_mode()
+def reference_embeds(family: str, pipeline: Any, prompt: str, image: np.ndarray | None) -> Any:
+    if family == "qwen-image":
+        embeds, _ = pipeline.encode_prompt(prompt=prompt, device="cpu")
+        return embeds[0]
+    if family == "z-image":
+        embeds, _ = pipeline.encode_prompt(
+            prompt=prompt, device="cpu", do_classifier_free_guidance=False
+        )
+        return embeds[0]
+    assert image is not None
+    inputs = edit_reference_inputs(pipeline, prompt, image)
+    hidden = pipeline.text_encoder(**inputs, output_hidden_states=True).hidden_states[-1]
+    return hidden[0][FAMILIES[family].encoder.drop_prefix :]
+
+
+# --- the encoder stage, in this process, as a stage server runs it
+
+
+@pytest.fixture(scope="module", params=list(CHECKPOINTS))
+def encoder(request: pytest.FixtureRequest, tiny_models: Path) -> Iterator[Any]:
+    family: str = request.param
+    pipeline = example(family, tiny_models)
+    stage = pipeline.stages[0]
+    client = start_stage_llm_client(
+        stage, pipeline.model, encoder=FAMILIES[family].encoder, startup_timeout=240
+    )
+    connectors = StageConnectors(pipeline.connectors)
+    frontend = StageLLMFrontend(pipeline, stage, client, connectors)
+    try:
+        yield family, pipeline, frontend, connectors
+    finally:
+        client.shutdown()
+        connectors.close()
+
+
+async def encoded(
+    frontend: StageLLMFrontend,
+    connectors: StageConnectors,
+    request_id: str,
+    prompt: str,
+    image: np.ndarray | None,
+) -> torch.Tensor:
+    refused = await frontend.add(
+        StageServerRequest(
+            request_id=request_id,
+            prompt=prompt,
+            image=image,
+            output_connector="shared_memory_connector",
+        )
+    )
+    assert refused == []
+    outputs: list[StageServerOutput] = []
+    async with asyncio.timeout(DEADLINE_S):
+        while not (outputs and outputs[-1].finished):
+            outputs.extend(await frontend.next_outputs())
+    (final,) = outputs
+    assert final.error is None, final.error
+    assert final.prompt_embeds is not None
+    handle = final.prompt_embeds
+    tensor: torch.Tensor = connectors.get(handle.connector).get(handle, "cpu")
+    return tensor
+
+
+async def test_encoder_stage_hands_over_the_familys_own_embeddings(
+    encoder: Any, tiny_models: Path
+) -> None:
+    family, _, frontend, connectors = encoder
+    reference_pipeline = monolithic(family, tiny_models)
+    image = input_image() if FAMILIES[family].encoder.takes_image else None
+    for n, prompt in enumerate([*PROMPTS, ""]):
+        served = await encoded(frontend, connectors, f"{family}-{n}", prompt, image)
+        reference = reference_embeds(family, reference_pipeline, prompt, image)
+        assert served.shape == reference.shape
+        assert torch.allclose(served.float(), reference.float(), atol=1e-4, rtol=0), (
+            family,
+            (served - reference).abs().max(),
+        )
+
+
+async def test_encoder_stage_refuses_what_its_family_does_not_take(encoder: Any) -> None:
+    family, _, frontend, _ = encoder
+    takes_image = FAMILIES[family].encoder.takes_image
+    request = StageServerRequest(
+        request_id=f"{family}-wrong",
+        prompt="a cat",
+        image=None if takes_image else input_image(),
+        output_connector="shared_memory_connector",
+    )
+    (refusal,) = await frontend.add(request)
+    assert refusal.error is not None
+    assert refusal.error.param == "image"
+    chat = StageServerRequest(
+        request_id=f"{family}-chat", messages=[{"role": "user", "content": "a cat"}]
+    )
+    (refusal,) = await frontend.add(chat)
+    assert refusal.error is not None
+    assert refusal.error.param == "prompt"
+
+
+# --- serve, end to end, against the monolithic pipeline
+
+
+def write_pipeline(family: str, tiny_models: Path, path: Path, encoder_replicas: int) -> Path:
+    data = yaml.safe_load((REPO / "examples" / f"tiny-{family}.yaml").read_text())
+    data["model"] = str(tiny_models / CHECKPOINTS[family])
+    data["stages"][0]["replicas"] = encoder_replicas
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+@pytest.fixture(scope="module", params=list(CHECKPOINTS))
+def served(
+    request: pytest.FixtureRequest, tiny_models: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[str, openai.OpenAI]]:
+    """``omni-runtime serve`` of the family's tiny example; Qwen-Image's encoder with two
+    replicas, so that a request's two embeddings may come from different replicas."""
+    family: str = request.param
+    workdir = tmp_path_factory.mktemp(f"serve-{family}")
+    replicas = 2 if family == "qwen-image" else 1
+    config = write_pipeline(family, tiny_models, workdir / "pipeline.yaml", replicas)
+    port = free_port()
+    log = open(workdir / "serve.log", "wb")  # noqa: SIM115 - closed in the finally
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    proc = subprocess.Popen(
+        [*CLI, "serve", "-f", str(config), "--port", str(port)],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
+    try:
+        client = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=DEADLINE_S
+        )
+
+        def healthy() -> bool:
+            if proc.poll() is not None:
+                raise AssertionError((workdir / "serve.log").read_text()[-4000:])
+            try:
+                return bool(client.models.list().data)
+            except openai.APIError:
+                return False
+
+        wait_until(healthy, 300, f"{family} served", interval=0.5)
+        yield family, client
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+        log.close()
+
+
+def decoded(b64: str | None) -> np.ndarray:
+    assert b64 is not None
+    return np.asarray(Image.open(io.BytesIO(base64.b64decode(b64))).convert("RGB"))
+
+
+def monolithic_image(
+    family: str, tiny_models: Path, prompt: str, negative: str | None, seed: int,
+    image: np.ndarray | None = None,
+) -> np.ndarray:  # fmt: skip
+    pipeline = monolithic(family, tiny_models)
+    kwargs: dict[str, Any] = {
+        "num_inference_steps": STEPS,
+        "height": SIZE,
+        "width": SIZE,
+        "generator": torch.Generator("cpu").manual_seed(seed),
+        "output_type": "np",
+    }
+    if family == "qwen-image-edit":
+        assert image is not None
+        # The edit family's own embeddings, as Qwen2.5-VL computes them (see
+        # reference_embeds): diffusers' encode_prompt would leave out M-RoPE.
+        positive = reference_embeds(family, pipeline, prompt, image)[None]
+        kwargs.update(
+            image=Image.fromarray(image),
+            prompt_embeds=positive,
+            prompt_embeds_mask=torch.ones(positive.shape[:2], dtype=torch.long),
+        )
+        if negative is not None:
+            negative_embeds = reference_embeds(family, pipeline, negative, image)[None]
+            kwargs.update(
+                negative_prompt_embeds=negative_embeds,
+                negative_prompt_embeds_mask=torch.ones(
+                    negative_embeds.shape[:2], dtype=torch.long
+                ),
+            )
+    else:
+        kwargs.update(prompt=prompt, negative_prompt=negative)
+    with torch.inference_mode():
+        result = pipeline(**kwargs)
+    (only,) = to_uint8(result.images)
+    return only
+
+
+def test_served_image_equals_the_monolithic_pipelines(
+    served: tuple[str, openai.OpenAI], tiny_models: Path
+) -> None:
+    family, client = served
+    negative = "blurry, dark" if family != "z-image" else None
+    extra = {"negative_prompt": negative, "num_inference_steps": STEPS, "seed": 7}
+    if family == "qwen-image-edit":
+        image = input_image(3)
+        answer = client.images.edit(
+            model=client.models.list().data[0].id,
+            image=("in.png", png(image), "image/png"),
+            prompt=PROMPTS[0],
+            size=f"{SIZE}x{SIZE}",  # type: ignore[arg-type]
+            extra_body=extra,
+        )
+    else:
+        image = None
+        answer = client.images.generate(
+            model=client.models.list().data[0].id,
+            prompt=PROMPTS[0],
+            size=f"{SIZE}x{SIZE}",  # type: ignore[arg-type]
+            extra_body=extra,
+        )
+    assert answer.data is not None
+    served_image = decoded(answer.data[0].b64_json)
+    reference = monolithic_image(family, tiny_models, PROMPTS[0], negative, 7, image)
+    assert_same_image(served_image, reference)
+
+
+@pytest.mark.parametrize("served", ["qwen-image-edit"], indirect=True)
+def test_chat_completion_with_an_image_edits_it(
+    served: tuple[str, openai.OpenAI], tiny_models: Path
+) -> None:
+    """The seed's request: an image_url data URL and an instruction, modalities image."""
+    family, client = served
+    image = input_image(5)
+    url = "data:image/png;base64," + base64.b64encode(png(image)).decode()
+    response = client.chat.completions.create(
+        model=client.models.list().data[0].id,
+        messages=[
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": url}},
+                    {"type": "text", "text": PROMPTS[1]},
+                ],
+            }
+        ],
+        extra_body={
+            "modalities": ["image"],
+            "height": SIZE,
+            "width": SIZE,
+            "num_inference_steps": STEPS,
+            "seed": 11,
+        },
+    )
+    parts = response.choices[0].message.content
+    assert isinstance(parts, list)
+    data_url = parts[0]["image_url"]["url"]
+    served_image = decoded(data_url.split(",", 1)[1])
+    reference = monolithic_image(family, tiny_models, PROMPTS[1], None, 11, image)
+    assert_same_image(served_image, reference)
+
+
+@pytest.mark.parametrize("served", ["qwen-image"], indirect=True)
+def test_concurrent_requests_each_get_their_own_embeddings(
+    served: tuple[str, openai.OpenAI], tiny_models: Path
+) -> None:
+    """Two encoder replicas, one DiT: every request's positive and negative embeddings
+    (two requests to the encoder, maybe to different replicas) reach the DiT run that
+    serves it, so each image is the one the monolithic pipeline makes for that request."""
+    family, client = served
+    model = client.models.list().data[0].id
+    cases = [
+        (f"{PROMPTS[n % 2]} number {n}", f"{'ugly' if n % 2 else 'blurry'} {n}", 100 + n)
+        for n in range(6)
+    ]
+
+    def ask(case: tuple[str, str, int]) -> np.ndarray:
+        prompt, negative, seed = case
+        answer = client.images.generate(
+            model=model,
+            prompt=prompt,
+            size=f"{SIZE}x{SIZE}",  # type: ignore[arg-type]
+            extra_body={"negative_prompt": negative, "num_inference_steps": STEPS, "seed": seed},
+        )
+        assert answer.data is not None
+        return decoded(answer.data[0].b64_json)
+
+    with ThreadPoolExecutor(len(cases)) as pool:
+        images = list(pool.map(ask, cases))
+    for (prompt, negative, seed), image in zip(cases, images, strict=True):
+        assert_same_image(image, monolithic_image(family, tiny_models, prompt, negative, seed))
