@@ -308,9 +308,7 @@ def monolithic_image(
             negative_embeds = reference_embeds(family, pipeline, negative, image)[None]
             kwargs.update(
                 negative_prompt_embeds=negative_embeds,
-                negative_prompt_embeds_mask=torch.ones(
-                    negative_embeds.shape[:2], dtype=torch.long
-                ),
+                negative_prompt_embeds_mask=torch.ones(negative_embeds.shape[:2], dtype=torch.long),
             )
     else:
         kwargs.update(prompt=prompt, negative_prompt=negative)
