@@ -221,6 +221,16 @@ class DiffusionEngine:
                 "embeddings are required",
                 "prompt_embeds",
             )
+        if self.family is not None and request.prompt_embeds is not None:
+            negative = self.family.negative_prompt(msgspec.structs.asdict(params))
+            if negative is not None and request.negative_prompt_embeds is None:
+                guidance = self.family.dit.guidance
+                raise InvalidRequestError(
+                    f"negative_prompt_embeds: required: this request runs guidance "
+                    f"({guidance}), and with prompt_embeds the negative prompt's embeddings "
+                    f"come from the encoder too (or set {guidance} to turn guidance off)",
+                    "negative_prompt_embeds",
+                )
         for name in ("prompt_embeds", "negative_prompt_embeds"):
             embeds = getattr(request, name)
             if embeds is None:

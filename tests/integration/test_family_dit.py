@@ -1,0 +1,134 @@
+"""A family's DiT stage (the diffusion engine, in this process) refuses what its family's
+pipeline cannot take, naming the field, and loads without the components the encoder has."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from omni_runtime.diffusion.engine import DiffusionEngine, DiffusionEngineConfig
+from omni_runtime.engine.stage.stage_core_types import InvalidStageRequestError
+from omni_runtime.engine.stage.stage_core_types import StageDiffusionCoreRequest as Request
+from omni_runtime.tiny_models import (
+    DIFFUSION_SUBDIR,
+    HIDDEN_SIZE,
+    QWEN_IMAGE_EDIT_SUBDIR,
+    QWEN_IMAGE_SUBDIR,
+    Z_IMAGE_SUBDIR,
+)
+
+pytestmark = pytest.mark.integration
+
+_ENGINES: dict[tuple[str, str | None], DiffusionEngine] = {}
+
+
+def engine(tiny_models: Path, subdir: str, family: str | None) -> DiffusionEngine:
+    key = (subdir, family)
+    if key not in _ENGINES:
+        config = DiffusionEngineConfig(
+            model=str(tiny_models / subdir), family=family, text_from_upstream=True
+        )
+        _ENGINES[key] = DiffusionEngine(config)
+    return _ENGINES[key]
+
+
+def embeds(tokens: int = 5, width: int = HIDDEN_SIZE) -> np.ndarray:
+    return np.random.default_rng(tokens).standard_normal((tokens, width), dtype=np.float32)
+
+
+def error_of(dit: DiffusionEngine, request: Request) -> Any:
+    dit.admit(request.request_id)
+    output = dit.execute(request)
+    assert output.error is not None, "expected a refusal"
+    return output.error
+
+
+@pytest.mark.parametrize(
+    ("subdir", "family", "left_out"),
+    [
+        (QWEN_IMAGE_SUBDIR, "qwen-image", ("text_encoder", "tokenizer")),
+        (QWEN_IMAGE_EDIT_SUBDIR, "qwen-image-edit", ("text_encoder", "tokenizer", "processor")),
+        (Z_IMAGE_SUBDIR, "z-image", ("text_encoder", "tokenizer")),
+    ],
+)
+def test_a_family_dit_loads_without_the_encoders_components(
+    tiny_models: Path, subdir: str, family: str, left_out: tuple[str, ...]
+) -> None:
+    dit = engine(tiny_models, subdir, family)
+    for name in left_out:
+        assert getattr(dit.pipeline, name) is None
+    assert dit.pipeline.transformer is not None
+    assert dit.describe()["family"] == family
+    assert dit.conditioning_width == HIDDEN_SIZE
+
+
+@pytest.mark.parametrize(
+    ("subdir", "family", "request_fields", "param"),
+    [
+        # The encoder stage is its text encoder: text alone cannot be encoded here.
+        (QWEN_IMAGE_SUBDIR, "qwen-image", {"prompt": "a cat"}, "prompt_embeds"),
+        # Parameters the family's pipeline does not take.
+        (QWEN_IMAGE_SUBDIR, "qwen-image", {"params": {"strength": 0.5}}, "strength"),
+        (Z_IMAGE_SUBDIR, "z-image", {"params": {"true_cfg_scale": 4.0}}, "true_cfg_scale"),
+        # An edit edits an input image; a text-to-image family takes none.
+        (QWEN_IMAGE_EDIT_SUBDIR, "qwen-image-edit", {}, "image"),
+        (
+            QWEN_IMAGE_SUBDIR,
+            "qwen-image",
+            {"image": np.zeros((32, 32, 3), np.uint8)},
+            "image",
+        ),
+        # Embeddings of another width than the DiT's conditioning.
+        (Z_IMAGE_SUBDIR, "z-image", {"prompt_embeds": embeds(4, 64)}, "prompt_embeds"),
+        (
+            QWEN_IMAGE_SUBDIR,
+            "qwen-image",
+            {"negative_prompt_embeds": embeds(4, 64)},
+            "negative_prompt_embeds",
+        ),
+        # Z-Image guides by default: the negative prompt's embeddings are needed too.
+        (Z_IMAGE_SUBDIR, "z-image", {}, "negative_prompt_embeds"),
+        # Z-Image's DiT sizes must be multiples of its image processor's (VAE x patch).
+        (Z_IMAGE_SUBDIR, "z-image", {"params": {"height": 72, "width": 64}}, "height"),
+    ],
+)
+def test_what_the_family_cannot_take_is_refused_by_name(
+    tiny_models: Path, subdir: str, family: str, request_fields: dict[str, Any], param: str
+) -> None:
+    dit = engine(tiny_models, subdir, family)
+    fields: dict[str, Any] = {"prompt_embeds": embeds(), **request_fields}
+    if family == "z-image" and param != "negative_prompt_embeds":
+        fields.setdefault("negative_prompt_embeds", embeds(3))
+    if "prompt" in request_fields:
+        fields.pop("prompt_embeds")
+    error = error_of(dit, Request(request_id=f"bad-{param}", **fields))
+    assert error.param == param, error.message
+    assert error.message.startswith((param, f"params.{param}")), error.message
+    # The stage goes on serving.
+    good = Request(request_id=f"good-{param}", prompt_embeds=embeds(), params={"height": 32,
+                   "width": 32, "num_inference_steps": 2})  # fmt: skip
+    if family == "qwen-image-edit":
+        good.image = np.zeros((32, 32, 3), np.uint8)
+    if family == "z-image":
+        good.negative_prompt_embeds = embeds(3)
+    dit.admit(good.request_id)
+    output = dit.execute(good)
+    assert output.error is None, output.error
+    assert output.images is not None
+
+
+def test_a_family_checkpoint_without_its_family_is_refused(tiny_models: Path) -> None:
+    with pytest.raises(InvalidStageRequestError, match="set family: qwen-image"):
+        engine(tiny_models, QWEN_IMAGE_SUBDIR, None)
+    with pytest.raises(InvalidStageRequestError, match="runs ZImagePipeline"):
+        engine(tiny_models, QWEN_IMAGE_SUBDIR, "z-image")
+
+
+def test_true_cfg_scale_is_refused_by_a_pipeline_without_it(tiny_models: Path) -> None:
+    sd = DiffusionEngine(DiffusionEngineConfig(model=str(tiny_models / DIFFUSION_SUBDIR)))
+    error = error_of(sd, Request(request_id="sd", prompt="a cat", params={"true_cfg_scale": 2}))
+    assert error.param == "true_cfg_scale"
+    assert "StableDiffusionPipeline" in error.message
