@@ -1,7 +1,9 @@
-"""What the examples share: `omni-runtime serve` of a pipeline file, healthy, then stopped."""
+"""What the examples share: `omni-runtime serve` of a pipeline file, healthy, then stopped;
+and the chat completion that asks it for an image."""
 
 from __future__ import annotations
 
+import base64
 import signal
 import socket
 import subprocess
@@ -12,6 +14,9 @@ import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
+
+import openai
 
 CLI = [sys.executable, "-m", "omni_runtime.entrypoints.cli"]
 
@@ -57,3 +62,27 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def chat_image(
+    base_url: str, content: str | list[dict[str, Any]], params: dict[str, Any], path: Path
+) -> None:
+    """Ask the served pipeline for an image with one user message of ``content`` (text, or
+    parts with an input image), vLLM-Omni's image fields ``params``; write it to ``path``."""
+    client = openai.OpenAI(base_url=base_url, api_key="unused", timeout=300)
+    model = client.models.list().data[0].id
+    print(f"asking {model} at {base_url} for an image ({params})")
+    start = time.perf_counter()
+    response = client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": content}],
+        extra_body={"modalities": ["image"], **params},
+    )
+    elapsed = time.perf_counter() - start
+    parts = response.choices[0].message.content
+    if not isinstance(parts, list) or not parts:
+        raise SystemExit(f"no image in the answer: {parts!r}")
+    url = parts[0]["image_url"]["url"]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(base64.b64decode(url.split(",", 1)[1]))
+    print(f"wrote {path.resolve()} ({elapsed:.2f} s for the request)")

@@ -18,11 +18,9 @@ import base64
 import io
 import os
 import sys
-import time
 from pathlib import Path
 
-import openai
-from _serving import serving
+from _serving import chat_image, serving
 from PIL import Image, ImageDraw
 
 PIPELINE = Path(__file__).resolve().parent / "tiny-qwen-image-edit.yaml"
@@ -44,39 +42,19 @@ def main() -> int:
     source = args.image.read_bytes() if args.image else _drawn_input(args.out / "input.png")
     data_url = "data:image/png;base64," + base64.b64encode(source).decode()
 
+    # The seed's request: the image and the instruction in one user message.
+    content = [
+        {"type": "image_url", "image_url": {"url": data_url}},
+        {"type": "text", "text": args.prompt},
+    ]
+    params = {
+        "height": height,
+        "width": width,
+        "num_inference_steps": args.steps,
+        "seed": args.seed,
+    }
     with serving(PIPELINE, args.port, args.timeout) as base_url:
-        client = openai.OpenAI(base_url=base_url, api_key="unused", timeout=300)
-        model = client.models.list().data[0].id
-        print(f"asking {model} at {base_url} to {args.prompt!r}")
-        start = time.perf_counter()
-        # The seed's request: the image and the instruction in one user message.
-        response = client.chat.completions.create(
-            model=model,
-            messages=[
-                {
-                    "role": "user",
-                    "content": [
-                        {"type": "image_url", "image_url": {"url": data_url}},
-                        {"type": "text", "text": args.prompt},
-                    ],
-                }
-            ],
-            extra_body={
-                "modalities": ["image"],
-                "height": height,
-                "width": width,
-                "num_inference_steps": args.steps,
-                "seed": args.seed,
-            },
-        )
-        elapsed = time.perf_counter() - start
-        parts = response.choices[0].message.content
-        if not isinstance(parts, list) or not parts:
-            raise SystemExit(f"no image in the answer: {parts!r}")
-        url = parts[0]["image_url"]["url"]
-        path = (args.out / "edited.png").resolve()
-        path.write_bytes(base64.b64decode(url.split(",", 1)[1]))
-        print(f"wrote {path} ({elapsed:.2f} s for the request)")
+        chat_image(base_url, content, params, args.out / "edited.png")
     return 0
 
 

@@ -1,4 +1,4 @@
-"""The main job: a real request through a real two-stage pipeline, on this machine.
+"""Text to image through a real two-stage pipeline, on this machine.
 
 Builds the tiny models (once), starts ``omni-runtime serve -f
 examples/tiny-text-to-image.yaml`` (an LLM stage whose hidden states reach a diffusion
@@ -11,14 +11,11 @@ with the official ``openai`` client, writes the PNG, and stops everything.
 from __future__ import annotations
 
 import argparse
-import base64
 import os
 import sys
-import time
 from pathlib import Path
 
-import openai
-from _serving import serving
+from _serving import chat_image, serving
 
 PIPELINE = Path(__file__).resolve().parent / "tiny-text-to-image.yaml"
 
@@ -34,31 +31,14 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for serve")
     args = parser.parse_args()
     width, height = (int(v) for v in args.size.lower().split("x"))
+    params = {
+        "height": height,
+        "width": width,
+        "num_inference_steps": args.steps,
+        "seed": args.seed,
+    }
     with serving(PIPELINE, args.port, args.timeout) as base_url:
-        client = openai.OpenAI(base_url=base_url, api_key="unused", timeout=120)
-        model = client.models.list().data[0].id
-        print(f"asking {model} at {base_url} for a {width}x{height} image of {args.prompt!r}")
-        start = time.perf_counter()
-        response = client.chat.completions.create(
-            model=model,
-            messages=[{"role": "user", "content": args.prompt}],
-            extra_body={
-                "modalities": ["image"],
-                "height": height,
-                "width": width,
-                "num_inference_steps": args.steps,
-                "seed": args.seed,
-            },
-        )
-        elapsed = time.perf_counter() - start
-        parts = response.choices[0].message.content
-        if not isinstance(parts, list) or not parts:
-            raise SystemExit(f"no image in the answer: {parts!r}")
-        url = parts[0]["image_url"]["url"]
-        args.out.mkdir(parents=True, exist_ok=True)
-        path = (args.out / "text-to-image.png").resolve()
-        path.write_bytes(base64.b64decode(url.split(",", 1)[1]))
-        print(f"wrote {path} ({elapsed:.2f} s for the request)")
+        chat_image(base_url, args.prompt, params, args.out / "text-to-image.png")
     return 0
 
 

@@ -179,16 +179,8 @@ class ChatCompletionRequest(_Body):
                 request_id=request_id,
                 messages=messages,
                 llm_params=llm_params,
-                diffusion_params=_given(
-                    height=self.height,
-                    width=self.width,
-                    num_inference_steps=self.num_inference_steps,
-                    guidance_scale=self.guidance_scale,
-                    true_cfg_scale=self.true_cfg_scale,
-                    seed=self.seed,
-                    negative_prompt=self.negative_prompt,
-                    num_images=self.n,
-                    strength=self.strength,
+                diffusion_params=_diffusion_params(
+                    self, height=self.height, width=self.width, strength=self.strength
                 ),
                 image=images[0] if images else None,
                 sticky_key=self.user,
@@ -261,17 +253,7 @@ class _ImageRequest(_Body):
             )
         check_common(limits, len(self.prompt), self.n, self.num_inference_steps, "prompt")
         height, width = parse_size(self.size, limits)
-        return _given(
-            height=height,
-            width=width,
-            num_inference_steps=self.num_inference_steps,
-            guidance_scale=self.guidance_scale,
-            true_cfg_scale=self.true_cfg_scale,
-            seed=self.seed,
-            negative_prompt=self.negative_prompt,
-            num_images=self.n,
-            **more,
-        )
+        return _diffusion_params(self, height=height, width=width, **more)
 
     def _pipeline_request(
         self, request_id: str, params: dict[str, Any], image: np.ndarray | None = None
@@ -317,6 +299,23 @@ class ImageEditRequest(_ImageRequest):
 
 def _given(**params: Any) -> dict[str, Any]:
     return {name: value for name, value in params.items() if value is not None}
+
+
+# The diffusion stage's params every image request spells the same way.
+_DIFFUSION_FIELDS = (
+    "num_inference_steps",
+    "guidance_scale",
+    "true_cfg_scale",
+    "seed",
+    "negative_prompt",
+)
+
+
+def _diffusion_params(body: ChatCompletionRequest | _ImageRequest, **more: Any) -> dict[str, Any]:
+    """The diffusion stage's params of an image request: its shared fields, its ``n`` as
+    num_images, and ``more`` (those the path spells its own way); unset ones left out."""
+    shared = {name: getattr(body, name) for name in _DIFFUSION_FIELDS}
+    return _given(**shared, num_images=body.n, **more)
 
 
 def decode_json(raw: bytes, limits: RouterLimits) -> Any:
