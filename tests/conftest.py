@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from multiprocessing import resource_tracker
 from pathlib import Path
 
 import psutil
@@ -16,10 +17,24 @@ os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
 
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """The tiny LLM and diffusion pipeline, built once per test session from configs."""
+    """The tiny models (omni_runtime.tiny_models), built once per test session from configs."""
     from omni_runtime.tiny_models import ensure_tiny_models
 
     return ensure_tiny_models(tmp_path_factory.mktemp("tiny-models"))
+
+
+@pytest.fixture(scope="module")
+def llm_engine_environment() -> Iterator[None]:
+    """What a module that starts LLM stage cores in this process needs (modules use it
+    autouse): vLLM's CPU KV cache size (GiB; unset, the CPU build refuses to start), and at
+    the end, once every core of the module is gone, multiprocessing's resource tracker
+    stopped: started with the first core and alive as long as this process, it is no leak,
+    but the session's check for surviving children would take it for one."""
+    with pytest.MonkeyPatch.context() as patch:
+        if not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+            patch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+        yield
+    resource_tracker._resource_tracker._stop()
 
 
 _SHM = Path("/dev/shm")

@@ -21,7 +21,6 @@ import os
 import subprocess
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from multiprocessing import resource_tracker
 from pathlib import Path
 from typing import Any
 
@@ -56,13 +55,8 @@ DEADLINE_S = 120
 
 
 @pytest.fixture(scope="module", autouse=True)
-def engine_environment() -> Iterator[None]:
-    with pytest.MonkeyPatch.context() as patch:
-        if not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
-            patch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
-        yield
-    # multiprocessing's resource tracker started with the first core (see test_llm_stage).
-    resource_tracker._resource_tracker._stop()  # type: ignore[attr-defined]
+def engine_environment(llm_engine_environment: None) -> None:
+    """vLLM's CPU environment for this module's cores (tests/conftest.py)."""
 
 
 def example(family: str, tiny_models: Path) -> PipelineConfig:

@@ -11,7 +11,6 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Iterator
-from multiprocessing import resource_tracker
 from pathlib import Path
 from typing import Any
 
@@ -83,16 +82,8 @@ ENCODE_STAGE = stage(name="encoder", output="hidden_states")
 
 
 @pytest.fixture(scope="module", autouse=True)
-def engine_environment() -> Iterator[None]:
-    with pytest.MonkeyPatch.context() as patch:
-        # vLLM's CPU build sizes its KV cache from this (GiB); unset, it refuses to start.
-        if not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
-            patch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
-        yield
-    # multiprocessing started its resource tracker with the first core. It is no leak (it
-    # exits with this process), but the session's check for surviving children would
-    # take it for one. Every core of this module is gone by now.
-    resource_tracker._resource_tracker._stop()
+def engine_environment(llm_engine_environment: None) -> None:
+    """vLLM's CPU environment for this module's cores (tests/conftest.py)."""
 
 
 @pytest.fixture(scope="module")

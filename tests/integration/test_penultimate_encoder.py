@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from importlib.metadata import entry_points
-from multiprocessing import resource_tracker
 from pathlib import Path
 from typing import Any
 
@@ -96,15 +95,8 @@ def build_qwen3(path: Path, checkpoint: str) -> None:
 
 
 @pytest.fixture(scope="module", autouse=True)
-def engine_environment() -> Iterator[None]:
-    with pytest.MonkeyPatch.context() as patch:
-        # vLLM's CPU build sizes its KV cache from this (GiB); unset, it refuses to start.
-        if not os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
-            patch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
-        yield
-    # Started with the first core and alive as long as this process: not a leak, but the
-    # session's check for surviving children would take it for one.
-    resource_tracker._resource_tracker._stop()  # type: ignore[attr-defined]
+def engine_environment(llm_engine_environment: None) -> None:
+    """vLLM's CPU environment for this module's cores (tests/conftest.py)."""
 
 
 @pytest.fixture(scope="module", params=["Qwen3ForCausalLM", "Qwen3Model"])
