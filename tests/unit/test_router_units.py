@@ -135,3 +135,17 @@ def test_body_errors_name_the_field(body: dict[str, Any], message: str) -> None:
         parse_body(ChatCompletionRequest, body)
     assert info.value.message.startswith(message), info.value.message
     assert info.value.status == 400
+
+
+def test_the_router_keeps_idle_connections_longer_than_the_openai_client() -> None:
+    """With equal idle timers (5 s each, uvicorn's and the openai client's defaults) a
+    client may send on a pooled connection the router is closing: a connection error."""
+    from fastapi import FastAPI
+    from openai._constants import DEFAULT_CONNECTION_LIMITS
+
+    from omni_runtime.entrypoints.router_process import router_server_config
+
+    config = router_server_config(FastAPI(), "127.0.0.1", 8000)
+    expiry = DEFAULT_CONNECTION_LIMITS.keepalive_expiry
+    assert expiry is not None
+    assert config.timeout_keep_alive > 2 * expiry

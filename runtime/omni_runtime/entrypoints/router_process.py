@@ -166,6 +166,25 @@ def _addresses(value: str, where: str) -> list[str]:
     return addresses
 
 
+# How long the router keeps an idle client connection open. Longer than clients keep
+# theirs (the openai client's pool: 5 s, uvicorn's default here too): with equal timers a
+# client may send on a connection the router is closing, and gets a connection error.
+KEEP_ALIVE_S = 75
+
+
+def router_server_config(app: FastAPI, host: str, port: int) -> uvicorn.Config:
+    """uvicorn's config for the router app: quiet logs, idle connections kept
+    ``KEEP_ALIVE_S``."""
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level="warning",
+        access_log=False,
+        timeout_keep_alive=KEEP_ALIVE_S,
+    )
+
+
 def build_router(
     pipeline: PipelineConfig,
     addresses: Mapping[int, Sequence[str]],
@@ -243,7 +262,7 @@ def run_router(
     if missing:
         logger.warning("no replica addresses yet for stage(s): %s", ", ".join(missing))
     app, _ = build_router(pipeline, addresses, limits=limits, discovery=discovery)
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False)
+    config = router_server_config(app, host, port)
     logger.info(
         "router on http://%s:%d/v1 (model %s)", host, port, app.state.router.served_model_name
     )

@@ -28,7 +28,7 @@ from pathlib import Path
 import uvicorn
 
 from omni_runtime.config import PipelineConfig, StageConfig, dump_pipeline
-from omni_runtime.entrypoints.router_process import build_router
+from omni_runtime.entrypoints.router_process import build_router, router_server_config
 from omni_runtime.router.protocol import RouterLimits
 
 logger = logging.getLogger("omni_runtime.serve")
@@ -105,7 +105,7 @@ def run_serve(
         url = f"http://{host}:{port}/v1"
         name = app.state.router.served_model_name
         server = _AnnouncingServer(
-            uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False),
+            router_server_config(app, host, port),
             f"serving {url} (model {name!r}); Ctrl-C stops everything",
             (lambda: on_ready(url)) if on_ready is not None else None,
         )
