@@ -292,3 +292,15 @@ def test_z_image_chat_template_honours_thinking_and_the_generation_prompt(
     )
     ids = tokenizer(render(add_generation_prompt=True, enable_thinking=False))["input_ids"]
     assert tokenizer.convert_tokens_to_ids("<think>") in ids
+
+
+def test_every_file_is_readable_by_every_user(tiny_models: Path) -> None:
+    """An image bakes the models as root for a runtime that runs as another user
+    (safetensors itself writes 0600). The root directory is the caller's to choose."""
+    unreadable = [
+        str(path.relative_to(tiny_models))
+        for path in tiny_models.rglob("*")
+        if path.stat().st_mode & (0o005 if path.is_dir() else 0o004)
+        != (0o005 if path.is_dir() else 0o004)
+    ]
+    assert unreadable == []

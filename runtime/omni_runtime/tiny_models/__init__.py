@@ -50,7 +50,15 @@ Z_IMAGE_SUBDIR = "z-image"
 SUBDIRS = (LLM_SUBDIR, DIFFUSION_SUBDIR, QWEN_IMAGE_SUBDIR, QWEN_IMAGE_EDIT_SUBDIR, Z_IMAGE_SUBDIR)
 _MARKER = "omni-tiny-models.json"
 # Bump when what is built changes, so that old directories are rebuilt.
-_RECIPE_VERSION = 4
+_RECIPE_VERSION = 5
+
+
+def _readable_by_all(tree: Path) -> None:
+    """Give everyone read access to ``tree``: safetensors writes its files 0600, and an
+    image bakes the models as root for a process that runs as another user."""
+    for path in (tree, *tree.rglob("*")):
+        extra = 0o555 if path.is_dir() else 0o444
+        path.chmod(path.stat().st_mode | extra)
 
 
 def ensure_tiny_models(root: str | Path) -> Path:
@@ -72,6 +80,7 @@ def ensure_tiny_models(root: str | Path) -> Path:
         )
         build_z_image(staging / Z_IMAGE_SUBDIR, qwen_tokenizer)
         for sub in SUBDIRS:
+            _readable_by_all(staging / sub)
             shutil.rmtree(root / sub, ignore_errors=True)
             (staging / sub).rename(root / sub)
     marker.write_text(json.dumps({"recipe": _RECIPE_VERSION, "seed": SEED}))
