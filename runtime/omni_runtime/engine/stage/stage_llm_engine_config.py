@@ -15,6 +15,7 @@ import dataclasses
 import hashlib
 import os
 import shutil
+import tempfile
 from typing import Any
 
 import pydantic
@@ -73,16 +74,14 @@ def encoder_model_view(checkpoint: str, encoder: EncoderRecipe) -> str:
     """One directory vLLM can load a family's encoder from: the files of the diffusers
     checkpoint's text encoder and of its tokenizer (or processor) folder, linked side by
     side (vLLM takes the weights, the tokenizer and the image processor all from its
-    ``model``). Made under the cache directory, afresh at each start; the weights' own
-    files win where both folders have one."""
+    ``model``); the weights' own files win where both folders have one.
+
+    Made once under the cache directory, keyed by what it links, and moved into place
+    whole: replicas of a stage starting together on one machine share it, and none sees
+    it half made."""
     checkpoint = os.path.abspath(checkpoint)
-    folders = (encoder.text_encoder_subfolder, encoder.tokenizer_subfolder)
-    key = hashlib.sha256("\0".join((checkpoint, *folders)).encode()).hexdigest()[:16]
-    cache = os.environ.get("OMNI_CACHE_DIR") or os.path.expanduser("~/.cache/omni-operator")
-    view = os.path.join(cache, "encoder-views", key)
-    shutil.rmtree(view, ignore_errors=True)
-    os.makedirs(view)
-    for folder in folders:
+    links: dict[str, str] = {}
+    for folder in (encoder.text_encoder_subfolder, encoder.tokenizer_subfolder):
         source = os.path.join(checkpoint, folder)
         if not os.path.isdir(source):
             raise StageLLMConfigError(
@@ -90,10 +89,25 @@ def encoder_model_view(checkpoint: str, encoder: EncoderRecipe) -> str:
                 f"and {encoder.tokenizer_subfolder} folders of a diffusers checkpoint are "
                 "what its encoder stage loads)"
             )
-        for name in os.listdir(source):
-            target = os.path.join(view, name)
-            if not os.path.lexists(target):
-                os.symlink(os.path.join(source, name), target)
+        for name in sorted(os.listdir(source)):
+            links.setdefault(name, os.path.join(source, name))
+    key = hashlib.sha256(repr(sorted(links.items())).encode()).hexdigest()[:16]
+    cache = os.environ.get("OMNI_CACHE_DIR") or os.path.expanduser("~/.cache/omni-operator")
+    views = os.path.join(cache, "encoder-views")
+    view = os.path.join(views, key)
+    if os.path.isdir(view):
+        return view
+    os.makedirs(views, exist_ok=True)
+    building = tempfile.mkdtemp(dir=views, prefix=".building-")
+    for name, target in links.items():
+        os.symlink(target, os.path.join(building, name))
+    try:
+        os.rename(building, view)
+    except OSError:
+        # Another replica moved the same view into place first.
+        shutil.rmtree(building, ignore_errors=True)
+        if not os.path.isdir(view):
+            raise
     return view
 
 
