@@ -348,16 +348,18 @@ class DiffusionEngine:
                 raise RequestAbortedError
             return tensors
 
+        # Left out, a parameter is the pipeline's own default (a family's pipeline sizes
+        # its output itself; an edit's from its input image).
         kwargs: dict[str, Any] = {
-            name: value for name in _CALL_PARAMS if (value := getattr(params, name)) is not None
+            name: value
+            for name in (*_CALL_PARAMS, "height", "width")
+            if (value := getattr(params, name)) is not None
         }
         kwargs.update(
             num_images_per_prompt=params.num_images,
             output_type="np",
             callback_on_step_end=on_step_end,
         )
-        if params.height is not None and params.width is not None:
-            kwargs.update(height=params.height, width=params.width)
         if params.seed is not None:
             kwargs["generator"] = torch.Generator("cpu").manual_seed(params.seed)
         if request.prompt_embeds is not None:
@@ -372,7 +374,8 @@ class DiffusionEngine:
             if image is not None and self._img2img is not None:
                 if image.size != (params.width, params.height):
                     image = image.resize((params.width, params.height), Image.Resampling.BICUBIC)
-                kwargs.pop("height", None), kwargs.pop("width", None)
+                # Image-to-image makes the size of its input, resized above.
+                del kwargs["height"], kwargs["width"]
                 result = self._img2img(image=image, **kwargs)
             elif image is not None:
                 result = self.pipeline(image=image, **kwargs)
