@@ -48,6 +48,22 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def served_base_url(proc: subprocess.Popen[bytes], log: Path, timeout: float) -> str:
+    """The OpenAI base URL that ``omni-runtime serve --port 0`` (``proc``, printing to
+    ``log``) announces once it listens; AssertionError with the log if it exits first."""
+
+    def announced() -> str | None:
+        if proc.poll() is not None:
+            raise AssertionError(f"serve exited {proc.returncode}:\n{log.read_text()[-4000:]}")
+        for line in log.read_text(errors="replace").splitlines():
+            if line.startswith("serving http://"):
+                return line.split()[1]
+        return None
+
+    url: str = wait_until(announced, timeout, "omni-runtime serve listening", interval=0.5)
+    return url
+
+
 def wait_until(predicate: Any, timeout: float, what: str, interval: float = 0.05) -> Any:
     """Poll ``predicate`` until it returns something truthy; AssertionError at the deadline."""
     deadline = time.monotonic() + timeout

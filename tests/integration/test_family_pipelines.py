@@ -30,7 +30,7 @@ import pytest
 import torch
 import yaml
 from PIL import Image
-from serving import CLI, free_port, wait_until
+from serving import CLI, served_base_url
 
 from omni_runtime.config import PipelineConfig, load_pipeline
 from omni_runtime.config.families import FAMILIES, prompt_image_size
@@ -241,29 +241,19 @@ def served(
     workdir = tmp_path_factory.mktemp(f"serve-{family}")
     replicas = 2 if family == "qwen-image" else 1
     config = write_pipeline(family, tiny_models, workdir / "pipeline.yaml", replicas)
-    port = free_port()
-    log = open(workdir / "serve.log", "wb")  # noqa: SIM115 - closed in the finally
+    log_path = workdir / "serve.log"
+    log = open(log_path, "wb")  # noqa: SIM115 - closed in the finally
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
     proc = subprocess.Popen(
-        [*CLI, "serve", "-f", str(config), "--port", str(port)],
+        [*CLI, "serve", "-f", str(config), "--port", "0"],
         stdout=log,
         stderr=subprocess.STDOUT,
         env=env,
     )
     try:
-        client = openai.OpenAI(
-            base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=DEADLINE_S
-        )
-
-        def healthy() -> bool:
-            if proc.poll() is not None:
-                raise AssertionError((workdir / "serve.log").read_text()[-4000:])
-            try:
-                return bool(client.models.list().data)
-            except openai.APIError:
-                return False
-
-        wait_until(healthy, 300, f"{family} served", interval=0.5)
+        base_url = served_base_url(proc, log_path, 300)
+        client = openai.OpenAI(base_url=base_url, api_key="unused", timeout=DEADLINE_S)
+        assert client.models.list().data
         yield family, client
     finally:
         proc.terminate()

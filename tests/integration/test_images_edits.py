@@ -21,7 +21,7 @@ import numpy as np
 import openai
 import pytest
 from PIL import Image
-from serving import CLI, free_port, wait_until
+from serving import CLI, served_base_url
 
 pytestmark = pytest.mark.integration
 
@@ -33,10 +33,9 @@ QUICK = {"num_inference_steps": 2, "seed": 3}
 @pytest.fixture(scope="module")
 def server(tiny_models: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """The base URL (…/v1) of the example pipeline, served by `omni-runtime serve`."""
-    port = free_port()
     log = tmp_path_factory.mktemp("edits") / "serve.log"
     env = {**os.environ, "OMNI_TINY_MODELS": str(tiny_models)}
-    command = [*CLI, "serve", "-f", "examples/tiny-text-to-image.yaml", "--port", str(port)]
+    command = [*CLI, "serve", "-f", "examples/tiny-text-to-image.yaml", "--port", "0"]
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             command,
@@ -46,18 +45,10 @@ def server(tiny_models: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
         )
-
-    def healthy() -> bool:
-        if proc.poll() is not None:
-            raise AssertionError(f"serve exited {proc.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            return httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200
-        except httpx.TransportError:
-            return False
-
     try:
-        wait_until(healthy, 600, "omni-runtime serve healthy", interval=0.5)
-        yield f"http://127.0.0.1:{port}/v1"
+        base_url = served_base_url(proc, log, 600)
+        assert httpx.get(base_url.removesuffix("/v1") + "/health", timeout=5).status_code == 200
+        yield base_url
     finally:
         proc.send_signal(signal.SIGINT)
         try:

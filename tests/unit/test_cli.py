@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -132,6 +133,23 @@ def test_serve_refuses_a_pipeline_the_router_cannot_run(tmp_path: Path) -> None:
     result = omni_runtime("serve", "-f", str(pipeline))
     assert result.returncode == 1
     assert "takes input from stage(s) [0]" in result.stderr
+
+
+def test_serve_claims_its_port_before_any_stage_starts(tmp_path: Path) -> None:
+    # A port in use is reported at once, not after the models load; and while they do, no
+    # stage process can take the router's port (it did, once: vLLM binds ephemeral ports).
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = omni_runtime(
+            "serve", "-f", str(REPO / "examples/tiny-text-to-image.yaml"), "--port", str(port)
+        )
+    assert result.returncode == 1, result.stderr
+    assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in result.stderr
+    assert "--port" in result.stderr
+    assert "starting" not in result.stdout, result.stdout
+    assert "Traceback" not in result.stderr
 
 
 def test_a_stage_whose_connector_cannot_load_refuses_to_start(tmp_path: Path) -> None:

@@ -3,6 +3,9 @@
 Every replica of every stage runs as its own ``omni-runtime stage`` process (the same
 command a stage pod runs) on an ephemeral loopback port, each seeing only the GPUs its
 stage's ``devices`` names; the router runs in this process and serves the OpenAI API.
+The router's port is claimed before any stage starts: a port in use is reported at once,
+not after the models load, and no stage process can take it while they do (port 0 picks
+a free one; the "serving" line says which).
 Ctrl-C (or SIGTERM) stops the router, then every stage process (terminate, then kill), and
 removes what they left in /dev/shm; stage processes also stop by themselves if this process
 dies. Stage logs go to files, so the terminal shows what a user needs; a stage that fails
@@ -92,7 +95,10 @@ def run_serve(
     config_file.write_text(json.dumps(dump_pipeline(pipeline)))
     replicas: list[_Replica] = []
     failed = False
+    listener: socket.socket | None = None
     try:
+        listener = _claim_port(host, port)
+        port = int(listener.getsockname()[1])
         for stage in sorted(pipeline.stages, key=lambda s: s.stage_id):
             for index in range(stage.replicas):
                 replicas.append(_start_replica(stage, index, config_file, workdir, logs))
@@ -109,7 +115,7 @@ def run_serve(
             f"serving {url} (model {name!r}); Ctrl-C stops everything",
             (lambda: on_ready(url)) if on_ready is not None else None,
         )
-        server.run()
+        server.run(sockets=[listener])
         return 0
     except ServeError as e:
         failed = True
@@ -118,12 +124,32 @@ def run_serve(
     except KeyboardInterrupt:
         return 130
     finally:
+        if listener is not None:
+            listener.close()
         _stop(replicas)
         sweep_orphaned_segments()
         if failed and log_dir is None:
             print(f"stage logs kept in {workdir}", file=sys.stderr)
         else:
             shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _claim_port(host: str, port: int) -> socket.socket:
+    """A listening socket on ``host:port`` for the router; ServeError naming the address
+    if it cannot be had."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        # As uvicorn binds its own: a restart need not wait out the old connections' TIME_WAIT.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        hint = " (choose another with --port, or 0 for any free one)" if port else ""
+        raise ServeError(f"cannot listen on {host}:{port}: {e.strerror}{hint}") from None
+    sock.set_inheritable(False)
+    return sock
 
 
 def _start_replica(
