@@ -9,6 +9,11 @@ In a cluster, ``--discover-namespace NS --stage-service STAGE=SERVICE`` (or
 ``OMNI_DISCOVERY_NAMESPACE`` and ``OMNI_STAGE_SERVICE_<STAGE ID>``) has the router follow
 the EndpointSlices of each stage's Service instead: replicas come and go with their pods'
 readiness (``omni_runtime.router.discovery``).
+
+SIGTERM/SIGINT stop it gracefully (uvicorn's shutdown): it stops listening at once (its
+readiness probe fails, so the Service stops sending it clients), finishes the HTTP
+requests in flight for at most ``OMNI_DRAIN_TIMEOUT_S`` seconds (default 30), then closes
+its replica pools and exits.
 """
 
 from __future__ import annotations
@@ -172,9 +177,23 @@ def _addresses(value: str, where: str) -> list[str]:
 KEEP_ALIVE_S = 75
 
 
+DRAIN_TIMEOUT_ENV = "OMNI_DRAIN_TIMEOUT_S"
+DEFAULT_DRAIN_TIMEOUT_S = 30.0
+
+
+def drain_timeout(environ: Mapping[str, str]) -> float:
+    """How long a stopping router lets its HTTP requests finish: OMNI_DRAIN_TIMEOUT_S, else
+    the default (also for a value that is not a number >= 0)."""
+    try:
+        value = float(environ.get(DRAIN_TIMEOUT_ENV, "") or DEFAULT_DRAIN_TIMEOUT_S)
+    except ValueError:
+        return DEFAULT_DRAIN_TIMEOUT_S
+    return value if 0 <= value < float("inf") else DEFAULT_DRAIN_TIMEOUT_S
+
+
 def router_server_config(app: FastAPI, host: str, port: int) -> uvicorn.Config:
     """uvicorn's config for the router app: quiet logs, idle connections kept
-    ``KEEP_ALIVE_S``."""
+    ``KEEP_ALIVE_S``, requests in flight at a stop given ``drain_timeout`` to finish."""
     return uvicorn.Config(
         app,
         host=host,
@@ -182,6 +201,7 @@ def router_server_config(app: FastAPI, host: str, port: int) -> uvicorn.Config:
         log_level="warning",
         access_log=False,
         timeout_keep_alive=KEEP_ALIVE_S,
+        timeout_graceful_shutdown=max(1, round(drain_timeout(os.environ))),
     )
 
 

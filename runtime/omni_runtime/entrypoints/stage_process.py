@@ -5,30 +5,41 @@ Starts the core of each named stage (through its proc manager), serves each on a
 ``{"pid": ..., "stages": {"<stage id>": <port>, ...}}`` to ``--ready-file`` (atomically),
 so that a parent that asked for ephemeral ports learns them without racing.
 
-SIGTERM/SIGINT stop it cleanly; the death of a stage's core ends the process with exit
-code 1 and the reason on stderr (Kubernetes restarts the pod; routers evict the replica
-when its connection drops).
+SIGTERM/SIGINT drain it, then stop it: /readyz answers 503 at once (the EndpointSlice
+marks the pod not ready), every connected router is told the replica is draining (so it
+sends nothing new, without waiting for the EndpointSlice), requests not started are handed
+back for the router to run elsewhere, and those in execution finish, for at most
+``OMNI_DRAIN_TIMEOUT_S`` seconds (default 30); then the cores stop and
+the process exits 0. A second signal skips what is left of the drain. The death of a
+stage's core ends the process with exit code 1 and the reason on stderr (Kubernetes
+restarts the pod; routers evict the replica when its connection drops).
+
+Each stage advertises the pipeline revision it runs (``OMNI_PIPELINE_REVISION``, which
+the operator sets on every stage pod; without it, ``0-<hash of the config>``, the same for
+every replica that ``serve`` starts from one config file): see ``router.revisions``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import os
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from omni_runtime.config import PipelineConfig, StageConfig, stage_port
+from omni_runtime.config import PipelineConfig, StageConfig, dump_pipeline, stage_port
 from omni_runtime.config.families import EncoderRecipe
 from omni_runtime.connectors import ConnectorError
 from omni_runtime.engine.stage.stage_core_client import StageCoreClientBase, StageCoreStartupError
+from omni_runtime.router.revisions import REVISION_ENV, local_revision
 from omni_runtime.stage_server.frontend import (
     StageConnectors,
     StageFrontend,
@@ -43,6 +54,10 @@ logger = logging.getLogger("omni_runtime.stage")
 # stages on a pod's GPUs (the operator maps each stage's devices into the pod's numbering).
 STAGE_CUDA_DEVICES_ENV_PREFIX = "OMNI_CUDA_VISIBLE_DEVICES_"
 DEFAULT_HEALTH_PORT = 8081
+DRAIN_TIMEOUT_ENV = "OMNI_DRAIN_TIMEOUT_S"
+# How long a stopping stage lets the requests it holds finish. The operator's pods allow
+# it (terminationGracePeriodSeconds) plus their preStop delay and a margin.
+DEFAULT_DRAIN_TIMEOUT_S = 30.0
 # vLLM's CPU build refuses to start without a KV cache size; 1 GiB serves small models.
 _DEFAULT_CPU_KVCACHE_GIB = "1"
 
@@ -60,6 +75,32 @@ class StageProcessOptions:
     health_port: int | None = DEFAULT_HEALTH_PORT
     ready_file: Path | None = None
     startup_timeout: float = 300.0
+    # None: OMNI_DRAIN_TIMEOUT_S, else DEFAULT_DRAIN_TIMEOUT_S.
+    drain_timeout: float | None = None
+    # None: OMNI_PIPELINE_REVISION, else the config's local revision.
+    revision: str | None = None
+
+
+def resolve_revision(pipeline: PipelineConfig, environ: Mapping[str, str]) -> str:
+    """The revision this process advertises: the environment's, else the config's own."""
+    given = environ.get(REVISION_ENV, "").strip()
+    if given:
+        return given
+    return local_revision(json.dumps(dump_pipeline(pipeline), sort_keys=True))
+
+
+def resolve_drain_timeout(environ: Mapping[str, str]) -> float:
+    """OMNI_DRAIN_TIMEOUT_S (seconds, >= 0), else the default; StageStartError if bad."""
+    text = environ.get(DRAIN_TIMEOUT_ENV, "").strip()
+    if not text:
+        return DEFAULT_DRAIN_TIMEOUT_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0 or value == float("inf"):
+        raise StageStartError(f"{DRAIN_TIMEOUT_ENV}={text!r}: expected seconds, a number >= 0")
+    return value
 
 
 def resolve_model(model: str) -> str:
@@ -153,6 +194,19 @@ def run_stage_process(
     from omni_runtime.connectors.shared_memory import sweep_orphaned_segments
 
     stages = [pipeline.stage(stage_id) for stage_id in stage_ids]
+    try:
+        options = dataclasses.replace(
+            options,
+            drain_timeout=(
+                options.drain_timeout
+                if options.drain_timeout is not None
+                else resolve_drain_timeout(os.environ)
+            ),
+            revision=options.revision or resolve_revision(pipeline, os.environ),
+        )
+    except StageStartError as e:
+        print(f"omni-runtime stage: error: {e}", file=sys.stderr)
+        return 1
     removed = sweep_orphaned_segments()
     if removed:
         logger.info("removed %d shared-memory segment(s) left by dead processes", removed)
@@ -200,16 +254,25 @@ async def _serve(frontends: list[StageFrontend], options: StageProcessOptions) -
             frontend,
             host=options.host,
             port=ports.get(frontend.stage.stage_id, stage_port(frontend.stage.stage_id)),
+            revision=options.revision or "",
         )
         for frontend in frontends
     ]
     stop = asyncio.Event()
+    hurry = asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def on_signal() -> None:
+        (hurry if stop.is_set() else stop).set()
+
     for signum in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(signum, stop.set)
+        loop.add_signal_handler(signum, on_signal)
 
     def readiness() -> dict[str, str | None]:
-        return {server.stage.name: server.dead_reason for server in servers}
+        return {
+            server.stage.name: server.dead_reason or ("draining" if server.draining else None)
+            for server in servers
+        }
 
     probes = None
     if options.health_port is not None:
@@ -219,11 +282,12 @@ async def _serve(frontends: list[StageFrontend], options: StageProcessOptions) -
     }
     for server in servers:
         logger.info(
-            "stage %d %r serving on %s:%d",
+            "stage %d %r serving on %s:%d (revision %s)",
             server.stage.stage_id,
             server.stage.name,
             options.host,
             server.port,
+            server.revision,
         )
     if options.ready_file is not None:
         _write_ready_file(options.ready_file, {str(s.stage.stage_id): s.port for s in servers})
@@ -231,6 +295,8 @@ async def _serve(frontends: list[StageFrontend], options: StageProcessOptions) -
     try:
         done, _ = await asyncio.wait({stopped, *serving}, return_when=asyncio.FIRST_COMPLETED)
         exit_code = 0
+        if stopped in done:
+            await _drain(servers, options.drain_timeout or 0.0, hurry)
         for task in done:
             if task is stopped:
                 continue
@@ -250,6 +316,33 @@ async def _serve(frontends: list[StageFrontend], options: StageProcessOptions) -
             probes.close()
         for server in servers:
             server.close()
+
+
+async def _drain(servers: list[StageServer], timeout: float, hurry: asyncio.Event) -> None:
+    """Drain every live server at once, for at most ``timeout`` seconds (or until
+    ``hurry``: a second stop signal)."""
+    start = time.perf_counter()
+    held = sum(server.held for server in servers)
+    logger.info("draining: %d request(s) held; at most %.0f s", held, timeout)
+    draining: asyncio.Future[list[bool]] = asyncio.gather(
+        *(server.drain(timeout) for server in servers if server.alive)
+    )
+    hurried: asyncio.Future[Any] = asyncio.ensure_future(hurry.wait())
+    try:
+        await asyncio.wait({draining, hurried}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        hurried.cancel()
+    if not draining.done():
+        draining.cancel()
+        await asyncio.gather(draining, return_exceptions=True)
+        logger.warning("drain cut short by a second stop signal")
+        return
+    complete = all(draining.result())
+    logger.info(
+        "drained in %.1f s%s",
+        time.perf_counter() - start,
+        "" if complete else " (some requests failed at the drain timeout)",
+    )
 
 
 def _write_ready_file(path: Path, ports: dict[str, int]) -> None:

@@ -6,7 +6,8 @@
     POST /v1/images/edits        b64_json images from an input image (multipart/form-data:
                                  image, prompt, n, size, ...; image-to-image diffusion)
     GET  /v1/models              the one served model
-    GET  /health                 200 when every stage has a live replica, else 503 naming them
+    GET  /health                 200 when some pipeline revision has a live replica of every
+                                 stage (the one requests run on now), else 503 saying why
     GET  /livez                  200 while the process serves (liveness: not about replicas)
     GET  /metrics                Prometheus
 

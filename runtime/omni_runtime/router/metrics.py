@@ -48,7 +48,37 @@ class RouterMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         )
+        self.retries = Counter(
+            "omni_router_retries",
+            "Stage requests the router sent again, invisibly to the caller, by stage and "
+            "reason: handed_back (a draining replica returned it unstarted), replica_lost "
+            "or revision_gone (the request restarted from the first stage).",
+            ["stage", "reason"],
+            registry=self.registry,
+        )
+        self.served = Counter(
+            "omni_stage_served",
+            "Stage requests a replica answered in full, by stage, replica and the pipeline "
+            "revision the request ran on.",
+            ["stage", "replica", "revision"],
+            registry=self.registry,
+        )
+        self.revision_requests = Counter(
+            "omni_router_revision_requests",
+            "Requests that completed, by the pipeline revision all their stages ran on.",
+            ["revision"],
+            registry=self.registry,
+        )
         self.registry.register(_PoolCollector(pools))
+
+    def retried(self, stage: str, reason: str) -> None:
+        self.retries.labels(stage, reason).inc()
+
+    def stage_served(self, stage: str, replica_id: int, revision: str) -> None:
+        self.served.labels(stage, str(replica_id), revision).inc()
+
+    def request_revision(self, revision: str) -> None:
+        self.revision_requests.labels(revision).inc()
 
     def stage_request_done(self, stage: str, replica_id: int, latency: float, failed: bool) -> None:
         """The pools' per-request hook."""
@@ -77,12 +107,21 @@ class _PoolCollector(Collector):
             "Replicas of a stage that take requests.",
             labels=["stage"],
         )
+        draining = GaugeMetricFamily(
+            "omni_stage_replica_draining",
+            "1 for a replica that takes no new requests (it said it is draining, or the "
+            "router is removing it), else 0; with the revision it advertised.",
+            labels=["stage", "replica", "address", "revision"],
+        )
         for name, pool in self._pools().items():
             stats = pool.stats()
             in_flight.add_metric([name], sum(s.in_flight for s in stats))
             live.add_metric([name], pool.live_replica_count)
             for s in stats:
-                replica_in_flight.add_metric([name, str(s.replica_id), s.address], s.in_flight)
+                replica = [name, str(s.replica_id), s.address]
+                replica_in_flight.add_metric(replica, s.in_flight)
+                draining.add_metric([*replica, s.revision], 0 if s.accepting else 1)
         yield in_flight
         yield replica_in_flight
         yield live
+        yield draining

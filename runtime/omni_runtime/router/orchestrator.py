@@ -10,11 +10,22 @@ request of the same stage encodes the negative prompt, whose handle goes to the 
 are what the caller receives (streamed text, or images). Each stage's replica comes from
 its StageReplicaPool.
 
+Every stage request of one caller's request (companions included) goes to replicas of one
+pipeline revision: the newest that every stage has a replica of (``router.revisions``);
+none complete is a 503 that says so.
+
 A failure in any stage fails this request only, as a PipelineError that carries the HTTP
-status the router answers with. A replica lost before the caller received anything is
-retried once from the first stage (hidden states handed to a dead replica are gone with
-it). Cancelling the consumer (a client that disconnected) aborts the request in the stage
-running it.
+status the router answers with. Retries are invisible to the caller and bounded:
+- a replica that hands a request back unstarted (``StageErrorCode.DRAINING``: it is
+  draining) has it sent to another replica of the same stage and revision, up to
+  ``HANDBACK_RETRIES`` times per stage request; a request a replica accepted and runs is
+  never sent elsewhere, it finishes there;
+- a replica lost before the caller received anything (its connection died; nothing it did
+  reached the caller), or a revision whose replicas of a later stage went away meanwhile,
+  restarts the request from the first stage, once (hidden states handed to a dead replica
+  are gone with it), on the revision then newest.
+Each retry is reported to ``on_retry`` (/metrics). Cancelling the consumer (a client that
+disconnected) aborts the request in the stage running it.
 """
 
 from __future__ import annotations
@@ -22,7 +33,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
@@ -42,6 +53,7 @@ from omni_runtime.engine.stage.stage_replica_pool import (
     ReplicaLostError,
     StageReplicaPool,
 )
+from omni_runtime.router.revisions import NoCompleteRevisionError, choose_revision
 
 logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -49,6 +61,16 @@ _T = TypeVar("_T")
 OutputKind = Literal["text", "image"]
 # One retry: a second lost replica in a row says more about the stage than the request.
 _ATTEMPTS = 2
+# Hand-backs of one stage request: each comes from a replica that has since stopped taking
+# work, so a few cover a rollout replacing several at once; more would hide a stage that
+# only ever drains.
+HANDBACK_RETRIES = 3
+
+# (stage name, why): "handed_back" (a draining replica returned it unstarted),
+# "replica_lost" or "revision_gone" (the request restarted from the first stage).
+RetryHook = Callable[[str, str], None]
+# (stage name, replica id, revision): a stage request that a replica answered in full.
+ServedHook = Callable[[str, int, str], None]
 # A stage's error code -> the HTTP status and OpenAI error type the caller gets.
 _HTTP_ERRORS: dict[StageErrorCode, tuple[int, str]] = {
     StageErrorCode.BAD_REQUEST: (400, "invalid_request_error"),
@@ -56,7 +78,26 @@ _HTTP_ERRORS: dict[StageErrorCode, tuple[int, str]] = {
     StageErrorCode.STAGE_FAILED: (500, "server_error"),
     # The router chose the id, not the caller: a clash is the router's fault.
     StageErrorCode.REQUEST_ID_IN_FLIGHT: (500, "server_error"),
+    # Only once the hand-back retries are spent: every replica tried was draining.
+    StageErrorCode.DRAINING: (503, "service_unavailable"),
 }
+
+
+class _RevisionGone(Exception):
+    """The request's revision has no live replica of a stage any more (a rollout took
+    them away after the revision was chosen): start again on the revision newest now."""
+
+    def __init__(self, stage_name: str, message: str) -> None:
+        super().__init__(message)
+        self.stage_name = stage_name
+
+
+@dataclass
+class _Attempt:
+    """One pass of a request through the chain."""
+
+    number: int
+    revision: str = ""
 
 
 class PipelineError(Exception):
@@ -130,11 +171,18 @@ class PipelineOrchestrator:
         pools: Mapping[int, StageReplicaPool],
         *,
         request_timeout: float = 600.0,
+        on_retry: RetryHook | None = None,
+        on_served: ServedHook | None = None,
+        on_revision: Callable[[str], None] | None = None,
     ) -> None:
         self.pipeline = pipeline
         self.stages = stage_chain(pipeline)
         self.pools = dict(pools)
         self.request_timeout = request_timeout
+        self.on_retry = on_retry
+        self.on_served = on_served
+        # Called with the revision of each request that completed.
+        self.on_revision = on_revision
         last = self.stages[-1]
         self.output_kind: OutputKind = "image" if last.type == "diffusion" else "text"
         if last.type == "llm" and last.output == "hidden_states":
@@ -146,18 +194,22 @@ class PipelineOrchestrator:
     async def run(self, request: PipelineRequest) -> AsyncGenerator[StageServerOutput, None]:
         """Yield the last stage's outputs for ``request`` (until and including the final
         one); raise PipelineError if any stage fails it."""
-        for attempt in range(_ATTEMPTS):
+        for number in range(_ATTEMPTS):
             yielded = False
+            attempt = _Attempt(number)
             try:
                 async with asyncio.timeout(self.request_timeout):
                     async for output in self._run_once(request, attempt):
                         yielded = True
                         yield output
+                self._report(self.on_revision, attempt.revision)
                 return
-            except ReplicaLostError as e:
-                if yielded or attempt + 1 == _ATTEMPTS:
+            except (ReplicaLostError, _RevisionGone) as e:
+                if yielded or number + 1 == _ATTEMPTS:
                     raise PipelineError(503, str(e), kind="service_unavailable") from None
                 logger.warning("request %s: %s; retrying", request.request_id, e)
+                reason = "replica_lost" if isinstance(e, ReplicaLostError) else "revision_gone"
+                self._report(self.on_retry, e.stage_name, reason)
             except TimeoutError:
                 raise PipelineError(
                     504,
@@ -169,35 +221,49 @@ class PipelineOrchestrator:
         """Every output of the last stage for ``request``."""
         return [output async for output in self.run(request)]
 
+    def choose_revision(self) -> str:
+        """The revision a request starts on now; PipelineError (503) if none is complete."""
+        live = {stage.name: self.pools[stage.stage_id].revisions() for stage in self.stages}
+        try:
+            return choose_revision([stage.name for stage in self.stages], live)
+        except NoCompleteRevisionError as e:
+            raise PipelineError(503, str(e), kind="service_unavailable") from None
+
     async def _run_once(
-        self, request: PipelineRequest, attempt: int
+        self, request: PipelineRequest, attempt: _Attempt
     ) -> AsyncIterator[StageServerOutput]:
         upstream: StageServerOutput | None = None
         upstream_text = ""
         negative: ConnectorHandle | None = None
+        revision = attempt.revision = self.choose_revision()
+        sticky = request.sticky_key
         for index, stage in enumerate(self.stages):
             stage_request = self._stage_request(
-                request, attempt, index, upstream, upstream_text, negative
+                request, attempt.number, index, upstream, upstream_text, negative
             )
             if index == len(self.stages) - 1:
-                async for output in self._run_stage(stage, stage_request, request.sticky_key):
+                async for output in self._run_stage(stage, stage_request, sticky, revision):
                     yield output
                 return
             companion = self._negative_request(request, index, stage_request)
-            runs = [self._final_output(stage, stage_request, request.sticky_key)]
+            runs = [self._final_output(stage, stage_request, sticky, revision)]
             if companion is not None:
-                runs.append(self._final_output(stage, companion, request.sticky_key))
+                runs.append(self._final_output(stage, companion, sticky, revision))
             results = await _all_or_none(runs)
             upstream, upstream_text = results[0]
             negative = results[1][0].prompt_embeds if companion is not None else None
 
     async def _final_output(
-        self, stage: StageConfig, stage_request: StageServerRequest, sticky_key: str | None
+        self,
+        stage: StageConfig,
+        stage_request: StageServerRequest,
+        sticky_key: str | None,
+        revision: str,
     ) -> tuple[StageServerOutput, str]:
         """The final output of a stage that feeds another, and all of its text."""
         text_parts: list[str] = []
         final: StageServerOutput | None = None
-        async for output in self._run_stage(stage, stage_request, sticky_key):
+        async for output in self._run_stage(stage, stage_request, sticky_key, revision):
             text_parts.append(output.text)
             if output.finished:
                 final = output
@@ -278,31 +344,69 @@ class PipelineOrchestrator:
         return downstream.input_stages.get(stage.stage_id)
 
     async def _run_stage(
-        self, stage: StageConfig, stage_request: StageServerRequest, sticky_key: str | None
+        self,
+        stage: StageConfig,
+        stage_request: StageServerRequest,
+        sticky_key: str | None,
+        revision: str,
     ) -> AsyncIterator[StageServerOutput]:
         pool = self.pools[stage.stage_id]
+        for handback in range(HANDBACK_RETRIES + 1):
+            try:
+                pending = await pool.add_request(
+                    stage_request, sticky_key=sticky_key, revision=revision
+                )
+            except NoLiveReplicaError as e:
+                # The revision was complete when chosen: its replicas went away since.
+                raise _RevisionGone(stage.name, str(e)) from None
+            except PoolSaturatedError as e:
+                raise PipelineError(
+                    429, str(e), kind="rate_limit_exceeded", retry_after=1.0
+                ) from None
+            finished = False
+            handed_back = False
+            try:
+                async for output in pending:
+                    assert isinstance(output, StageServerOutput)
+                    if output.error is not None:
+                        finished = True
+                        # A hand-back is the request's only output: nothing was yielded.
+                        if (
+                            output.error.code is StageErrorCode.DRAINING
+                            and handback < HANDBACK_RETRIES
+                        ):
+                            handed_back = True
+                            break
+                        raise _stage_error(stage, output.error)
+                    finished = output.finished
+                    if finished:
+                        self._report(self.on_served, stage.name, pending.replica_id, revision)
+                    yield output
+            finally:
+                if not finished:
+                    # Cancelled (the caller went away) or failed: free the stage of it.
+                    try:
+                        await asyncio.shield(pending.abort())
+                    except Exception:
+                        logger.debug("abort of %s failed", stage_request.request_id, exc_info=True)
+            if not handed_back:
+                return
+            logger.info(
+                "request %s: stage %s replica %d is draining and handed it back; retrying",
+                stage_request.request_id,
+                stage.name,
+                pending.replica_id,
+            )
+            self._report(self.on_retry, stage.name, "handed_back")
+
+    def _report(self, hook: Callable[..., None] | None, *args: Any) -> None:
+        if hook is None:
+            return
         try:
-            pending = await pool.add_request(stage_request, sticky_key=sticky_key)
-        except NoLiveReplicaError as e:
-            raise PipelineError(503, str(e), kind="service_unavailable") from None
-        except PoolSaturatedError as e:
-            raise PipelineError(429, str(e), kind="rate_limit_exceeded", retry_after=1.0) from None
-        finished = False
-        try:
-            async for output in pending:
-                assert isinstance(output, StageServerOutput)
-                if output.error is not None:
-                    finished = True
-                    raise _stage_error(stage, output.error)
-                finished = output.finished
-                yield output
-        finally:
-            if not finished:
-                # Cancelled (the caller went away) or failed: free the stage of it.
-                try:
-                    await asyncio.shield(pending.abort())
-                except Exception:
-                    logger.debug("abort of %s failed", stage_request.request_id, exc_info=True)
+            hook(*args)
+        except Exception:
+            # Metrics must not fail a request that succeeded.
+            logger.exception("an orchestrator hook failed")
 
 
 def _stage_error(stage: StageConfig, error: StageError) -> PipelineError:

@@ -7,6 +7,11 @@ outstanding with StageCoreDeadError, when the TCP connection drops, when no answ
 for ``heartbeat_timeout`` seconds, or when the server says its core died. A dead client
 stays dead: whoever discovers replicas makes a new client when the replica is back.
 
+A server that starts draining tells every peer at once (a StageLoad with ``draining``);
+from then on :attr:`draining` is true and the pool sends the replica nothing new, while
+what it holds finishes there. Its ``revision`` is what the replica said at its first
+answer.
+
 An instance belongs to the event loop it is first used in.
 """
 
@@ -70,6 +75,16 @@ class RemoteStageClient(ZmqStageClientBase[StageServerOutputs]):
         self._last_heard = time.monotonic()
         self.load: StageLoad | None = None
         self._load_seen = asyncio.Event()
+        self._draining = False
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    @property
+    def revision(self) -> str:
+        """The pipeline revision the replica runs ("" until it has answered)."""
+        return self.load.revision if self.load is not None else ""
 
     async def wait_ready(self, timeout: float) -> StageLoad:
         """Wait until the server answers with a live core; StageCoreDeadError if it does
@@ -108,6 +123,8 @@ class RemoteStageClient(ZmqStageClientBase[StageServerOutputs]):
     def _on_outputs(self, outputs: StageServerOutputs) -> bool:
         if outputs.load is not None:
             self.load = outputs.load
+            # Once draining, always: a replica that drains never takes work again.
+            self._draining = self._draining or outputs.load.draining
             self._load_seen.set()
             if not outputs.load.alive:
                 self._die(f"its core is dead: {outputs.load.reason}")

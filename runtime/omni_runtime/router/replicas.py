@@ -5,6 +5,11 @@ Replica addresses come from the command line or the environment (``serve``, ``ro
 address whose replica is not in its pool (never connected, evicted after it died,
 restarted) is retried every ``interval`` seconds, so a replica that comes back takes
 traffic again without anyone restarting the router.
+
+A replica joins its pool with the pipeline revision it advertised; one that is draining
+already when it answers is not added (it is going away). A replica no longer wanted is
+drained out of its pool in a task of its own, so that one slow drain never holds up
+connecting the replicas that replace it.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ class ReplicaConnector:
         self.connect_timeout = connect_timeout
         self._addresses: dict[int, set[str]] = {stage_id: set() for stage_id in pools}
         self._connecting: dict[tuple[int, str], asyncio.Task[None]] = {}
+        self._removing: dict[tuple[int, int], asyncio.Task[None]] = {}
         self._failures: dict[tuple[int, str], str] = {}
         self._wake = asyncio.Event()
 
@@ -53,9 +59,10 @@ class ReplicaConnector:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), self.interval)
         finally:
-            for task in self._connecting.values():
+            tasks = [*self._connecting.values(), *self._removing.values()]
+            for task in tasks:
                 task.cancel()
-            await asyncio.gather(*self._connecting.values(), return_exceptions=True)
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     async def reconcile(self) -> None:
         for stage_id, pool in self.pools.items():
@@ -63,12 +70,24 @@ class ReplicaConnector:
             present = {s.address: s for s in pool.stats()}
             for address, stats in present.items():
                 if address not in wanted and not stats.draining:
-                    logger.info("stage %s: removing replica %s", pool.stage_name, address)
-                    await pool.remove_replica(stats.replica_id)
+                    self._remove(stage_id, pool, stats.replica_id, address)
             for address in wanted - set(present):
                 key = (stage_id, address)
                 if key not in self._connecting:
                     self._connecting[key] = asyncio.create_task(self._connect(stage_id, address))
+
+    def _remove(self, stage_id: int, pool: StageReplicaPool, replica_id: int, address: str) -> None:
+        removal = (stage_id, replica_id)
+        if removal in self._removing:
+            return
+        logger.info("stage %s: removing replica %s", pool.stage_name, address)
+        task = asyncio.create_task(pool.remove_replica(replica_id))
+        self._removing[removal] = task
+
+        def forget(_: asyncio.Task[None]) -> None:
+            self._removing.pop(removal, None)
+
+        task.add_done_callback(forget)
 
     async def _connect(self, stage_id: int, address: str) -> None:
         key = (stage_id, address)
@@ -83,9 +102,17 @@ class ReplicaConnector:
                 raise StageCoreDeadError(
                     f"{address} serves stage {load.stage_id} ({load.name}), not stage {stage_id}"
                 )
-            replica_id = pool.add_replica(client, address)
+            if load.draining:
+                raise StageCoreDeadError(f"{address} is draining (its process is stopping)")
+            replica_id = pool.add_replica(client, address, revision=load.revision)
             self._failures.pop(key, None)
-            logger.info("stage %s: replica %d at %s is live", pool.stage_name, replica_id, address)
+            logger.info(
+                "stage %s: replica %d at %s is live (revision %s)",
+                pool.stage_name,
+                replica_id,
+                address,
+                load.revision or "unknown",
+            )
         except StageCoreDeadError as e:
             client.shutdown()
             if self._failures.get(key) != str(e):

@@ -93,7 +93,13 @@ class OpenAIServing:
         self.pipeline = pipeline
         self.pools = dict(pools)
         self.metrics = metrics
-        self.orchestrator = PipelineOrchestrator(pipeline, pools)
+        self.orchestrator = PipelineOrchestrator(
+            pipeline,
+            pools,
+            on_retry=metrics.retried,
+            on_served=metrics.stage_served,
+            on_revision=metrics.request_revision,
+        )
         self.limits = limits or RouterLimits()
         self.served_model_name = model_name or served_model_name(pipeline)
         self.in_flight = 0
@@ -178,16 +184,16 @@ class OpenAIServing:
             for stage in self.orchestrator.stages
         }
         missing = [name for name, count in live.items() if count == 0]
-        if missing:
+        try:
+            revision = self.orchestrator.choose_revision()
+        except PipelineError as e:
+            # Every stage may have replicas while no revision has all: nothing can be served.
+            error = "no live replica for stage(s): " + ", ".join(missing) if missing else e.message
             return JSONBody(
-                {
-                    "status": "unavailable",
-                    "error": "no live replica for stage(s): " + ", ".join(missing),
-                    "live_replicas": live,
-                },
+                {"status": "unavailable", "error": error, "live_replicas": live},
                 status_code=503,
             )
-        return JSONBody({"status": "ok", "live_replicas": live})
+        return JSONBody({"status": "ok", "live_replicas": live, "revision": revision})
 
     async def close(self) -> None:
         for pool in self.pools.values():

@@ -38,12 +38,17 @@ class StageDiffusionFrontend(StageFrontend):
         connectors: StageConnectors,
     ) -> None:
         super().__init__(pipeline, stage, client, connectors)
-        # Unique: the stage server refuses an id in flight before it gets here.
-        self._in_flight: set[str] = set()
+        # Unique: the stage server refuses an id in flight before it gets here. In the
+        # order sent: the core runs one request at a time, first come first served.
+        self._in_flight: dict[str, None] = {}
 
     @property
     def in_flight(self) -> int:
         return len(self._in_flight)
+
+    def unstarted(self) -> list[str]:
+        # The oldest may be running; the ones behind it wait in the core's queue.
+        return list(self._in_flight)[1:]
 
     async def add(self, request: StageServerRequest) -> list[StageServerOutput]:
         request_id = request.request_id
@@ -60,7 +65,7 @@ class StageDiffusionFrontend(StageFrontend):
                 # fault, and not one a resend fixes.
                 failed = StageError(StageErrorCode.STAGE_FAILED, f"{name}: {e}")
                 return [refusal(request_id, failed)]
-        self._in_flight.add(request_id)
+        self._in_flight[request_id] = None
         try:
             await self.client.add_request_async(
                 StageDiffusionCoreRequest(
@@ -73,7 +78,7 @@ class StageDiffusionFrontend(StageFrontend):
                 )
             )
         except BaseException:
-            self._in_flight.discard(request_id)
+            self._in_flight.pop(request_id, None)
             raise
         return []
 
@@ -95,7 +100,7 @@ class StageDiffusionFrontend(StageFrontend):
         return array
 
     def _convert(self, output: StageDiffusionCoreOutput) -> StageServerOutput:
-        self._in_flight.discard(output.request_id)
+        self._in_flight.pop(output.request_id, None)
         result = StageServerOutput(
             request_id=output.request_id,
             finished=True,

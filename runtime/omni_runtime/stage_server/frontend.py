@@ -110,6 +110,12 @@ class StageFrontend(ABC):
     def in_flight(self) -> int:
         """Requests started and not yet finished."""
 
+    def unstarted(self) -> list[str]:
+        """Ids of requests taken but not yet being executed, which a draining server
+        hands back to be run elsewhere. None by default: an engine that batches (vLLM)
+        runs what it takes at once, and those requests finish where they are."""
+        return []
+
     def check_health(self) -> None:
         self.client.check_health()
 

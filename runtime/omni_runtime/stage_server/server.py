@@ -11,6 +11,13 @@ Routers ping every second or so; a peer silent for ``peer_timeout`` seconds is g
 process died, or the network did), and its requests are aborted so that they stop
 occupying the stage. When the stage's core dies, every peer is told (``engine_dead``),
 every request in flight fails, and :meth:`serve` returns the reason.
+
+Draining (:meth:`drain`, what a stage process does on SIGTERM): every peer is told at once
+(a StageLoad with ``draining``), so routers stop sending new work without waiting for
+Kubernetes to take the pod out of its Service; a request that arrives anyway, and one the
+frontend holds but has not started (``StageFrontend.unstarted``), is handed back with
+``StageErrorCode.DRAINING``, which a router retries on another replica; the requests in
+execution finish here. Each HEALTH answer carries the replica's pipeline ``revision``.
 """
 
 from __future__ import annotations
@@ -61,10 +68,15 @@ class StageServer:
         host: str = "0.0.0.0",
         port: int = 0,
         peer_timeout: float = DEFAULT_PEER_TIMEOUT,
+        revision: str = "",
     ) -> None:
         self.frontend = frontend
         self.stage = frontend.stage
         self.peer_timeout = peer_timeout
+        self.revision = revision
+        self.draining = False
+        # Set while draining whenever no request is routed here: the drain is done.
+        self._drained = asyncio.Event()
         self._ctx = zmq.asyncio.Context()
         self._socket = self._ctx.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
@@ -97,6 +109,74 @@ class StageServer:
             alive=self.alive,
             in_flight=self.frontend.in_flight,
             reason=self.dead_reason,
+            draining=self.draining,
+            revision=self.revision,
+        )
+
+    @property
+    def held(self) -> int:
+        """Requests routed through this server and not yet answered."""
+        return len(self._routes)
+
+    async def drain(self, timeout: float) -> bool:
+        """Take no new requests, hand back those not started, let the others finish.
+
+        Returns whether everything held finished within ``timeout`` seconds; what is left
+        then fails with UNAVAILABLE (the replica could not finish it in its grace period).
+        """
+        if not self.draining:
+            self.draining = True
+            await self._broadcast(StageServerOutputs(load=self.load(), timestamp=time.time()))
+            await self._hand_back(self.frontend.unstarted())
+        self._check_drained()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._drained.wait(), timeout)
+        if not self._routes:
+            return True
+        left = list(self._routes)
+        logger.warning(
+            "stage %s: %d request(s) unfinished after the %.0f s drain; failing them",
+            self.stage.name,
+            len(left),
+            timeout,
+        )
+        error = StageError(
+            StageErrorCode.UNAVAILABLE,
+            f"stage {self.stage.name!r}: the replica stopped before the request finished "
+            f"(drain timeout {timeout:g} s)",
+        )
+        await self._fail_all(error)
+        with contextlib.suppress(StageCoreDeadError):
+            await self.frontend.abort(left)
+        return False
+
+    async def _hand_back(self, request_ids: list[str]) -> None:
+        """Answer ``request_ids`` (held, not started) with DRAINING, and drop them here."""
+        by_peer: dict[bytes, list[StageServerOutput]] = defaultdict(list)
+        for request_id in request_ids:
+            identity = self._routes.pop(request_id, None)
+            if identity is not None:
+                by_peer[identity].append(refusal(request_id, self._draining_error()))
+        if not by_peer:
+            return
+        handed = [output.request_id for batch in by_peer.values() for output in batch]
+        logger.info(
+            "stage %s: handing back %d request(s) not started", self.stage.name, len(handed)
+        )
+        for identity, batch in by_peer.items():
+            await self._reply(identity, batch)
+        # Their outputs (aborted) find no route and are dropped.
+        with contextlib.suppress(StageCoreDeadError):
+            await self.frontend.abort(handed)
+
+    def _check_drained(self) -> None:
+        if self.draining and not self._routes:
+            self._drained.set()
+
+    def _draining_error(self) -> StageError:
+        return StageError(
+            StageErrorCode.DRAINING,
+            f"stage {self.stage.name!r}: this replica is draining and takes no new requests",
         )
 
     async def serve(self) -> str:
@@ -168,6 +248,9 @@ class StageServer:
         if not self.alive:
             await self._reply(identity, [refusal(request_id, self._dead_error())])
             return
+        if self.draining:
+            await self._reply(identity, [refusal(request_id, self._draining_error())])
+            return
         # Here, before the frontend: outputs are routed back by id, and the frontends key
         # their per-request state by it, so an id has one owner on this server.
         if request_id in self._routes:
@@ -180,10 +263,12 @@ class StageServer:
             refused = await self.frontend.add(request)
         except StageCoreDeadError:
             self._routes.pop(request_id, None)
+            self._check_drained()
             await self._reply(identity, [refusal(request_id, self._dead_error())])
             return
         if refused:
             self._routes.pop(request_id, None)
+            self._check_drained()
             await self._reply(identity, refused)
 
     async def _utility(self, identity: bytes, call: StageUtilityCall) -> None:
@@ -218,6 +303,7 @@ class StageServer:
                 by_peer[identity].append(output)
             for identity, batch in by_peer.items():
                 await self._reply(identity, batch)
+            self._check_drained()
 
     async def _sweep_loop(self) -> None:
         while True:
@@ -231,6 +317,7 @@ class StageServer:
                 del self._peers[peer]
             for request_id in orphaned:
                 del self._routes[request_id]
+            self._check_drained()
             if orphaned:
                 logger.warning(
                     "stage %s: aborting %d request(s) of a router silent for %.0f s",
@@ -246,6 +333,7 @@ class StageServer:
         for request_id, identity in self._routes.items():
             by_peer[identity].append(refusal(request_id, error))
         self._routes.clear()
+        self._check_drained()
         for identity, batch in by_peer.items():
             await self._reply(identity, batch)
 

@@ -9,8 +9,11 @@ The process is started by StageDiffusionCoreProcManager as
 ``python -m omni_runtime.diffusion.stage.stage_diffusion_core_proc ...`` (plain arguments,
 no pickled state). It reports READY, or why it could not start, on the handshake socket;
 it says why it is going away (``engine_dead``) on the output socket before it exits on a
-fatal error; SIGTERM/SIGINT stop it cleanly (a running request is aborted, not finished),
-and it stops by itself if its parent dies.
+fatal error; SIGTERM/SIGINT stop it cleanly: what it holds is finished first (a drain: the
+stage process above it drains too, and hands back what is still queued), for at most
+``OMNI_DRAIN_TIMEOUT_S`` seconds (default 30), after which a running request is aborted at
+its next step. It stops by itself, aborting at once, if its parent dies: nobody is left
+to read a result.
 """
 
 from __future__ import annotations
@@ -36,7 +39,11 @@ from omni_runtime.engine.stage.stage_core_types import (
     StageUtilityCall,
     StageUtilityOutput,
 )
-from omni_runtime.engine.stage.stop_watchers import start_stop_watchers, stop_signals_blocked
+from omni_runtime.engine.stage.stop_watchers import (
+    STOP_SIGNALS,
+    start_stop_watchers,
+    stop_signals_blocked,
+)
 from omni_runtime.process_logging import disable_loading_bars, drop_torchvision_notice
 from omni_runtime.wire import Frame, WireDecoder, WireEncoder, WireError
 
@@ -44,6 +51,8 @@ logger = logging.getLogger(__name__)
 
 # How long the last messages (an engine_dead notice above all) may take to leave on exit.
 _LINGER_MS = 2000
+_DRAIN_TIMEOUT_ENV = "OMNI_DRAIN_TIMEOUT_S"
+_DEFAULT_DRAIN_TIMEOUT_S = 30.0
 
 
 class StageProcHandshake(msgspec.Struct, gc=False):
@@ -119,6 +128,15 @@ class StageDiffusionCoreProc:
         aborted at its next step, so that stopping never waits for a long generation."""
         self.engine.abort_all()
         self._input_queue.put((None, None))
+
+    def request_drain(self, timeout: float) -> None:
+        """Make the busy loop return once what it holds is done; safe from any thread.
+        Requests taken before now are finished, for at most ``timeout`` seconds, then
+        aborted (each still answered, marked aborted)."""
+        self._input_queue.put((None, None))
+        timer = threading.Timer(timeout, self.engine.abort_all)
+        timer.daemon = True
+        timer.start()
 
     def send_engine_dead(self, reason: str) -> None:
         """Tell the client this core is going away, then let the message leave."""
@@ -233,13 +251,18 @@ def run_stage_core(
     serving: list[StageDiffusionCoreProc] = []
     stop_requested = threading.Event()
 
+    drain_timeout = _drain_timeout()
+
     def stop(reason: str) -> None:
         logger.info("diffusion core stopping: %s", reason)
         stop_requested.set()
-        if serving:
-            serving[0].request_shutdown()
-        else:
+        if not serving:
             os._exit(0)  # still loading: nothing to hand back, nobody waiting on outputs
+        # A stop signal drains; a parent gone leaves nobody to read a result.
+        elif reason in {signum.name for signum in STOP_SIGNALS}:
+            serving[0].request_drain(drain_timeout)
+        else:
+            serving[0].request_shutdown()
 
     start_stop_watchers(stop)
     drop_torchvision_notice()
@@ -265,6 +288,14 @@ def run_stage_core(
         return 1
     proc.close()
     return 0
+
+
+def _drain_timeout() -> float:
+    try:
+        value = float(os.environ.get(_DRAIN_TIMEOUT_ENV, "") or _DEFAULT_DRAIN_TIMEOUT_S)
+    except ValueError:
+        return _DEFAULT_DRAIN_TIMEOUT_S
+    return value if 0 <= value < float("inf") else _DEFAULT_DRAIN_TIMEOUT_S
 
 
 def _describe(error: BaseException) -> str:

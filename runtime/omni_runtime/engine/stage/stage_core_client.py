@@ -75,6 +75,12 @@ class StageCoreClientBase(ABC):
     def check_health(self) -> None:
         """Return if the stage core is alive; raise StageCoreDeadError if not."""
 
+    @property
+    def draining(self) -> bool:
+        """The stage said it takes no new requests (it finishes those it has, then goes
+        away). Only a remote stage says so; a pool sends such a replica nothing new."""
+        return False
+
     @abstractmethod
     def shutdown(self) -> None:
         """Stop the stage core and release every socket, thread and process. Idempotent."""

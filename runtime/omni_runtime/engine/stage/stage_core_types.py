@@ -75,6 +75,9 @@ class StageErrorCode(enum.Enum):
     STAGE_FAILED = "stage_failed"
     # The stage takes no requests now (its core is gone).
     UNAVAILABLE = "unavailable"
+    # The replica is draining (its pod is going away) and handed the request back without
+    # starting it: another replica of the stage may run it, and the router retries there.
+    DRAINING = "draining"
 
 
 class StageError(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True, gc=False):
@@ -267,6 +270,12 @@ class StageLoad(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     in_flight: int = 0
     # Why the core is not alive.
     reason: str | None = None
+    # Taking no new requests: finishing those it holds, then exiting. Sent to every peer
+    # when the drain starts, so routers stop at once rather than when Kubernetes says so.
+    draining: bool = False
+    # The pipeline revision the replica runs (``omni_runtime.config.revision``); a router
+    # pairs a request's stages only within one revision.
+    revision: str = ""
 
 
 class StageServerOutputs(StageCoreOutputs):

@@ -7,6 +7,11 @@ that hands each output to the request it belongs to. A replica whose reader fail
 health check raises is evicted: only the requests bound to it fail, with
 :class:`ReplicaLostError`, and later requests go to the others.
 
+Each replica has the pipeline revision it advertised; a request may be bound to one
+revision (``add_request(..., revision=...)``), so that a request's stages all run one
+configuration while a rollout mixes two. A replica that says it is draining (its pod is
+going away) takes nothing new, as one the pool is removing does not.
+
 The pool refuses rather than queues (:class:`PoolSaturatedError`,
 :class:`NoLiveReplicaError`): the router answers those with 429/503 at once, which is what
 a client can act on, where a queue here would only turn overload into latency.
@@ -108,7 +113,7 @@ class ReplicaStats:
 
     replica_id: int
     address: str
-    # Being removed: finishing its requests, taking no new ones.
+    # Being removed from the pool: finishing its requests, taking no new ones.
     draining: bool
     in_flight: int
     done: int
@@ -117,6 +122,14 @@ class ReplicaStats:
     aborted: int
     latency_total_s: float
     latency_count: int
+    revision: str = ""
+    # The replica said it is draining (its process is going away): it takes nothing new.
+    replica_draining: bool = False
+
+    @property
+    def accepting(self) -> bool:
+        """Whether the replica takes new requests."""
+        return not self.draining and not self.replica_draining
 
     @property
     def mean_latency_s(self) -> float:
@@ -187,6 +200,7 @@ class _Replica:
     replica_id: int
     client: StageCoreClientBase
     address: str
+    revision: str = ""
     requests: dict[str, PoolRequest] = field(default_factory=dict)
     # Ids aborted here whose final (aborted) output has not come back yet.
     aborting: set[str] = field(default_factory=set)
@@ -198,6 +212,10 @@ class _Replica:
     aborted: int = 0
     latency_total_s: float = 0.0
     latency_count: int = 0
+
+    @property
+    def accepting(self) -> bool:
+        return not self.draining and not self.client.draining
 
 
 class StageReplicaPool:
@@ -233,7 +251,11 @@ class StageReplicaPool:
     @property
     def live_replica_count(self) -> int:
         """Replicas that take new requests (draining ones do not)."""
-        return sum(not replica.draining for replica in self._replicas.values())
+        return sum(replica.accepting for replica in self._replicas.values())
+
+    def revisions(self) -> set[str]:
+        """The revisions of the replicas that take new requests."""
+        return {replica.revision for replica in self._replicas.values() if replica.accepting}
 
     @property
     def in_flight(self) -> int:
@@ -253,15 +275,20 @@ class StageReplicaPool:
                 aborted=r.aborted,
                 latency_total_s=r.latency_total_s,
                 latency_count=r.latency_count,
+                revision=r.revision,
+                replica_draining=r.client.draining,
             )
             for r in self._replicas.values()
         ]
 
-    def add_replica(self, client: StageCoreClientBase, address: str = "") -> int:
-        """Add a replica (the pool owns ``client`` from here on); returns its id."""
+    def add_replica(
+        self, client: StageCoreClientBase, address: str = "", *, revision: str = ""
+    ) -> int:
+        """Add a replica (the pool owns ``client`` from here on) of pipeline ``revision``;
+        returns its id."""
         if self._closed:
             raise RuntimeError(f"stage {self.stage_name!r}: the replica pool is closed")
-        replica = _Replica(next(self._ids), client, address)
+        replica = _Replica(next(self._ids), client, address, revision)
         self._replicas[replica.replica_id] = replica
         # Outside a loop the reader starts with the pool's first use on one.
         self._claim_loop(required=False)
@@ -303,13 +330,18 @@ class StageReplicaPool:
         await self._stop(replica)
 
     async def add_request(
-        self, request: StageCoreRequest, *, sticky_key: str | None = None
+        self,
+        request: StageCoreRequest,
+        *,
+        sticky_key: str | None = None,
+        revision: str | None = None,
     ) -> PoolRequest:
         """Send ``request`` to a replica chosen by the pool's policy.
 
         ``sticky_key`` (the sticky policy's; else the request id) keeps related requests
-        on one replica. Raises NoLiveReplicaError or PoolSaturatedError rather than wait,
-        and ValueError for a request id that is in flight in the pool.
+        on one replica; ``revision`` (None: any) limits the choice to that revision's
+        replicas. Raises NoLiveReplicaError or PoolSaturatedError rather than wait, and
+        ValueError for a request id that is in flight in the pool.
         """
         self._claim_loop()
         request_id = getattr(request, "request_id", None)
@@ -320,7 +352,7 @@ class StageReplicaPool:
             if self._closed:
                 raise RuntimeError(f"stage {self.stage_name!r}: the replica pool is closed")
             self._check_id_free(request_id)
-            replica = self._pick(sticky_key if sticky_key is not None else request_id)
+            replica = self._pick(sticky_key if sticky_key is not None else request_id, revision)
             try:
                 replica.client.check_health()
             except Exception as e:
@@ -399,12 +431,17 @@ class StageReplicaPool:
                     f"aborted on replica {replica.replica_id}"
                 )
 
-    def _pick(self, sticky_key: str) -> _Replica:
-        live = [replica for replica in self._replicas.values() if not replica.draining]
+    def _pick(self, sticky_key: str, revision: str | None) -> _Replica:
+        live = [
+            replica
+            for replica in self._replicas.values()
+            if replica.accepting and (revision is None or replica.revision == revision)
+        ]
         if not live:
-            draining = len(self._replicas)
+            draining = sum(not r.accepting for r in self._replicas.values())
+            of = f" of revision {revision!r}" if revision is not None else ""
             raise NoLiveReplicaError(
-                f"stage {self.stage_name!r} has no live replica"
+                f"stage {self.stage_name!r} has no live replica{of}"
                 + (f" ({draining} draining)" if draining else "")
             )
         limit = self.max_in_flight_per_replica

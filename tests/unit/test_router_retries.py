@@ -1,0 +1,102 @@
+"""The orchestrator's hand-back retries and revision pinning, over fake replicas (the
+integration suite shows the same with real stage processes)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from test_stage_replica_pool import FakeReplica
+
+from omni_runtime.config import PipelineConfig
+from omni_runtime.engine.stage.stage_core_types import StageError, StageErrorCode
+from omni_runtime.engine.stage.stage_replica_pool import StageReplicaPool
+from omni_runtime.router.orchestrator import (
+    HANDBACK_RETRIES,
+    PipelineError,
+    PipelineOrchestrator,
+    PipelineRequest,
+)
+
+PIPELINE = PipelineConfig.model_validate(
+    {"model": "m", "stages": [{"stageId": 0, "name": "dit", "type": "diffusion"}]}
+)
+DRAINING = StageError(StageErrorCode.DRAINING, "draining")
+
+
+class DrainingReplica(FakeReplica):
+    """Hands every request back, as a draining stage server does, and says it drains."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.is_draining = False
+
+    @property
+    def draining(self) -> bool:
+        return self.is_draining
+
+    async def add_request_async(self, request: object) -> None:
+        await super().add_request_async(request)  # type: ignore[arg-type]
+        self.is_draining = True
+        self.answer(self.received[-1], error=DRAINING)
+
+
+class AnsweringReplica(FakeReplica):
+    async def add_request_async(self, request: object) -> None:
+        await super().add_request_async(request)  # type: ignore[arg-type]
+        self.answer(self.received[-1], "image")
+
+
+def orchestrator(pool: StageReplicaPool) -> tuple[PipelineOrchestrator, list[tuple[str, ...]]]:
+    events: list[tuple[str, ...]] = []
+    return (
+        PipelineOrchestrator(
+            PIPELINE,
+            {0: pool},
+            on_retry=lambda stage, why: events.append(("retry", stage, why)),
+            on_served=lambda stage, replica, rev: events.append(("served", str(replica), rev)),
+            on_revision=lambda rev: events.append(("revision", rev)),
+        ),
+        events,
+    )
+
+
+async def test_a_handed_back_request_runs_on_another_replica_of_its_revision() -> None:
+    pool = StageReplicaPool("dit")
+    draining, other, stranger = DrainingReplica("a"), AnsweringReplica("b"), AnsweringReplica("c")
+    pool.add_replica(draining, "a", revision="2-x")
+    pool.add_replica(other, "b", revision="2-x")
+    pool.add_replica(stranger, "c", revision="1-y")
+    run, events = orchestrator(pool)
+    outputs = await asyncio.wait_for(run.complete(PipelineRequest("r1", prompt="p")), 5)
+    assert outputs[-1].text == "image"
+    assert draining.received == ["r1"]
+    assert other.received == ["r1"]
+    assert stranger.received == []  # an older revision, never mixed in
+    assert ("retry", "dit", "handed_back") in events
+    assert ("served", "1", "2-x") in events
+    assert ("revision", "2-x") in events
+    assert pool.live_replica_count == 2  # the draining one takes nothing more
+
+
+async def test_hand_backs_are_bounded_then_the_request_restarts_then_fails() -> None:
+    pool = StageReplicaPool("dit")
+    replicas = [DrainingReplica(str(n)) for n in range(HANDBACK_RETRIES + 3)]
+    for n, replica in enumerate(replicas):
+        pool.add_replica(replica, str(n), revision="1-a")
+    # Every replica the pool picks drains at once; none is left to restart on.
+    run, events = orchestrator(pool)
+    with pytest.raises(PipelineError) as failed:
+        await asyncio.wait_for(run.complete(PipelineRequest("r1", prompt="p")), 5)
+    assert failed.value.status == 503
+    tried = sum(len(r.received) for r in replicas)
+    assert tried <= 2 * (HANDBACK_RETRIES + 1)
+    assert [e for e in events if e[0] == "revision"] == []
+
+
+async def test_no_complete_revision_is_a_503_saying_so() -> None:
+    pool = StageReplicaPool("dit")
+    run, _ = orchestrator(pool)
+    with pytest.raises(PipelineError, match=r"no live replica for stage\(s\): dit") as failed:
+        await asyncio.wait_for(run.complete(PipelineRequest("r1", prompt="p")), 5)
+    assert failed.value.status == 503
