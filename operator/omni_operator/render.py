@@ -35,6 +35,20 @@ Decisions a reader would otherwise have to reverse-engineer:
   router keep Kubernetes' default (25%/25%).
 - Names longer than a DNS label (63), or not one, are cut and given a hash of the full name,
   so they stay unique; label values likewise.
+- Revisions: every stage pod carries ``OMNI_PIPELINE_REVISION=<generation>-<config hash>``,
+  which its stage servers advertise to routers so that a request never pairs stages of two
+  configurations while a rollout mixes them, and routers prefer the newest complete one.
+  ``generation`` is the caller's ``config_generation``: the pipeline's metadata.generation
+  at which the config hash took its current value (not the current generation, which a
+  scale change bumps too: with it in the template, scaling one stage would roll them all).
+- Stopping pods (a rollout, a scale-down, ``kubectl delete pod``): every container has a
+  ``preStop`` sleep of ``PRESTOP_DELAY_S`` (Kubernetes' own ``sleep`` action, 1.30+: no
+  binary in the image is needed), during which the pod, already terminating, is taken out
+  of its EndpointSlices and routers and kube-proxy stop sending to it while it still
+  serves; then SIGTERM starts the runtime's drain, bounded by ``OMNI_DRAIN_TIMEOUT_S``
+  (``DEFAULT_DRAIN_TIMEOUT_S``; a placement's ``env`` may set another).
+  ``terminationGracePeriodSeconds`` is derived: the preStop delay, plus the drain timeout,
+  plus ``GRACE_MARGIN_S`` for the cores to stop, so the drain is never cut by SIGKILL.
 """
 
 from __future__ import annotations
@@ -96,6 +110,14 @@ HEALTH_PORT = 8081
 # The runtime images run as this user (Dockerfile.runtime: USER 65532:65532).
 RUNTIME_UID = 65532
 NAMESPACE_ENV = "OMNI_NAMESPACE"
+# Read by the runtime (omni_runtime.router.revisions.REVISION_ENV; the stage and router
+# processes' DRAIN_TIMEOUT_ENV); the operator does not import the runtime's layers above
+# its config, so the names are repeated here and a unit test keeps them equal.
+REVISION_ENV = "OMNI_PIPELINE_REVISION"
+DRAIN_TIMEOUT_ENV = "OMNI_DRAIN_TIMEOUT_S"
+DEFAULT_DRAIN_TIMEOUT_S = 30
+PRESTOP_DELAY_S = 5
+GRACE_MARGIN_S = 10
 STAGE_CUDA_DEVICES_ENV_PREFIX = "OMNI_CUDA_VISIBLE_DEVICES_"
 GPU_TOLERATION: dict[str, Any] = {
     "key": GPU_RESOURCE,
@@ -432,6 +454,31 @@ def config_hash(data: Mapping[str, str]) -> str:
     return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
 
+def pipeline_revision(config_generation: int, hash_: str) -> str:
+    """What a stage pod advertises as its revision (see the module docstring)."""
+    return f"{max(0, config_generation)}-{hash_}"
+
+
+def drain_timeout_s(env: Sequence[Mapping[str, Any]]) -> float:
+    """The drain timeout a container's ``env`` gives its runtime (a plain value of
+    OMNI_DRAIN_TIMEOUT_S, a number >= 0), else the default."""
+    for var in env:
+        if var.get("name") == DRAIN_TIMEOUT_ENV and isinstance(var.get("value"), str):
+            try:
+                value = float(var["value"])
+            except ValueError:
+                break
+            if 0 <= value < math.inf:
+                return value
+            break
+    return float(DEFAULT_DRAIN_TIMEOUT_S)
+
+
+def grace_period_s(drain_timeout: float) -> int:
+    """terminationGracePeriodSeconds for a pod whose runtime drains for ``drain_timeout``."""
+    return PRESTOP_DELAY_S + math.ceil(drain_timeout) + GRACE_MARGIN_S
+
+
 @dataclass(frozen=True)
 class _Context:
     """What every object of one pipeline shares."""
@@ -443,6 +490,7 @@ class _Context:
     default_image: str
     default_gpu_image: str
     config_hash: str
+    config_generation: int = 0
 
     def labels(self, component: str, group: PlacementGroup | None = None) -> dict[str, str]:
         labels = {
@@ -482,9 +530,13 @@ def render(
     *,
     default_image: str,
     default_gpu_image: str | None = None,
+    config_generation: int = 0,
 ) -> list[dict[str, Any]]:
     """Every child object of pipeline ``name`` (uid ``uid``) in ``namespace``, in the order
     to apply them: config and RBAC first, then each placement group, then the router.
+
+    ``config_generation`` orders revisions: the pipeline's generation at which its config
+    hash took its current value (see the module docstring); 0 when unknown.
 
     Where neither the spec nor a placement names an image, GPU pods run
     ``default_gpu_image`` (the runtime's CUDA build; ``default_image`` if not given) and the
@@ -499,6 +551,7 @@ def render(
         default_image,
         default_gpu_image or default_image,
         config_hash(data),
+        config_generation,
     )
     groups = placement_groups(spec)
     objects: list[dict[str, Any]] = [_config_map(ctx, data), *_router_rbac(ctx)]
@@ -579,7 +632,13 @@ def _group_deployment(ctx: _Context, group: PlacementGroup) -> dict[str, Any]:
         STAGE_CONTAINER,
         placement,
         args=_stage_args(group),
-        env=_stage_env(group),
+        env=[
+            *_stage_env(group),
+            {
+                "name": REVISION_ENV,
+                "value": pipeline_revision(ctx.config_generation, ctx.config_hash),
+            },
+        ],
         ports=[*ports, {"name": "health", "containerPort": HEALTH_PORT, "protocol": "TCP"}],
         probes=_stage_probes(len(group.stages)),
         shm=shm,
@@ -669,6 +728,12 @@ def _container(
     probes: dict[str, Any],
     shm: bool,
 ) -> dict[str, Any]:
+    # The operator's variables win: a placement's copy of one is dropped (a duplicate
+    # name in a container's env is refused by server-side apply).
+    ours = {var["name"] for var in env}
+    extra_env = [var for var in placement.env if var["name"] not in ours | {REVISION_ENV}]
+    if not any(var["name"] == DRAIN_TIMEOUT_ENV for var in extra_env):
+        env = [*env, {"name": DRAIN_TIMEOUT_ENV, "value": str(DEFAULT_DRAIN_TIMEOUT_S)}]
     mounts: list[dict[str, Any]] = [
         {"name": "omni-config", "mountPath": CONFIG_DIR, "readOnly": True},
         {"name": "omni-home", "mountPath": HOME_DIR},
@@ -682,7 +747,7 @@ def _container(
         "imagePullPolicy": placement.image_pull_policy,
         "command": ["omni-runtime"],
         "args": args,
-        "env": env + placement.env,
+        "env": env + extra_env,
         "ports": ports,
         "volumeMounts": mounts + placement.volume_mounts,
         "securityContext": {
@@ -691,6 +756,9 @@ def _container(
             "readOnlyRootFilesystem": True,
             "runAsNonRoot": True,
         },
+        # While it sleeps, the terminating pod leaves its EndpointSlices and those who
+        # follow them stop sending it work; SIGTERM (the drain) comes after.
+        "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_DELAY_S}}},
         **probes,
     }
     if placement.resources:
@@ -726,7 +794,8 @@ def _pod_spec(
             "fsGroup": RUNTIME_UID,
             "seccompProfile": {"type": "RuntimeDefault"},
         },
-        "terminationGracePeriodSeconds": 30,
+        # Never SIGKILL a drain that is within its timeout.
+        "terminationGracePeriodSeconds": grace_period_s(drain_timeout_s(container["env"])),
         "volumes": volumes + placement.volumes,
     }
     if service_account is not None:

@@ -384,7 +384,7 @@ def test_pods_run_unprivileged_on_a_read_only_root() -> None:
             "fsGroup": 65532,
             "seccompProfile": {"type": "RuntimeDefault"},
         }
-        assert pod["terminationGracePeriodSeconds"] == 30
+        assert pod["terminationGracePeriodSeconds"] == 45  # 5 s preStop + 30 s drain + 10
         assert pod["enableServiceLinks"] is False
         container = _container(deployment)
         assert container["securityContext"]["readOnlyRootFilesystem"] is True
