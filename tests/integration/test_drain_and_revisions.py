@@ -64,12 +64,13 @@ def stage_config(tiny_models: Path) -> dict[str, Any]:
                 "defaultSamplingParams": {"num_inference_steps": STEPS},
             },
         ],
+        "connectors": {"tcp": {"name": "TCPConnector"}},
     }
 
 
 def two_stage_pipeline(config: dict[str, Any]) -> PipelineConfig:
     encoder, dit = config["stages"]
-    dit = {**dit, "inputConnectors": {f"from_stage_{ENCODER}": "default-tcp"}}
+    dit = {**dit, "inputConnectors": {f"from_stage_{ENCODER}": "tcp"}}
     return pipeline_from(
         {**config, "stages": [encoder, dit], "router": {"servedModelName": "tiny"}}
     )
