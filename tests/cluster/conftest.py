@@ -5,6 +5,9 @@ local control plane from controlplane/ (built on first use), private to the
 session in a pytest temp dir and stopped after it; $OMNI_CONTROLPLANE_DIR
 names a shared one to use instead (left running if it was already up).
 `namespace` (function): a fresh namespace, deleted after the test.
+`real_node` (session): the local control plane's real node (kubelet, containerd,
+kube-proxy; see controlplane/realnode.py), or a skip saying what is missing
+(a failure with OMNI_REQUIRE_REAL_NODE=1).
 `eventually` polls a check until a deadline.
 """
 
@@ -49,6 +52,8 @@ class Kube:
     # True when the control plane is ours (kwok nodes exist, nothing else runs).
     local: bool
     cache_dir: Path
+    # Why the real node's binaries could not be built, if they could not.
+    node_build_error: str = ""
 
     def kubectl(
         self,
@@ -139,6 +144,14 @@ def controlplane_bin_dir() -> Path:
     return Path(_last_line(build.stdout))
 
 
+def _build_node() -> str:
+    """Build the real node's binaries (containerd, ...); returns why not, or ''."""
+    build = _run_script(["bash", str(HERE / "node" / "build.sh")], timeout=3 * 3600)
+    if build.returncode != 0:
+        return f"node/build.sh exited {build.returncode}:\n{build.stderr[-3000:]}"
+    return ""
+
+
 @pytest.fixture(scope="session")
 def kube(
     tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
@@ -157,6 +170,7 @@ def kube(
         return
 
     bin_dir: Path = request.getfixturevalue("controlplane_bin_dir")
+    node_build_error = _build_node()
     script = [sys.executable, str(CONTROLPLANE / "controlplane.py")]
     shared = os.environ.get("OMNI_CONTROLPLANE_DIR")
     # By default each session runs a control plane of its own (it starts in
@@ -176,7 +190,13 @@ def kube(
         )
     kubeconfig = Path(_last_line(started.stdout))
     try:
-        yield Kube(kubeconfig, str(bin_dir / "kubectl"), local=True, cache_dir=cache_dir)
+        yield Kube(
+            kubeconfig,
+            str(bin_dir / "kubectl"),
+            local=True,
+            cache_dir=cache_dir,
+            node_build_error=node_build_error,
+        )
     finally:
         if not already:
             _run_script([*script, "stop", *state], timeout=120)
@@ -184,6 +204,107 @@ def kube(
             # pytest keeps recent temp dirs; logs are worth keeping, the
             # etcd data (tens of MB of preallocated WAL) is not.
             shutil.rmtree(state_dir / "etcd-data", ignore_errors=True)
+
+
+@dataclass(frozen=True)
+class RealNode:
+    """The real node of a local control plane and its container runtime."""
+
+    name: str
+    state_dir: Path
+    containerd_sock: str
+    ctr_path: str
+    crictl_path: str
+    # The tests' own tiny image (omni-probe), already in the node's containerd.
+    probe_image: str
+    # Labels and taint: only pods that ask for the real node land on it.
+    node_selector: dict[str, str]
+    toleration: dict[str, str]
+
+    def crictl(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+        sock = f"unix://{self.containerd_sock}"
+        return subprocess.run(
+            [
+                self.crictl_path,
+                f"--runtime-endpoint={sock}",
+                f"--image-endpoint={sock}",
+                *args,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=True,
+        )
+
+    def ctr(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [self.ctr_path, f"--address={self.containerd_sock}", "--namespace=k8s.io", *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=True,
+        )
+
+    def load_image(self, image: str, timeout: float = 1800) -> str:
+        """Copy image (e.g. omni-operator/omni-runtime:0.1.0) from podman's storage into the
+        node's containerd, under the name a pod's `image:` of the same text resolves to.
+        Nothing is copied when containerd has that image id already (a warm run)."""
+        res = _run_script(
+            [
+                sys.executable,
+                str(CONTROLPLANE / "controlplane.py"),
+                "load-image",
+                image,
+                "--state-dir",
+                str(self.state_dir),
+            ],
+            timeout=timeout,
+        )
+        if res.returncode != 0:
+            raise AssertionError(f"load-image {image} failed:\n{res.stderr[-3000:]}")
+        return _last_line(res.stdout)
+
+    def pod_spec(self, **spec: Any) -> dict[str, Any]:
+        """A pod spec pinned to the real node (its selector and toleration) plus spec."""
+        return {
+            "nodeSelector": dict(self.node_selector),
+            "tolerations": [dict(self.toleration)],
+            **spec,
+        }
+
+
+@pytest.fixture(scope="session")
+def real_node(kube: Kube) -> RealNode:
+    def unavailable(reason: str) -> RealNode:
+        if os.environ.get("OMNI_REQUIRE_REAL_NODE") == "1":
+            pytest.fail(f"OMNI_REQUIRE_REAL_NODE=1 but {reason}", pytrace=False)
+        pytest.skip(reason)
+
+    if not kube.local:
+        return unavailable("the real node runs only beside the local control plane")
+    state_dir = kube.kubeconfig.parent
+    state = json.loads((state_dir / "state.json").read_text())
+    node = state.get("node") or {}
+    if not node.get("enabled"):
+        reason = f"no real node: {node.get('reason', 'not recorded in state.json')}"
+        if kube.node_build_error:
+            reason += f"\n{kube.node_build_error}"
+        return unavailable(reason)
+    return RealNode(
+        name=node["name"],
+        state_dir=state_dir,
+        containerd_sock=node["containerd_sock"],
+        ctr_path=node["ctr"],
+        crictl_path=node["crictl"],
+        probe_image=node["probe_image"],
+        node_selector={"omni-operator.test/node-kind": "real"},
+        toleration={
+            "key": "omni-operator.test/real-node",
+            "operator": "Equal",
+            "value": "true",
+            "effect": "NoSchedule",
+        },
+    )
 
 
 def _namespace_name(test_name: str) -> str:

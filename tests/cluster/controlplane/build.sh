@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # Build the pinned control-plane binaries (etcd, kube-apiserver,
-# kube-controller-manager, kube-scheduler, kubectl, kwok) from this Go module
-# into a cache outside the checkout, keyed by the pinned versions.
+# kube-controller-manager, kube-scheduler, kubectl, kwok) and the real node's
+# kubelet and kube-proxy from this Go module into a cache outside the
+# checkout, keyed by the pinned versions. A binary that an older key's bin dir
+# holds is reused when its embedded build info names exactly the modules this
+# module would build it from (adding a program to tools.go changes go.mod and
+# the key, but not what the other programs are made of).
 #
 # Usage: build.sh [--print-bin-dir]
 #   --print-bin-dir  print the bin dir for the current pins and exit (no build)
@@ -30,7 +34,7 @@ if ! [[ -x "$go_bin" ]] && ! command -v "$go_bin" >/dev/null 2>&1; then
   exit 2
 fi
 
-binaries=(etcd kube-apiserver kube-controller-manager kube-scheduler kubectl kwok)
+binaries=(etcd kube-apiserver kube-controller-manager kube-scheduler kubectl kwok kubelet kube-proxy)
 
 # The Go version is part of the key because binaries built by another compiler
 # are different artifacts even when the pins are equal.
@@ -84,8 +88,43 @@ tmp_dir="$(mktemp -d "$cache_root/controlplane/$key/tmp.XXXXXX")"
 trap 'rm -rf "$tmp_dir"' EXIT
 
 start_all=$SECONDS
+
+# The modules (path and version after replacements) that `go build` would link
+# into pkg, and those a built binary says it was linked from.
+expected_modules() {
+  "$go_bin" list -deps -f \
+    '{{with .Module}}{{.Path}} {{with .Replace}}{{.Version}}{{else}}{{.Version}}{{end}}{{end}}' "$1" |
+    sed '/^$/d' | sort -u
+}
+built_modules() {
+  "$go_bin" version -m "$1" | awk -F'\t' '
+    $2 == "mod" || $2 == "dep" { if (p != "") print p " " v; p = $3; v = $4; next }
+    $2 == "=>" { v = $4; next }
+    END { if (p != "") print p " " v }' | sort -u
+}
+cgo_enabled="$("$go_bin" env CGO_ENABLED)"
+
+# Take name from another key's bin dir if it was built by this Go, with this
+# cgo setting, from the very modules pkg needs now.
+reuse() {
+  local name="$1" pkg="$2" want old
+  want="$(expected_modules "$pkg")" || return 1
+  for old in "$cache_root"/controlplane/*/bin/"$name"; do
+    [[ -x "$old" && "$old" != "$bin_dir/$name" ]] || continue
+    "$go_bin" version "$old" | grep -qF ": $go_version" || continue
+    "$go_bin" version -m "$old" | grep -qxF $'\tbuild\tCGO_ENABLED='"$cgo_enabled" || continue
+    if [[ "$(built_modules "$old")" == "$want" ]]; then
+      cp "$old" "$tmp_dir/$name"
+      echo "build.sh: $name reused from $old (same Go, same modules)" >&2
+      return 0
+    fi
+  done
+  return 1
+}
+
 step() {
   local name="$1" pkg="$2" t0=$SECONDS
+  reuse "$name" "$pkg" && return 0
   nice -n "${OMNI_BUILD_NICE:-10}" "$go_bin" build -buildvcs=false -trimpath \
     -ldflags "$ldflags" -o "$tmp_dir/$name" "$pkg"
   echo "build.sh: $name built in $((SECONDS - t0))s" >&2
@@ -97,6 +136,8 @@ step kube-controller-manager k8s.io/kubernetes/cmd/kube-controller-manager
 step kube-scheduler k8s.io/kubernetes/cmd/kube-scheduler
 step kubectl k8s.io/kubernetes/cmd/kubectl
 step kwok sigs.k8s.io/kwok/cmd/kwok
+step kubelet k8s.io/kubernetes/cmd/kubelet
+step kube-proxy k8s.io/kubernetes/cmd/kube-proxy
 
 mkdir -p "$bin_dir"
 for b in "${binaries[@]}"; do

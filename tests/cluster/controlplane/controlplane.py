@@ -1,23 +1,31 @@
 #!/usr/bin/env python3
 """Run a local Kubernetes control plane for the cluster tests.
 
-    controlplane.py start [--state-dir DIR] [--bin-dir DIR] [--timeout S]
+    controlplane.py start [--state-dir DIR] [--bin-dir DIR] [--node auto|on|off] [--timeout S]
     controlplane.py stop  [--state-dir DIR]
     controlplane.py status [--state-dir DIR]
+    controlplane.py logs [COMPONENT] [--state-dir DIR] [--lines N]
+    controlplane.py load-image IMAGE [--state-dir DIR]
 
 `start` runs etcd, kube-apiserver, kube-controller-manager, kube-scheduler and
-kwok (two fake nodes) on 127.0.0.1, waits until all are healthy and prints the
-admin kubeconfig path as its last stdout line. `stop` ends exactly the
-processes `start` recorded. Both are no-ops when there is nothing to do; a
-`start` over an unhealthy run replaces it. A component that exits is reported
-with the tail of its log: by `start` while starting, by `status` after.
+kwok (two fake nodes) on 127.0.0.1, and a real node (realnode.py: kubelet,
+kube-proxy, containerd in namespaces of its own) where it can run; waits until
+all are healthy and prints the admin kubeconfig path as its last stdout line.
+`--node auto` (the default, or $OMNI_REAL_NODE) starts the real node when this
+machine can run it and says why not otherwise; `on` fails instead; `off` never
+starts it. `stop` ends exactly the processes `start` recorded. Both are no-ops
+when there is nothing to do; a `start` over an unhealthy run replaces it. A
+component that exits is reported with the tail of its log: by `start` while
+starting, by `status` after. `load-image` copies an image from podman's storage
+into the real node's containerd (nothing when it has that image id already).
 
 State dir (default $OMNI_CONTROLPLANE_DIR, else
 ${OMNI_CACHE_DIR:-~/.cache/omni-operator}/controlplane-run) holds kubeconfig,
 token (a bearer token the apiserver accepts, new on every start), state.json
 (pids, ports), pki/, etcd-data/ and logs/<component>.log.
 Binaries come from --bin-dir, $OMNI_CONTROLPLANE_BIN, or build.sh's bin dir
-(run build.sh first). Only the Python standard library and openssl are used.
+(run build.sh first); the node's from $OMNI_NODE_BIN or ../node/build.sh's.
+Only the Python standard library and openssl are used.
 """
 
 from __future__ import annotations
@@ -39,6 +47,10 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
+
+# Beside this file, which is on sys.path when run as a script.
+import realnode
 
 HERE = Path(__file__).resolve().parent
 KWOK_DIR = HERE / "kwok"
@@ -114,6 +126,9 @@ class ProcRecord:
     # the pid it identifies the process, so a recycled pid is never signalled.
     starttime: int
     log: str
+    # Signal the whole process group: socat's forked children, one per connection,
+    # outlive their parent otherwise.
+    group: bool = False
 
 
 def _proc_stat(pid: int) -> tuple[str, int] | None:
@@ -139,6 +154,14 @@ class State:
     ports: dict[str, int] = field(default_factory=dict)
     bin_dir: str = ""
     kubeconfig: str = ""
+    # The real node: {"enabled": bool, "reason": why not, and its paths when enabled}.
+    node: dict[str, Any] = field(default_factory=dict)
+    # Its processes (forwarders, the supervisor), apart from the control plane's:
+    # they stop first, being the apiserver's clients.
+    node_procs: list[ProcRecord] = field(default_factory=list)
+
+    def all_procs(self) -> list[ProcRecord]:
+        return [*self.procs, *self.node_procs]
 
     @classmethod
     def load(cls, path: Path) -> State | None:
@@ -151,6 +174,8 @@ class State:
             ports=data["ports"],
             bin_dir=data["bin_dir"],
             kubeconfig=data["kubeconfig"],
+            node=data.get("node", {}),
+            node_procs=[ProcRecord(**p) for p in data.get("node_procs", [])],
         )
 
     def save(self, path: Path) -> None:
@@ -185,15 +210,30 @@ def terminate(procs: list[ProcRecord], grace_s: float = STOP_GRACE_S) -> None:
     """
     for p in reversed(procs):
         if not is_running(p):
+            if p.group:
+                _killpg(p.pid, signal.SIGKILL)
             continue
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(p.pid, signal.SIGTERM)
+        _signal(p, signal.SIGTERM)
         if _wait_gone(p, grace_s):
+            if p.group:
+                _killpg(p.pid, signal.SIGKILL)
             continue
         log(f"{p.name} (pid {p.pid}) ignored SIGTERM for {grace_s:.0f}s; killing it")
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(p.pid, signal.SIGKILL)
+        _signal(p, signal.SIGKILL)
         _wait_gone(p, 5)
+
+
+def _killpg(pgid: int, signo: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signo)
+
+
+def _signal(p: ProcRecord, signo: int) -> None:
+    if p.group:
+        _killpg(p.pid, signo)
+    else:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p.pid, signo)
 
 
 # --- certificates and kubeconfig ------------------------------------------
@@ -278,7 +318,8 @@ def make_pki(pki: Path) -> None:
         "/CN=kube-apiserver",
         "basicConstraints = CA:FALSE\nkeyUsage = critical,digitalSignature,keyEncipherment\n"
         "extendedKeyUsage = serverAuth\n"
-        "subjectAltName = IP:127.0.0.1,IP:10.96.0.1,DNS:localhost,DNS:kubernetes,"
+        f"subjectAltName = IP:127.0.0.1,IP:10.96.0.1,IP:{realnode.NODE_ADDRESS},"
+        "DNS:localhost,DNS:kubernetes,"
         "DNS:kubernetes.default,DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local",
     )
     # system:masters is bound to cluster-admin by the bootstrap RBAC policy.
@@ -289,6 +330,25 @@ def make_pki(pki: Path) -> None:
         "basicConstraints = CA:FALSE\nkeyUsage = critical,digitalSignature,keyEncipherment\n"
         "extendedKeyUsage = clientAuth",
     )
+    # The real node's: the kubelet's serving and client certificates (the Node
+    # authorizer knows system:node:<name>), kube-proxy's (bound to
+    # system:node-proxier by the bootstrap policy), and the apiserver's client
+    # certificate for the kubelet.
+    client = (
+        "basicConstraints = CA:FALSE\nkeyUsage = critical,digitalSignature,keyEncipherment\n"
+        "extendedKeyUsage = clientAuth"
+    )
+    _sign(
+        pki,
+        "kubelet-serving",
+        f"/CN={realnode.NODE_NAME}",
+        "basicConstraints = CA:FALSE\nkeyUsage = critical,digitalSignature,keyEncipherment\n"
+        "extendedKeyUsage = serverAuth\n"
+        f"subjectAltName = IP:127.0.0.1,IP:{realnode.NODE_ADDRESS},DNS:{realnode.NODE_NAME}",
+    )
+    _sign(pki, "kubelet-client", f"/O=system:nodes/CN=system:node:{realnode.NODE_NAME}", client)
+    _sign(pki, "kube-proxy", "/CN=system:kube-proxy", client)
+    _sign(pki, "apiserver-kubelet-client", "/CN=kube-apiserver-kubelet-client", client)
     _ec_key(pki / "sa.key")
     _openssl("pkey", "-in", str(pki / "sa.key"), "-pubout", "-out", str(pki / "sa.pub"))
 
@@ -414,21 +474,36 @@ def tail(path: Path, lines: int = 40) -> str:
 
 
 class Starter:
-    def __init__(self, state_dir: Path, bin_dir: Path, timeout_s: float) -> None:
+    def __init__(
+        self,
+        state_dir: Path,
+        bin_dir: Path,
+        timeout_s: float,
+        node_bin_dir: Path | None = None,
+    ) -> None:
         self.state_dir = state_dir
         self.bin_dir = bin_dir
         self.timeout_s = timeout_s
+        # None: no real node this run.
+        self.node_bin_dir = node_bin_dir
         self.pki = state_dir / "pki"
         self.logs = state_dir / "logs"
         self.kubeconfig = state_dir / "kubeconfig"
         self.state = State(bin_dir=str(bin_dir), kubeconfig=str(self.kubeconfig))
         self.popens: dict[str, subprocess.Popen[bytes]] = {}
 
-    def spawn(self, name: str, args: list[str]) -> None:
+    def spawn(
+        self,
+        name: str,
+        args: list[str],
+        cmd: list[str] | None = None,
+        group: bool = False,
+        node: bool = False,
+    ) -> None:
         log_path = self.logs / f"{name}.log"
         with open(log_path, "ab") as log_fh:
             popen = subprocess.Popen(
-                [str(self.bin_dir / name), *args],
+                [*(cmd or [str(self.bin_dir / name)]), *args],
                 stdin=subprocess.DEVNULL,
                 stdout=log_fh,
                 stderr=subprocess.STDOUT,
@@ -439,7 +514,9 @@ class Starter:
             )
         st = _proc_stat(popen.pid)
         self.popens[name] = popen
-        self.state.procs.append(ProcRecord(name, popen.pid, st[1] if st else -1, str(log_path)))
+        (self.state.node_procs if node else self.state.procs).append(
+            ProcRecord(name, popen.pid, st[1] if st else -1, str(log_path), group)
+        )
         # Recorded at once, so `stop` can clean up even if start dies midway.
         self.state.save(self.state_dir / "state.json")
 
@@ -465,7 +542,7 @@ class Starter:
                 return
             if time.monotonic() > deadline:
                 logs = "\n".join(
-                    f"--- {p.name} ---\n{tail(Path(p.log), 15)}" for p in self.state.procs
+                    f"--- {p.name} ---\n{tail(Path(p.log), 15)}" for p in self.state.all_procs()
                 )
                 raise StartError(
                     f"timed out after {timeout_s or self.timeout_s:.0f}s waiting for {what}\n{logs}"
@@ -491,6 +568,160 @@ class Starter:
             if c["type"] == "Ready" and c["status"] == "True"
         }
         return set(NODE_NAMES) <= ready
+
+    def start_node(self, node_bin_dir: Path) -> None:
+        ports = free_ports(["kubelet"])
+        self.state.ports.update(ports)
+        sock_dir = realnode.socket_dir(self.state_dir)
+        shutil.rmtree(sock_dir, ignore_errors=True)
+        sock_dir.mkdir(mode=0o700, parents=True)
+        lay = realnode.NodeLayout(
+            state_dir=self.state_dir,
+            node_dir=self.state_dir / "node",
+            sock_dir=sock_dir,
+            logs=self.logs,
+            pki=self.pki,
+            bin_dir=self.bin_dir,
+            node_bin_dir=node_bin_dir,
+            kubelet_port=ports["kubelet"],
+            apiserver_port=self.state.ports["apiserver"],
+            cgroup_root=realnode.cgroup_root(self.state_dir),
+        )
+        shutil.rmtree(lay.node_dir, ignore_errors=True)
+        images = realnode.node_images(node_bin_dir)
+        config = realnode.write_configs(lay, images)
+        self.state.node = {
+            "enabled": True,
+            "name": realnode.NODE_NAME,
+            "node_dir": str(lay.node_dir),
+            "sock_dir": str(sock_dir),
+            "containerd_sock": str(lay.containerd_sock),
+            "cgroup_root": lay.cgroup_root,
+            "ctr": str(node_bin_dir / "ctr"),
+            "crictl": str(node_bin_dir / "crictl"),
+            "probe_image": images[1].ref,
+            "pause_image": images[0].ref,
+        }
+        socat = [shutil.which("socat") or "socat"]
+        # Host side of the two forwarders (the node side runs under the supervisor).
+        self.spawn(
+            "apiserver-node-forward",
+            [
+                f"UNIX-LISTEN:{sock_dir / 'apiserver.sock'},fork,unlink-early,mode=600",
+                f"TCP:127.0.0.1:{lay.apiserver_port}",
+            ],
+            cmd=socat,
+            node=True,
+            group=True,
+        )
+        self.spawn(
+            "kubelet-host-forward",
+            [
+                f"TCP-LISTEN:{lay.kubelet_port},bind=127.0.0.1,fork,reuseaddr",
+                f"UNIX-CONNECT:{sock_dir / 'kubelet.sock'}",
+            ],
+            cmd=socat,
+            node=True,
+            group=True,
+        )
+        self.spawn(
+            "node-unshare",
+            [
+                "--net",
+                "--mount",
+                "--pid",
+                "--fork",
+                "--mount-proc",
+                "--propagation",
+                "private",
+                # unshare itself ignores SIGTERM; should it die, the supervisor stops.
+                "--kill-child=SIGTERM",
+                sys.executable,
+                str(HERE / "node_supervisor.py"),
+                str(config),
+            ],
+            cmd=[shutil.which("unshare") or "unshare"],
+            node=True,
+        )
+        unshare = self.state.node_procs[-1]
+        # The supervisor (pid 1 inside) is what stop signals: it stops the node in order.
+        t0 = time.monotonic()
+        while True:
+            self.check_alive()
+            children = Path(f"/proc/{unshare.pid}/task/{unshare.pid}/children")
+            with contextlib.suppress(OSError):
+                if kids := children.read_text().split():
+                    pid = int(kids[0])
+                    st = _proc_stat(pid)
+                    if st is not None:
+                        self.state.node_procs.append(
+                            ProcRecord("node", pid, st[1], str(self.logs / "node-unshare.log"))
+                        )
+                        self.state.save(self.state_dir / "state.json")
+                        break
+            if time.monotonic() - t0 > 10:
+                raise StartError("unshare started no node supervisor within 10s")
+            time.sleep(0.01)
+        self.state.node["supervisor_pid"] = pid
+        self.state.node["netns"] = os.readlink(f"/proc/{pid}/ns/net")
+        self.state.node["mntns"] = os.readlink(f"/proc/{pid}/ns/mnt")
+        self.state.save(self.state_dir / "state.json")
+
+    def node_object(self) -> dict[str, Any] | None:
+        res = self.kubectl("get", "node", realnode.NODE_NAME, "-o", "json")
+        if res.returncode != 0:
+            return None
+        node: dict[str, Any] = json.loads(res.stdout)
+        return node
+
+    def finish_node(self) -> None:
+        self.wait_for(
+            f"node {realnode.NODE_NAME} registered", lambda: self.node_object() is not None
+        )
+        addresses = [
+            {"type": "InternalIP", "address": "127.0.0.1"},
+            {"type": "Hostname", "address": realnode.NODE_NAME},
+        ]
+        patched = self.kubectl(
+            "patch",
+            "node",
+            realnode.NODE_NAME,
+            "--subresource=status",
+            "--type=merge",
+            "-p",
+            json.dumps({"status": {"addresses": addresses}}),
+        )
+        if patched.returncode != 0:
+            raise StartError(f"patching {realnode.NODE_NAME}'s addresses failed:\n{patched.stderr}")
+        for obj in realnode.kubernetes_endpoints():
+            applied = subprocess.run(
+                [
+                    str(self.bin_dir / "kubectl"),
+                    f"--kubeconfig={self.kubeconfig}",
+                    "apply",
+                    "-f",
+                    "-",
+                ],
+                input=json.dumps(obj),
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
+            if applied.returncode != 0:
+                raise StartError(
+                    f"writing the kubernetes Service's endpoints failed:\n{applied.stderr}"
+                )
+
+        def ready() -> bool:
+            node = self.node_object()
+            if node is None:
+                return False
+            status = node.get("status", {})
+            return any(
+                c["type"] == "Ready" and c["status"] == "True" for c in status.get("conditions", [])
+            ) and {"type": "InternalIP", "address": "127.0.0.1"} in status.get("addresses", [])
+
+        self.wait_for(f"node {realnode.NODE_NAME} Ready", ready)
 
     def run(self) -> None:
         for sub in ("etcd-data", "pki", "logs"):
@@ -543,10 +774,16 @@ class Starter:
                 f"--service-account-signing-key-file={pki / 'sa.key'}",
                 "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
                 f"--service-cluster-ip-range={SERVICE_CIDR}",
-                "--authorization-mode=RBAC",
+                # Node: what the real node's kubelet may read and write.
+                "--authorization-mode=Node,RBAC",
+                f"--kubelet-client-certificate={pki / 'apiserver-kubelet-client.crt'}",
+                f"--kubelet-client-key={pki / 'apiserver-kubelet-client.key'}",
+                # The only address of every node the apiserver can dial is 127.0.0.1,
+                # the InternalIP (the real node's is its host-side forwarder).
+                "--kubelet-preferred-address-types=InternalIP",
                 "--allow-privileged=true",
-                # There is no real apiserver endpoint for in-cluster clients, and a
-                # loopback address is rejected in Endpoints anyway.
+                # A loopback address is rejected in Endpoints; with the real node,
+                # start writes the node-side forwarder there instead.
                 "--endpoint-reconciler-type=none",
                 f"--cert-dir={pki}",
                 "--profiling=false",
@@ -554,6 +791,9 @@ class Starter:
         )
         ctx = admin_context(pki)
         self.wait_for("kube-apiserver /readyz", lambda: http_ok(f"{server}/readyz", ctx, "ok"))
+        if self.node_bin_dir is not None:
+            # Early: containerd and its image imports overlap the other components' start.
+            self.start_node(self.node_bin_dir)
 
         kube_client = [
             f"--kubeconfig={self.kubeconfig}",
@@ -594,7 +834,8 @@ class Starter:
             [
                 f"--kubeconfig={self.kubeconfig}",
                 f"--config={stages}",
-                "--manage-all-nodes=true",
+                # Only the fake nodes (nodes.yaml): the real node's status is its kubelet's.
+                "--manage-nodes-with-annotation-selector=kwok.x-k8s.io/node=fake",
                 f"--server-address=127.0.0.1:{ports['kwok']}",
                 f"--node-ip={NODE_IP}",
                 f"--cidr={POD_CIDR}",
@@ -617,6 +858,8 @@ class Starter:
         if applied.returncode != 0:
             raise StartError(f"kubectl apply nodes.yaml failed:\n{applied.stderr}")
         self.wait_for(f"nodes {', '.join(NODE_NAMES)} Ready", self.nodes_ready)
+        if self.node_bin_dir is not None:
+            self.finish_node()
         # The serviceaccount controller creating this proves the controller
         # manager is really working, and pods in "default" need it.
         self.wait_for(
@@ -628,18 +871,62 @@ class Starter:
         log(f"control plane healthy in {time.monotonic() - t_start:.1f}s (apiserver {server})")
 
 
+def node_ready(state: State) -> bool:
+    res = subprocess.run(
+        [
+            str(Path(state.bin_dir) / "kubectl"),
+            f"--kubeconfig={state.kubeconfig}",
+            "get",
+            "node",
+            state.node["name"],
+            "-o",
+            "jsonpath={.status.conditions[?(@.type=='Ready')].status}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    return res.returncode == 0 and res.stdout.strip() == "True"
+
+
 def healthy(state: State) -> bool:
-    if not state.procs or not all(is_running(p) for p in state.procs):
+    if not state.procs or not all(is_running(p) for p in state.all_procs()):
         return False
     pki = Path(state.kubeconfig).parent / "pki"
     try:
         ctx = admin_context(pki)
     except (OSError, ssl.SSLError):
         return False
-    return http_ok(f"https://127.0.0.1:{state.ports['apiserver']}/readyz", ctx, "ok")
+    if not http_ok(f"https://127.0.0.1:{state.ports['apiserver']}/readyz", ctx, "ok"):
+        return False
+    return not state.node.get("enabled") or node_ready(state)
 
 
-def cmd_start(state_dir: Path, bin_dir: Path | None, timeout_s: float) -> int:
+def stop_procs(state_dir: Path, state: State) -> None:
+    """End the recorded processes, then remove what the node leaves outside its
+    namespaces (its cgroups, the socket dir) if its supervisor could not."""
+    terminate(state.node_procs)
+    terminate(state.procs)
+    if state.node.get("enabled"):
+        left = realnode.remove_cgroups(state.node["cgroup_root"])
+        if left:
+            log(f"node cgroups that could not be removed: {'; '.join(left)}")
+        realnode.remove_socket_dir(state_dir)
+
+
+def choose_node(mode: str, bin_dir: Path) -> tuple[Path | None, str]:
+    """The node's bin dir when the real node is to start, else None and why not."""
+    if mode == "off":
+        return None, "the real node is off (--node off or OMNI_REAL_NODE=off)"
+    try:
+        node_bin_dir = realnode.default_node_bin_dir().resolve()
+    except (OSError, subprocess.CalledProcessError) as exc:
+        return None, f"cannot locate the node's binaries: {exc}"
+    reason = realnode.unavailable_reason(bin_dir, node_bin_dir)
+    return (None, reason) if reason else (node_bin_dir, "")
+
+
+def cmd_start(state_dir: Path, bin_dir: Path | None, timeout_s: float, node_mode: str) -> int:
     state_path = state_dir / "state.json"
     with locked(state_dir):
         bin_dir = (bin_dir or default_bin_dir()).resolve()
@@ -651,24 +938,32 @@ def cmd_start(state_dir: Path, bin_dir: Path | None, timeout_s: float) -> int:
                 return 0
             # Unhealthy, or started from binaries of other pins: start afresh.
             log("stopping a previous run that is unhealthy or uses other binaries")
-            terminate(old.procs)
+            stop_procs(state_dir, old)
             state_path.unlink()
 
         if missing := missing_binaries(bin_dir):
             log(f"missing binaries in {bin_dir}: {', '.join(missing)} (run {HERE / 'build.sh'})")
             return 2
-        starter = Starter(state_dir, bin_dir, timeout_s)
+        node_bin_dir, why_not = choose_node(node_mode, bin_dir)
+        if node_bin_dir is None:
+            if node_mode == "on":
+                log(f"cannot start the real node: {why_not}")
+                return 2
+            log(f"no real node: {why_not}")
+        starter = Starter(state_dir, bin_dir, timeout_s, node_bin_dir)
+        starter.state.node = {"enabled": False, "reason": why_not}
         try:
             starter.run()
         except (StartError, KeyboardInterrupt) as exc:
             log(f"start failed: {exc}")
-            terminate(starter.state.procs)
+            stop_procs(state_dir, starter.state)
             for popen in starter.popens.values():
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     popen.wait(timeout=1)
             with contextlib.suppress(FileNotFoundError):
                 state_path.unlink()
             return 1
+        starter.state.save(state_path)
     print(starter.kubeconfig)
     return 0
 
@@ -680,13 +975,13 @@ def cmd_stop(state_dir: Path) -> int:
         if state is None:
             log("not running")
             return 0
-        running = [p for p in state.procs if is_running(p)]
+        running = [p for p in state.all_procs() if is_running(p)]
         log(
             "stopping "
             + (", ".join(f"{p.name} ({p.pid})" for p in running) or "nothing (all exited)")
         )
         t0 = time.monotonic()
-        terminate(state.procs)
+        stop_procs(state_dir, state)
         state_path.unlink()
         log(f"stopped in {time.monotonic() - t0:.1f}s")
     return 0
@@ -697,23 +992,159 @@ def cmd_status(state_dir: Path) -> int:
     if state is None:
         print("not running")
         return 1
-    for p in state.procs:
+    for p in state.all_procs():
         print(f"{p.name:<24} pid {p.pid:<8} {'running' if is_running(p) else 'EXITED'}")
-    for p in state.procs:
+    for p in state.all_procs():
         if not is_running(p):
             print(f"--- last lines of {p.log} ---\n{tail(Path(p.log), 15)}")
     ok = healthy(state)
-    print(f"kubeconfig: {state.kubeconfig}\napiserver ready: {ok}")
+    print(f"kubeconfig: {state.kubeconfig}\nhealthy: {ok}")
+    if state.node.get("enabled"):
+        print(f"real node {state.node['name']} Ready: {node_ready(state)}")
+    else:
+        print(f"no real node: {state.node.get('reason', 'not recorded')}")
     return 0 if ok else 1
+
+
+def cmd_logs(state_dir: Path, component: str | None, lines: int) -> int:
+    logs = state_dir / "logs"
+    names = sorted(p.stem for p in logs.glob("*.log"))
+    if component is None:
+        print("\n".join(names) if names else f"no logs in {logs}")
+        return 0 if names else 1
+    if component not in names:
+        print(f"no log {component!r}; there are: {', '.join(names)}", file=sys.stderr)
+        return 1
+    print(tail(logs / f"{component}.log", lines))
+    return 0
+
+
+class ImageError(Exception):
+    pass
+
+
+def load_image(state: State, image: str) -> str:
+    """Copy image from podman's storage into the real node's containerd under the name a
+    pod's `image: <image>` resolves to; nothing when containerd has that image id under
+    that name already. Returns what was done."""
+    if not state.node.get("enabled"):
+        raise ImageError(f"no real node: {state.node.get('reason', 'not started')}")
+    podman = shutil.which("podman")
+    if podman is None:
+        raise ImageError("podman is not on PATH")
+    inspect = subprocess.run(
+        [podman, "image", "inspect", "--format", "{{.Id}}", image],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    if inspect.returncode != 0:
+        raise ImageError(f"podman has no image {image}: {inspect.stderr.strip()}")
+    image_id = "sha256:" + inspect.stdout.strip().removeprefix("sha256:")
+    want = realnode.normalize_ref(image)
+    sock = state.node["containerd_sock"]
+    ctr = [state.node["ctr"], f"--address={sock}", "--namespace=k8s.io"]
+
+    def have() -> list[str]:
+        res = subprocess.run(
+            [
+                state.node["crictl"],
+                f"--runtime-endpoint=unix://{sock}",
+                f"--image-endpoint=unix://{sock}",
+                "images",
+                "-o",
+                "json",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        if res.returncode != 0:
+            raise ImageError(f"crictl images failed: {res.stderr.strip()}")
+        return [
+            tag
+            for img in json.loads(res.stdout).get("images") or []
+            if img["id"] == image_id
+            for tag in [*(img.get("repoTags") or []), *(img.get("repoDigests") or [])]
+        ]
+
+    def tag(names: list[str]) -> None:
+        source = (
+            next(n for n in names if "@" not in n) if any("@" not in n for n in names) else names[0]
+        )
+        res = subprocess.run(
+            [*ctr, "images", "tag", "--force", source, want],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        if res.returncode != 0:
+            raise ImageError(f"ctr images tag {source} {want} failed: {res.stderr.strip()}")
+
+    names = have()
+    if want in names:
+        return f"{want} already present ({image_id[:19]})"
+    if names:
+        tag(names)
+        return f"{want} tagged from {names[0]} ({image_id[:19]})"
+    t0 = time.monotonic()
+    # Streamed: the runtime image is several GB; no copy of it lands on disk.
+    save = subprocess.Popen(
+        [podman, "save", "--format", "oci-archive", image],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    imp = subprocess.run(
+        [*ctr, "images", "import", "--local", "--digests", "-"],
+        stdin=save.stdout,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
+    assert save.stdout is not None
+    save.stdout.close()
+    save_err = save.stderr.read().decode(errors="replace") if save.stderr else ""
+    if save.wait() != 0:
+        raise ImageError(f"podman save {image} failed: {save_err.strip()}")
+    if imp.returncode != 0:
+        raise ImageError(f"ctr images import failed: {imp.stderr.strip()}")
+    names = have()
+    if not names:
+        raise ImageError(f"after the import containerd has no image with id {image_id}")
+    # A streamed archive names the image after its digest only: give it its tag.
+    if want not in names:
+        tag(names)
+    return f"{want} imported in {time.monotonic() - t0:.1f}s ({image_id[:19]})"
+
+
+def cmd_load_image(state_dir: Path, image: str) -> int:
+    state = State.load(state_dir / "state.json")
+    if state is None:
+        log("not running")
+        return 1
+    try:
+        print(load_image(state, image))
+    except (ImageError, subprocess.TimeoutExpired) as exc:
+        log(f"load-image {image}: {exc}")
+        return 1
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("command", choices=["start", "stop", "status"])
+    parser.add_argument("command", choices=["start", "stop", "status", "logs", "load-image"])
+    parser.add_argument("argument", nargs="?", help="logs: the component; load-image: the image")
     parser.add_argument("--state-dir", type=Path, default=None)
     parser.add_argument("--bin-dir", type=Path, default=None)
+    parser.add_argument(
+        "--node",
+        choices=["auto", "on", "off"],
+        default=os.environ.get("OMNI_REAL_NODE") or "auto",
+        help="start the real node: where it can run (auto), or fail without it (on), or never",
+    )
+    parser.add_argument("--lines", type=int, default=40, help="logs: how many lines")
     parser.add_argument(
         "--timeout",
         type=float,
@@ -723,9 +1154,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     state_dir = (args.state_dir or default_state_dir()).resolve()
     if args.command == "start":
-        return cmd_start(state_dir, args.bin_dir, args.timeout)
+        if args.node not in ("auto", "on", "off"):
+            parser.error(f"--node/OMNI_REAL_NODE must be auto, on or off, not {args.node!r}")
+        return cmd_start(state_dir, args.bin_dir, args.timeout, args.node)
     if args.command == "stop":
         return cmd_stop(state_dir)
+    if args.command == "logs":
+        return cmd_logs(state_dir, args.argument, args.lines)
+    if args.command == "load-image":
+        if not args.argument:
+            parser.error("load-image needs the image, e.g. omni-operator/omni-runtime:0.1.0")
+        return cmd_load_image(state_dir, args.argument)
     return cmd_status(state_dir)
 
 
