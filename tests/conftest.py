@@ -57,7 +57,10 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     # segment is still here was leaked by the code under test (or a test). Report it,
     # fail the run, and clean up.
     _check_shared_memory(session)
-    leftovers = psutil.Process().children(recursive=True)
+    # A child that is exiting as the session ends (or has exited, unreaped) is not a
+    # survivor: give each a moment, reaping it; only one still running afterwards is.
+    _, leftovers = psutil.wait_procs(psutil.Process().children(recursive=True), timeout=5)
+    leftovers = [p for p in leftovers if _status(p) != psutil.STATUS_ZOMBIE]
     if not leftovers:
         return
     described = ", ".join(f"pid {p.pid} ({' '.join(_cmdline(p))[:120]})" for p in leftovers)
@@ -67,6 +70,13 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     for proc in leftovers:
         proc.kill()
     session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def _status(proc: psutil.Process) -> str:
+    try:
+        return str(proc.status())
+    except psutil.Error:
+        return psutil.STATUS_DEAD
 
 
 def _cmdline(proc: psutil.Process) -> list[str]:
