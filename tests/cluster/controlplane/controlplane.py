@@ -35,6 +35,7 @@ import contextlib
 import fcntl
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -1023,6 +1024,9 @@ class ImageError(Exception):
     pass
 
 
+PODMAN_ID_LABEL = "omni-operator.test/podman-id"
+
+
 def load_image(state: State, image: str) -> str:
     """Copy image from podman's storage into the real node's containerd under the name a
     pod's `image: <image>` resolves to; nothing when containerd has that image id under
@@ -1045,47 +1049,28 @@ def load_image(state: State, image: str) -> str:
     sock = state.node["containerd_sock"]
     ctr = [state.node["ctr"], f"--address={sock}", "--namespace=k8s.io"]
 
-    def have() -> list[str]:
-        res = subprocess.run(
-            [
-                state.node["crictl"],
-                f"--runtime-endpoint=unix://{sock}",
-                f"--image-endpoint=unix://{sock}",
-                "images",
-                "-o",
-                "json",
-            ],
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-        if res.returncode != 0:
-            raise ImageError(f"crictl images failed: {res.stderr.strip()}")
-        return [
-            tag
-            for img in json.loads(res.stdout).get("images") or []
-            if img["id"] == image_id
-            for tag in [*(img.get("repoTags") or []), *(img.get("repoDigests") or [])]
-        ]
+    # podman's id is the digest of its stored config, which `podman save` may rewrite
+    # (docker to OCI media types): the id is kept as a label on the imported image.
+    label = f'labels."{PODMAN_ID_LABEL}"=={image_id}'
 
-    def tag(names: list[str]) -> None:
-        source = (
-            next(n for n in names if "@" not in n) if any("@" not in n for n in names) else names[0]
-        )
-        res = subprocess.run(
-            [*ctr, "images", "tag", "--force", source, want],
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+    def ctr_run(*args: str, **kw: Any) -> subprocess.CompletedProcess[str]:
+        res = subprocess.run([*ctr, *args], capture_output=True, text=True, **kw)
         if res.returncode != 0:
-            raise ImageError(f"ctr images tag {source} {want} failed: {res.stderr.strip()}")
+            raise ImageError(f"ctr {' '.join(args)} failed: {res.stderr.strip()[-2000:]}")
+        return res
+
+    def have() -> list[str]:
+        return ctr_run("images", "ls", "-q", label, timeout=60).stdout.split()
+
+    def tag(source: str) -> None:
+        ctr_run("images", "tag", "--force", source, want, timeout=60)
+        ctr_run("images", "label", want, f"{PODMAN_ID_LABEL}={image_id}", timeout=60)
 
     names = have()
     if want in names:
         return f"{want} already present ({image_id[:19]})"
     if names:
-        tag(names)
+        tag(names[0])
         return f"{want} tagged from {names[0]} ({image_id[:19]})"
     t0 = time.monotonic()
     # Streamed: the runtime image is several GB; no copy of it lands on disk.
@@ -1094,6 +1079,7 @@ def load_image(state: State, image: str) -> str:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
     )
+    assert save.stdout is not None
     imp = subprocess.run(
         [*ctr, "images", "import", "--local", "--digests", "-"],
         stdin=save.stdout,
@@ -1101,19 +1087,17 @@ def load_image(state: State, image: str) -> str:
         text=True,
         timeout=1800,
     )
-    assert save.stdout is not None
     save.stdout.close()
     save_err = save.stderr.read().decode(errors="replace") if save.stderr else ""
     if save.wait() != 0:
         raise ImageError(f"podman save {image} failed: {save_err.strip()}")
     if imp.returncode != 0:
         raise ImageError(f"ctr images import failed: {imp.stderr.strip()}")
-    names = have()
-    if not names:
-        raise ImageError(f"after the import containerd has no image with id {image_id}")
-    # A streamed archive names the image after its digest only: give it its tag.
-    if want not in names:
-        tag(names)
+    # What the import made: a digest-named image (--digests), maybe a named one too.
+    made = re.findall(r"^unpacking (\S+) \(", imp.stdout + imp.stderr, re.MULTILINE)
+    if not made:
+        raise ImageError(f"ctr images import named no image:\n{imp.stdout}{imp.stderr}")
+    tag(made[0])
     return f"{want} imported in {time.monotonic() - t0:.1f}s ({image_id[:19]})"
 
 
