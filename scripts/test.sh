@@ -2,7 +2,7 @@
 # Sets up the environment (scripts/setup.sh) and runs every check of the project: lint,
 # formatting, types, the import-layer contracts, then the whole test suite: unit,
 # integration (real processes) and cluster (a real control plane built from pinned Go
-# modules, or the cluster $KUBECONFIG names).
+# modules, or the cluster $KUBECONFIG names), and the images (built here with podman).
 # Extra arguments go to pytest, e.g. scripts/test.sh -m "not integration".
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -15,6 +15,20 @@ LD_LIBRARY_PATH=$(scripts/mooncake_libs.sh)${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 export LD_LIBRARY_PATH
 export OMNI_REQUIRE_MOONCAKE=1   # fail, not skip, if the engine cannot load
 
+echo "== system packages"; scripts/host_packages.sh
+# The project's images, built from the Dockerfiles with podman as users build them (cold:
+# about 20 min for the three, mostly pip downloading and unpacking; warm: seconds), for
+# the image tests and the real node. They build in the background while the checks and
+# the Go compile (CPU-bound) run, and are waited for before pytest.
+images_pid=
+images_log=$(mktemp)
+if [ "$(id -u)" -eq 0 ]; then
+    scripts/images.sh >/dev/null 2>"$images_log" &
+    images_pid=$!
+    export OMNI_REQUIRE_IMAGES=1   # fail, not skip, if they cannot be built or run
+fi
+trap '[ -n "$images_pid" ] && kill "$images_pid" 2>/dev/null; rm -f "$images_log"' EXIT
+
 echo "== ruff"; "$py" -m ruff check . && "$py" -m ruff format --check .
 echo "== mypy"; "$py" -m mypy
 echo "== import contracts"
@@ -23,5 +37,21 @@ if [ -z "${KUBECONFIG:-}" ]; then
     # The cluster suite runs against a control plane built from pinned Go modules; built
     # once per pin set into ~/.cache/omni-operator/controlplane (about 7 min cold).
     echo "== control plane binaries"; tests/cluster/controlplane/build.sh >/dev/null
+    # The real node beside the kwok nodes: containerd, its runc shim, ctr and crictl from
+    # their pinned modules (kubelet and kube-proxy come with the control plane's build).
+    echo "== real node binaries"; tests/cluster/node/build.sh >/dev/null
+    if [ "$(id -u)" -eq 0 ]; then
+        export OMNI_REQUIRE_REAL_NODE=1   # fail, not skip, if the node cannot run
+    fi
+fi
+if [ -n "$images_pid" ]; then
+    echo "== images"
+    if ! wait "$images_pid"; then
+        images_pid=
+        cat "$images_log" >&2
+        exit 1
+    fi
+    images_pid=
+    grep -E "built|made" "$images_log" || true
 fi
 echo "== pytest"; "$py" -m pytest "$@"

@@ -211,11 +211,48 @@ def runtime_dockerfile() -> Dockerfile:
 
 
 def test_runtime_image_targets(runtime_dockerfile: Dockerfile) -> None:
-    assert [s.name for s in runtime_dockerfile.stages[:-1]] == ["cpu", "cuda"]
+    assert [s.name for s in runtime_dockerfile.stages[:-1]] == ["common", "cpu", "cuda"]
     final = runtime_dockerfile.stages[-1]
     assert final.base == "${TARGET}"
     assert runtime_dockerfile.global_args["TARGET"] == "cpu"
-    assert "cuda:13." in runtime_dockerfile.stage("cuda").base, "vllm 0.32.0 is a CUDA 13 build"
+    # Both targets on the one slim base: the cuda target's CUDA libraries are torch's
+    # NVIDIA wheels, not a CUDA base image.
+    assert runtime_dockerfile.stage("common").base == "python:3.11-slim-bookworm"
+    assert runtime_dockerfile.stage("cpu").base == "common"
+    assert runtime_dockerfile.stage("cuda").base == "common"
+
+
+def test_runtime_installs_dependencies_before_the_sources(runtime_dockerfile: Dockerfile) -> None:
+    """The heavy pip layer of each target comes before the COPY of the sources, so that a
+    change to the code rebuilds only the small layers after it; the project itself goes in
+    last, without dependencies."""
+    for name in ("cpu", "cuda"):
+        steps = runtime_dockerfile.stage(name).instructions
+        copies = [i for i, (kind, rest) in enumerate(steps) if kind == "COPY"]
+        installs = [i for i, (kind, rest) in enumerate(steps) if "-c requirements/" in rest]
+        assert copies, name
+        assert installs, name
+        assert max(installs) < min(copies), name
+        after = " ".join(rest for kind, rest in steps[min(copies) :] if kind == "RUN")
+        assert "pip install --no-cache-dir --no-deps ." in after, name
+    common = " ".join(runtime_dockerfile.stage("common").args("RUN"))
+    assert "requirements/extras.py runtime mooncake > requirements/project-cpu.txt" in common
+    assert "requirements/extras.py runtime > requirements/project-cuda.txt" in common
+
+
+def test_extras_script_lists_an_extra_with_the_base_requirements() -> None:
+    script = REPO / "requirements" / "extras.py"
+    result = subprocess.run(
+        [sys.executable, str(script), "runtime", "mooncake"], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr
+    listed = result.stdout.split()
+    assert listed[:2] == ["pydantic>=2.12", "pyyaml>=6"]
+    assert "torch==2.13.0" in listed
+    assert any(r.startswith("mooncake-transfer-engine-non-cuda==") for r in listed)
+    bad = subprocess.run([sys.executable, str(script), "gpu"], capture_output=True, text=True)
+    assert bad.returncode != 0
+    assert "no extra ['gpu']" in bad.stderr
 
 
 def test_runtime_vllm_is_the_version_the_tests_run(runtime_dockerfile: Dockerfile) -> None:
@@ -239,19 +276,19 @@ def test_runtime_mooncake_is_the_version_of_the_extra(runtime_dockerfile: Docker
     pyproject = (REPO / "pyproject.toml").read_text()
     (extra_version,) = pins(pyproject, "mooncake-transfer-engine-non-cuda")
     cpu = runtime_dockerfile.stage("cpu")
-    assert ".[runtime,mooncake]" in " ".join(cpu.args("RUN"))
+    assert "-r requirements/project-cpu.txt" in " ".join(cpu.args("RUN"))
     cuda = runtime_dockerfile.stage("cuda")
     runs = expand(" ".join(cuda.args("RUN")), stage_args(runtime_dockerfile, cuda))
+    assert "-r requirements/project-cuda.txt" in runs
     assert pins(runs, "mooncake-transfer-engine-cuda13") == [extra_version]
-    # The four libraries Mooncake's engine links (scripts/mooncake_libs.sh's list); Ubuntu
-    # 24.04 names librdmacm's package librdmacm1t64.
+    # The four libraries Mooncake's engine links (scripts/mooncake_libs.sh's list), and
+    # libnuma and libcurl (vLLM's ops and Mooncake link them), for both targets.
     script = (REPO / "scripts" / "mooncake_libs.sh").read_text()
     packages = re.search(r"^PACKAGES=\(([^)]*)\)", script, re.MULTILINE)
     assert packages
-    for stage, renamed in ((cpu, {}), (cuda, {"librdmacm1": "librdmacm1t64"})):
-        installs = " ".join(stage.args("RUN")).split()
-        for package in packages.group(1).split():
-            assert renamed.get(package, package) in installs, f"{stage.name}: no {package}"
+    installs = " ".join(runtime_dockerfile.stage("common").args("RUN")).split()
+    for package in [*packages.group(1).split(), "libnuma1", "libcurl4"]:
+        assert package in installs, f"common: no {package}"
 
 
 def test_cpu_image_bakes_the_tiny_models(runtime_dockerfile: Dockerfile) -> None:
