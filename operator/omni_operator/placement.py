@@ -36,7 +36,15 @@ SHM_DIR = "/dev/shm"
 RESERVED_VOLUMES = ("omni-config", "omni-home", "omni-tmp", "omni-shm")
 RESERVED_MOUNT_PATHS = (CONFIG_DIR, HOME_DIR, TMP_DIR, SHM_DIR)
 # Variables the operator sets in the containers: the runtime depends on their values.
-RESERVED_ENV = ("HOME", "HF_HOME", "CUDA_VISIBLE_DEVICES", "OMNI_NAMESPACE")
+# OMNI_PIPELINE_REVISION (render.REVISION_ENV) is what routers compare to keep a request
+# on one configuration: a value set by hand would pair stages the operator keeps apart.
+RESERVED_ENV = (
+    "HOME",
+    "HF_HOME",
+    "CUDA_VISIBLE_DEVICES",
+    "OMNI_NAMESPACE",
+    "OMNI_PIPELINE_REVISION",
+)
 RESERVED_ENV_PREFIXES = ("OMNI_CUDA_VISIBLE_DEVICES_",)
 # Object names a placement group must not take: the router's are P-router.
 RESERVED_GROUP_NAMES = ("router",)
@@ -226,7 +234,15 @@ def _reserved(placement: Placement, path: str) -> list[tuple[str, str]]:
                 )
             )
     for j, var in enumerate(placement.env):
-        if is_reserved_env(var.name):
+        if var.name == "OMNI_PIPELINE_REVISION":
+            issues.append(
+                (
+                    f"{path}.env[{j}].name",
+                    f"{var.name} is set by the operator from the pipeline's generation and "
+                    "config hash (routers keep each request on one revision); remove it",
+                )
+            )
+        elif is_reserved_env(var.name):
             issues.append(
                 (
                     f"{path}.env[{j}].name",

@@ -23,10 +23,15 @@ from omni_runtime.kube import KubeApiError, KubeClient, object_path, resource_pa
 from .api import API_VERSION, PLURAL, OmniPipelineSpec, OmniPipelineStatus
 from .placement import check_spec, placement_groups
 from .render import (
+    ANNOTATION_CONFIG_HASH,
     CHILD_KINDS,
+    COMPONENT_STAGES,
     FIELD_MANAGER,
     LABEL_COMPONENT,
     LABEL_PIPELINE,
+    REVISION_ENV,
+    config_data,
+    config_hash,
     endpoint_url,
     group_object_name,
     object_key,
@@ -119,6 +124,7 @@ class Reconciler:
             before = _status(last if last is not None else previous)
             await self._write_status(ref, invalid_status(str(e), ref.generation, before, _now()))
             return
+        existing = await self._list_children(ref)
         desired = render(
             ref.name,
             ref.namespace,
@@ -126,8 +132,10 @@ class Reconciler:
             spec,
             default_image=self.default_image,
             default_gpu_image=self.default_gpu_image,
+            config_generation=config_generation(
+                config_hash(config_data(spec)), existing.values(), ref.generation
+            ),
         )
-        existing = await self._list_children(ref)
         applied: dict[ObjectKey, dict[str, Any]] = {}
         for obj in desired:
             key = object_key(obj)
@@ -253,6 +261,32 @@ class Reconciler:
             return False
         meta = body.get("metadata", {})
         return bool(meta.get("uid") == uid and not meta.get("deletionTimestamp"))
+
+
+def config_generation(new_hash: str, children: Iterable[Mapping[str, Any]], generation: int) -> int:
+    """The order of the revision that config ``new_hash`` gets: the one the live stage pods
+    carry where they run that very config already (a scale change, a resync, an operator
+    restart: the number must not move, or every pod would roll for nothing), else the
+    pipeline's ``generation`` now, which grows with every spec change, so that a new config
+    always orders after the old (routers prefer the newest complete revision)."""
+    for child in children:
+        if child.get("kind") != "Deployment":
+            continue
+        if _labels(child).get(LABEL_COMPONENT) != COMPONENT_STAGES:
+            continue
+        template = (child.get("spec") or {}).get("template") or {}
+        annotations = (template.get("metadata") or {}).get("annotations") or {}
+        if annotations.get(ANNOTATION_CONFIG_HASH) != new_hash:
+            continue
+        for container in (template.get("spec") or {}).get("containers") or []:
+            for var in container.get("env") or []:
+                if var.get("name") != REVISION_ENV:
+                    continue
+                order, sep, hash_ = str(var.get("value") or "").partition("-")
+                # The number is trusted only beside the very hash it was given with.
+                if sep and order.isdigit() and hash_ == new_hash:
+                    return int(order)
+    return generation
 
 
 def refused_for_good(error: KubeApiError) -> bool:

@@ -12,6 +12,7 @@ from omni_operator.placement import (
     is_reserved_env,
     placement_groups,
 )
+from omni_operator.render import REVISION_ENV
 from omni_runtime.config import MAX_STAGE_ID
 
 
@@ -261,3 +262,14 @@ def test_a_stage_id_beyond_the_port_range_is_refused() -> None:
     message = _messages(spec_of([stage_of(MAX_STAGE_ID + 1)]))["stages[0].stageId"]
     assert "above 65535" in message
     assert f"ids up to {MAX_STAGE_ID}" in message
+
+
+def test_the_pipeline_revision_cannot_be_set_in_env() -> None:
+    # Routers compare it to keep a request on one configuration: a value set by hand
+    # could pair an encoder and a DiT of two configurations.
+    env = [{"name": "OMNI_PIPELINE_REVISION", "value": "999-forged"}]
+    spec = spec_of([stage_of(0, placement={"env": env})], router={"placement": {"env": env}})
+    messages = _messages(spec)
+    for path in ("stages[0].placement.env[0].name", "router.placement.env[0].name"):
+        assert "OMNI_PIPELINE_REVISION is set by the operator" in messages[path]
+    assert is_reserved_env(REVISION_ENV)
