@@ -98,11 +98,17 @@ class StageProcess:
 
 
 def start_stage_processes(
-    config_file: Path, stage_ids: Sequence[int], workdir: Path, timeout: float = 240
+    config_file: Path,
+    stage_ids: Sequence[int],
+    workdir: Path,
+    timeout: float = 240,
+    envs: Sequence[Mapping[str, str]] | None = None,
 ) -> list[StageProcess]:
-    """Start one ``omni-runtime stage`` process per id (in parallel); wait until all serve."""
+    """Start one ``omni-runtime stage`` process per id (in parallel), the n-th with
+    ``envs[n]`` added to its environment; wait until all serve."""
     started: list[tuple[int, subprocess.Popen[bytes], Path, Path]] = []
     for n, stage_id in enumerate(stage_ids):
+        extra = envs[n] if envs is not None else {}
         ready = workdir / f"stage-{stage_id}-{n}-{time.monotonic_ns()}.ready"
         log = workdir / f"stage-{stage_id}-{n}.log"
         with open(log, "wb") as out:
@@ -119,7 +125,11 @@ def start_stage_processes(
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                env={**with_mooncake_library_path(os.environ), "VLLM_CPU_KVCACHE_SPACE": "1"},
+                env={
+                    **with_mooncake_library_path(os.environ),
+                    "VLLM_CPU_KVCACHE_SPACE": "1",
+                    **extra,
+                },
             )  # fmt: skip
         started.append((stage_id, proc, ready, log))
     result: list[StageProcess] = []

@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,10 +23,15 @@ import httpx
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
-from serving import CLI, StageProcess, pipeline_from, running_router, wait_until
+from serving import (
+    StageProcess,
+    pipeline_from,
+    running_router,
+    start_stage_processes,
+    wait_until,
+)
 
 from omni_runtime.config import PipelineConfig, dump_pipeline
-from omni_runtime.connectors.mooncake import with_mooncake_library_path
 from omni_runtime.tiny_models import DIFFUSION_SUBDIR, LLM_SUBDIR
 
 # Five stage processes start for the module (two of them vLLM): minutes on a busy 2-core box.
@@ -86,46 +89,13 @@ def start_stages(
     config_file: Path, wanted: list[tuple[int, str]], workdir: Path, timeout: float = 300
 ) -> list[StageProcess]:
     """One stage process per (stage id, revision), started at once; each once serving."""
-    started: list[tuple[int, subprocess.Popen[bytes], Path, Path]] = []
-    for n, (stage_id, revision) in enumerate(wanted):
-        ready = workdir / f"stage-{stage_id}-{n}-{time.monotonic_ns()}.ready"
-        log = workdir / f"stage-{stage_id}-{n}-{revision}.log"
-        env = {
-            **with_mooncake_library_path(os.environ),
-            "VLLM_CPU_KVCACHE_SPACE": "1",
-            "OMNI_PIPELINE_REVISION": revision,
-            "OMNI_DRAIN_TIMEOUT_S": str(DRAIN_TIMEOUT_S),
-        }
-        with open(log, "wb") as out:
-            proc = subprocess.Popen(
-                [
-                    *CLI, "stage", "-f", str(config_file), "--stages", str(stage_id),
-                    "--host", "127.0.0.1", "--port", f"{stage_id}=0",
-                    "--health-port", "none", "--ready-file", str(ready), "--exit-with-parent",
-                ],
-                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-            )  # fmt: skip
-        started.append((stage_id, proc, ready, log))
-    result: list[StageProcess] = []
-    try:
-        for stage_id, proc, ready, log in started:
-
-            def is_ready(
-                proc: subprocess.Popen[bytes] = proc, ready: Path = ready, log: Path = log
-            ) -> bool:
-                if proc.poll() is not None:
-                    raise AssertionError(f"stage exited {proc.returncode}: {log.read_text()}")
-                return ready.exists()
-
-            wait_until(is_ready, timeout, f"stage {stage_id} ready", interval=0.2)
-            port = json.loads(ready.read_text())["stages"][str(stage_id)]
-            result.append(StageProcess(stage_id, proc, port, log))
-    except BaseException:
-        for _, proc, _, _ in started:
-            proc.kill()
-            proc.wait()
-        raise
-    return result
+    envs = [
+        {"OMNI_PIPELINE_REVISION": revision, "OMNI_DRAIN_TIMEOUT_S": str(DRAIN_TIMEOUT_S)}
+        for _, revision in wanted
+    ]
+    return start_stage_processes(
+        config_file, [stage_id for stage_id, _ in wanted], workdir, timeout, envs
+    )
 
 
 @pytest.fixture(scope="module")
