@@ -131,6 +131,9 @@ build() {  # build NAME DOCKERFILE TAG [BUILD-ARG...]
             exit 1
         }
         say "$name: built $tag in $((SECONDS - t0)) s"
+        # The image this one replaces, and layers nothing tagged uses any more: gigabytes
+        # each time the dependencies change.
+        podman image prune -f >/dev/null
     fi
     echo "$name $tag"
 }
