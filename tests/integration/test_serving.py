@@ -475,6 +475,10 @@ def test_health_names_a_stage_without_replicas(
         assert [m["id"] for m in models["data"]] == ["tiny"]
 
 
+# 16 requests of 20 steps, half of them restarted on the one replica left: seconds on a
+# quiet machine, but minutes were seen with the suite's other work on the same two cores.
+# The deadlines bound a hang, not the speed.
+@pytest.mark.timeout(600)
 async def test_a_killed_replica_fails_only_its_requests_and_traffic_moves_on(
     stages_config: dict[str, Any],
     stage_procs: dict[str, list[StageProcess]],
@@ -489,7 +493,7 @@ async def test_a_killed_replica_fails_only_its_requests_and_traffic_moves_on(
             pipeline(stages_config, ids), {DIT: [live.address, doomed.address]}
         ) as router:
             pool = router.state.pools[DIT]
-            async with httpx.AsyncClient(base_url=router.url, timeout=120) as http:
+            async with httpx.AsyncClient(base_url=router.url, timeout=300) as http:
                 body = {"prompt": "a dark sky", "size": "64x64", "num_inference_steps": 20}
                 requests = [
                     asyncio.create_task(http.post("/v1/images/generations", json=body))
@@ -502,7 +506,7 @@ async def test_a_killed_replica_fails_only_its_requests_and_traffic_moves_on(
                     "requests in flight on the doomed replica",
                 )
                 doomed.proc.kill()
-                async with asyncio.timeout(120):
+                async with asyncio.timeout(300):
                     responses = await asyncio.gather(*requests)
                 for response in responses:
                     if response.status_code != 200:
