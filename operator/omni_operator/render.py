@@ -3,9 +3,15 @@ clock, no environment; the same spec always gives the same objects, in the same 
 
 For a pipeline P in namespace N (all children in N, owned by P, labelled with it):
 
-- ConfigMap ``P-config``: ``pipeline.json``, the runtime's own pipeline (the spec less its
-  placement), which every pod mounts read-only at /etc/omni. Its hash, as the pod templates'
-  ``omni.dev/config-hash`` annotation, rolls every pod when the pipeline changes.
+- ConfigMap ``P-config-<hash>``: ``pipeline.json``, the runtime's own pipeline (the spec
+  less its placement), which every pod mounts read-only at /etc/omni. Its hash, as the pod
+  templates' ``omni.dev/config-hash`` annotation, rolls every pod when the pipeline
+  changes. Each configuration has a ConfigMap of its own (immutable), so that while a
+  rollout runs each pod reads the configuration of the revision it advertises: with one
+  ConfigMap changed in place, a new pod could start on the kubelet's stale copy of the old
+  content (seen: a new thinker without the new connector its new DiT reads from), and an
+  old pod's container restarting would read the new one. The one the live Deployments
+  mount is pruned a converge later, not at once.
 - Per placement group G (placement.py: stages that share a GPU share a pod):
   Deployment ``P-G``, whose pod runs ``omni-runtime stage`` for the group's stages in one
   container, with the group's GPUs and each stage's CUDA_VISIBLE_DEVICES within them; and a
@@ -185,8 +191,9 @@ def pipeline_selector(pipeline: str) -> str:
     return f"{LABEL_PIPELINE}={label_value(pipeline)}"
 
 
-def config_map_name(pipeline: str) -> str:
-    return object_name(pipeline, "config")
+def config_map_name(pipeline: str, config_hash: str) -> str:
+    """The ConfigMap of one configuration: named by its hash (see the module docstring)."""
+    return object_name(pipeline, "config", config_hash)
 
 
 def group_object_name(pipeline: str, group: PlacementGroup | str) -> str:
@@ -224,13 +231,32 @@ def prune_set(
         return []
     labels = desired[0]["metadata"]["labels"]
     pipeline, uid = labels[LABEL_PIPELINE], desired[0]["metadata"]["ownerReferences"][0]["uid"]
+    existing = list(existing)
     wanted = {object_key(obj) for obj in desired}
+    # The ConfigMaps the live Deployments' templates mount are kept one converge longer:
+    # while a rollout runs, their old ReplicaSet's pods (and any it starts again) still read
+    # the configuration of their own revision.
+    wanted |= {
+        ("v1", "ConfigMap", name)
+        for obj in existing
+        if obj.get("kind") == "Deployment" and _is_child_of(obj, pipeline, uid)
+        for name in _mounted_config_maps(obj)
+    }
     stale = [
         obj
         for obj in existing
         if object_key(obj) not in wanted and _is_child_of(obj, pipeline, uid)
     ]
     return sorted(stale, key=object_key)
+
+
+def _mounted_config_maps(deployment: Mapping[str, Any]) -> list[str]:
+    pod = ((deployment.get("spec") or {}).get("template") or {}).get("spec") or {}
+    return [
+        str(volume["configMap"]["name"])
+        for volume in pod.get("volumes") or []
+        if (volume.get("configMap") or {}).get("name")
+    ]
 
 
 def _is_child_of(obj: Mapping[str, Any], pipeline: str, uid: str) -> bool:
@@ -571,7 +597,11 @@ def _config_map(ctx: _Context, data: dict[str, str]) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
-        "metadata": ctx.metadata(config_map_name(ctx.name), ctx.labels(COMPONENT_CONFIG)),
+        "metadata": ctx.metadata(
+            config_map_name(ctx.name, ctx.config_hash), ctx.labels(COMPONENT_CONFIG)
+        ),
+        # One configuration per ConfigMap, never changed: the kubelet need not watch it.
+        "immutable": True,
         "data": data,
     }
 
@@ -775,7 +805,10 @@ def _pod_spec(
     service_account: str | None,
 ) -> dict[str, Any]:
     volumes: list[dict[str, Any]] = [
-        {"name": "omni-config", "configMap": {"name": config_map_name(ctx.name)}},
+        {
+            "name": "omni-config",
+            "configMap": {"name": config_map_name(ctx.name, ctx.config_hash)},
+        },
         {"name": "omni-home", "emptyDir": {}},
         {"name": "omni-tmp", "emptyDir": {}},
     ]

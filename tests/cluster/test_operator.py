@@ -241,7 +241,9 @@ def test_a_config_change_rolls_every_pod(
             "items"
         ]
     }
-    config_before = children(kube, namespace, name)[("ConfigMap", f"{name}-config")]
+    (config_before,) = [
+        o for (kind, _), o in children(kube, namespace, name).items() if kind == "ConfigMap"
+    ]
 
     changed = copy.deepcopy(body)
     dit = next(s for s in changed["spec"]["stages"] if s["name"] == "dit")
@@ -261,7 +263,18 @@ def test_a_config_change_rolls_every_pod(
         return True
 
     eventually(rolled, timeout=120, what="every pod replaced after the config change")
-    config_after = children(kube, namespace, name)[("ConfigMap", f"{name}-config")]
+    # Each configuration has a ConfigMap of its own, named by its hash, which the pods mount.
+    after = children(kube, namespace, name)
+    mounted = {
+        v["configMap"]["name"]
+        for (kind, _), d in after.items()
+        if kind == "Deployment"
+        for v in d["spec"]["template"]["spec"]["volumes"]
+        if "configMap" in v
+    }
+    (new_name,) = mounted
+    assert new_name != config_before["metadata"]["name"]
+    config_after = after[("ConfigMap", new_name)]
     assert config_after["data"] != config_before["data"]
     assert '"num_inference_steps": 3' in config_after["data"]["pipeline.json"].replace(
         '":3', '": 3'

@@ -93,9 +93,14 @@ def test_the_operator_needs_no_more_than_its_clusterrole(
 
         eventually(ready, timeout=90, what="Ready under the operator's own RBAC")
         # Deleting a child makes the operator put it back: its watches and writes allowed.
-        kube.kubectl("delete", "configmap", f"{name}-config", namespace=namespace)
+        # The ConfigMap is named by the config's hash: one per configuration.
+        (config_map,) = kube.get_json(
+            "configmaps", "-l", f"omni.dev/pipeline={name}", namespace=namespace
+        )["items"]
+        config_name = config_map["metadata"]["name"]
+        kube.kubectl("delete", "configmap", config_name, namespace=namespace)
         eventually(
-            lambda: kube.kubectl("get", "configmap", f"{name}-config", namespace=namespace),
+            lambda: kube.kubectl("get", "configmap", config_name, namespace=namespace),
             timeout=60,
             what="the ConfigMap put back",
         )

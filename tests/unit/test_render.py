@@ -40,6 +40,8 @@ from omni_operator.render import (
     LABEL_PIPELINE,
     LABEL_STAGES,
     STAGE_STARTUP_TIMEOUT_S,
+    config_data,
+    config_hash,
     endpoint_url,
     format_quantity,
     group_object_name,
@@ -167,8 +169,10 @@ def test_bagel_example_is_the_seeds_config() -> None:
 def test_bagel_renders_one_gpu_pod_for_both_stages() -> None:
     name, spec = _example("bagel-pipeline.yaml")
     objects = _by_key(_render(spec, name))
+    config_map = next(key for key in objects if key[0] == "ConfigMap")
+    assert config_map[1] == f"bagel-config-{config_hash(config_data(spec))}"
     assert sorted(objects) == [
-        ("ConfigMap", "bagel-config"),
+        config_map,
         ("Deployment", "bagel-router"),
         ("Deployment", "bagel-thinker-dit"),
         ("Role", "bagel-router"),
@@ -397,7 +401,10 @@ def test_pods_run_unprivileged_on_a_read_only_root() -> None:
         assert _env(container)["HOME"] == "/var/lib/omni"
         assert _env(container)["HF_HOME"] == "/var/lib/omni/hf"
         volumes = {v["name"]: v for v in pod["volumes"]}
-        assert volumes["omni-config"] == {"name": "omni-config", "configMap": {"name": "p-config"}}
+        assert volumes["omni-config"] == {
+            "name": "omni-config",
+            "configMap": {"name": f"p-config-{config_hash(config_data(spec))}"},
+        }
         if deployment["metadata"]["name"] != "p-router":
             assert pod["automountServiceAccountToken"] is False
             assert "serviceAccountName" not in pod
@@ -405,7 +412,8 @@ def test_pods_run_unprivileged_on_a_read_only_root() -> None:
 
 def test_config_map_holds_the_runtime_pipeline() -> None:
     spec = spec_of([stage_of(0, placement={"image": "x:1"})], router={"replicas": 2})
-    config = _by_key(_render(spec))[("ConfigMap", "p-config")]
+    config = _by_key(_render(spec))[("ConfigMap", f"p-config-{config_hash(config_data(spec))}")]
+    assert config["immutable"] is True
     loaded = load_pipeline(json.loads(config["data"]["pipeline.json"]))
     assert dump_pipeline(loaded) == dump_pipeline(runtime_config(spec))
     assert "placement" not in config["data"]["pipeline.json"]
@@ -759,3 +767,28 @@ def test_format_rounds_up_below_a_nano() -> None:
     assert format_quantity(Fraction(1, 10**10), binary=False) == "1n"
     assert format_quantity(Fraction(0), binary=True) == "0"
     assert format_quantity(Fraction(1000), binary=True) == "1k"
+
+
+def test_each_config_has_a_configmap_of_its_own_and_the_one_in_use_outlives_it_once() -> None:
+    # A ConfigMap changed in place reached a new pod as the kubelet's stale copy of the
+    # old content: each revision's pods must mount that revision's configuration.
+    old_spec = spec_of([stage_of(0), stage_of(1)])
+    new_spec = spec_of([stage_of(0), stage_of(1, defaultSamplingParams={"seed": 3})])
+    old, new = _render(old_spec), _render(new_spec)
+
+    def config_maps(objects: list[dict[str, Any]]) -> set[str]:
+        return {o["metadata"]["name"] for o in objects if o["kind"] == "ConfigMap"}
+
+    assert config_maps(old) != config_maps(new)
+    for objects, spec in ((old, old_spec), (new, new_spec)):
+        wanted = f"p-config-{config_hash(config_data(spec))}"
+        for deployment in (o for o in objects if o["kind"] == "Deployment"):
+            volumes = deployment["spec"]["template"]["spec"]["volumes"]
+            assert {"name": "omni-config", "configMap": {"name": wanted}} in volumes
+
+    # Live: the old objects. The old ConfigMap is what the Deployments still mount (their
+    # old ReplicaSets' pods read it while the rollout runs): kept, for now.
+    assert prune_set(new, old) == []
+    # Once the Deployments mount the new one, the old goes.
+    live = [o for o in old if o["kind"] == "ConfigMap"] + new
+    assert [o["metadata"]["name"] for o in prune_set(new, live)] == sorted(config_maps(old))
