@@ -8,10 +8,9 @@ For a pipeline P in namespace N (all children in N, owned by P, labelled with it
   templates' ``omni.dev/config-hash`` annotation, rolls every pod when the pipeline
   changes. Each configuration has a ConfigMap of its own (immutable), so that while a
   rollout runs each pod reads the configuration of the revision it advertises: with one
-  ConfigMap changed in place, a new pod could start on the kubelet's stale copy of the old
-  content (seen: a new thinker without the new connector its new DiT reads from), and an
-  old pod's container restarting would read the new one. The one the live Deployments
-  mount is pruned a converge later, not at once.
+  ConfigMap changed in place, the kubelet rewrites the file under the old pods, and an old
+  pod whose container restarts would start on the new config while it advertises the old
+  revision. The one the live Deployments mount is pruned a converge later, not at once.
 - Per placement group G (placement.py: stages that share a GPU share a pod):
   Deployment ``P-G``, whose pod runs ``omni-runtime stage`` for the group's stages in one
   container, with the group's GPUs and each stage's CUDA_VISIBLE_DEVICES within them; and a

@@ -770,8 +770,9 @@ def test_format_rounds_up_below_a_nano() -> None:
 
 
 def test_each_config_has_a_configmap_of_its_own_and_the_one_in_use_outlives_it_once() -> None:
-    # A ConfigMap changed in place reached a new pod as the kubelet's stale copy of the
-    # old content: each revision's pods must mount that revision's configuration.
+    # A ConfigMap changed in place is rewritten under the old pods (an old container that
+    # restarts would read the new config under its old revision): each revision's pods
+    # mount that revision's configuration.
     old_spec = spec_of([stage_of(0), stage_of(1)])
     new_spec = spec_of([stage_of(0), stage_of(1, defaultSamplingParams={"seed": 3})])
     old, new = _render(old_spec), _render(new_spec)
