@@ -693,3 +693,26 @@ def test_pipeline_config_is_exported() -> None:
     assert config.stage(1).name == "dit"
     with pytest.raises(KeyError):
         config.stage(7)
+
+
+def test_a_stage_finds_its_hand_off_connector_in_its_own_config() -> None:
+    """The stage, not the router, reads which connector it hands its output with: during
+    a rollout the router's config may be another revision's."""
+    pipeline = PipelineConfig.model_validate(
+        {
+            "model": "m",
+            "stages": [
+                {"stageId": 0, "type": "llm", "output": "hidden_states"},
+                {"stageId": 1, "type": "llm", "output": "hidden_states",
+                 "inputConnectors": {"from_stage_0": "tcp_a"}},
+                {"stageId": 2, "type": "diffusion", "inputConnectors": {"from_stage_1": "shm"}},
+            ],
+            "connectors": {
+                "tcp_a": {"name": "TCPConnector"},
+                "shm": {"name": "SharedMemoryConnector"},
+            },
+        }
+    )  # fmt: skip
+    assert pipeline.output_connector(0) == "tcp_a"
+    assert pipeline.output_connector(1) == "shm"
+    assert pipeline.output_connector(2) is None

@@ -493,6 +493,15 @@ class PipelineConfig(_Model):
         """The recipe of the pipeline's model family, if it has one."""
         return FAMILIES[self.family] if self.family is not None else None
 
+    def output_connector(self, stage_id: int) -> str | None:
+        """The connector stage ``stage_id`` hands its output to the next stage with: what
+        that stage's inputConnectors name for the edge (None: no stage reads from it)."""
+        for stage in sorted(self.stages, key=lambda s: s.stage_id):
+            name = stage.input_stages.get(stage_id)
+            if name is not None:
+                return name
+        return None
+
     def stage_model(self, stage: StageConfig) -> str:
         """The model ``stage`` loads: its own, else the pipeline's."""
         return stage.model or self.model

@@ -312,8 +312,8 @@ class PipelineOrchestrator:
                 result.params = dict(request.llm_params)
                 # Only a streaming caller reads the last stage's text in steps.
                 result.stream = request.stream and index == len(self.stages) - 1
-            else:
-                result.output_connector = self._output_connector(index)
+            # A hidden-states stage's hand-off connector is left to the stage: its own
+            # config, of the revision that serves the request, names it.
             if upstream is not None:
                 result.prompt = upstream_text
             elif family is not None and stage.output == "hidden_states":
@@ -334,14 +334,6 @@ class PipelineOrchestrator:
         else:
             result.prompt = upstream_text
         return result
-
-    def _output_connector(self, index: int) -> str | None:
-        """The connector the stage at ``index`` hands its hidden states over with: what
-        the next stage's inputConnectors name for this edge (None: the default)."""
-        if index + 1 >= len(self.stages):
-            return None
-        stage, downstream = self.stages[index], self.stages[index + 1]
-        return downstream.input_stages.get(stage.stage_id)
 
     async def _run_stage(
         self,

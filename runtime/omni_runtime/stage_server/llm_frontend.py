@@ -106,7 +106,12 @@ class StageLLMFrontend(StageFrontend):
         self._requests[request_id] = _Request(
             self._detokenizer(core_request),
             prompt_tokens=len(core_request.prompt_token_ids or ()),
-            output_connector=request.output_connector or DEFAULT_HANDOFF_CONNECTOR,
+            # The stage's own config names its hand-off, not the router's: during a rollout
+            # a router of one revision routes through replicas of another, whose
+            # connectors may differ (the replicas of one revision agree with each other).
+            output_connector=request.output_connector
+            or self.pipeline.output_connector(self.stage.stage_id)
+            or DEFAULT_HANDOFF_CONNECTOR,
             stream=request.stream,
         )
         try:
