@@ -328,3 +328,51 @@ def namespace(kube: Kube, request: pytest.FixtureRequest) -> Iterator[str]:
         # Termination of the namespace's contents is the controllers' work,
         # and no later test depends on it being finished.
         kube.kubectl("delete", "namespace", name, "--wait=false", check=False)
+
+
+class PortForwards:
+    """`kubectl port-forward` processes, each killed (and reaped) by close()."""
+
+    def __init__(self, kube: Kube) -> None:
+        self.kube = kube
+        self.procs: list[subprocess.Popen[str]] = []
+
+    def start(self, namespace: str, target: str, port: int) -> int:
+        proc = subprocess.Popen(
+            [
+                self.kube.kubectl_path,
+                f"--kubeconfig={self.kube.kubeconfig}",
+                f"--namespace={namespace}",
+                "port-forward",
+                target,
+                f":{port}",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        self.procs.append(proc)
+        assert proc.stdout is not None
+        # kubectl prints the local port once it listens (EOF if it fails).
+        line = proc.stdout.readline()
+        match = re.match(r"Forwarding from 127\.0\.0\.1:(\d+) -> \d+", line)
+        if match is None:
+            proc.kill()
+            _, err = proc.communicate(timeout=10)
+            raise AssertionError(f"kubectl port-forward {target} printed {line!r}; stderr: {err}")
+        return int(match.group(1))
+
+    def close(self) -> None:
+        for proc in self.procs:
+            proc.kill()
+            proc.communicate(timeout=10)
+        self.procs.clear()
+
+
+@pytest.fixture
+def port_forwards(kube: Kube) -> Iterator[PortForwards]:
+    forwards = PortForwards(kube)
+    try:
+        yield forwards
+    finally:
+        forwards.close()

@@ -15,15 +15,14 @@ import re
 import socket
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import psutil
-import pytest
 
 if TYPE_CHECKING:
-    from conftest import Kube, RealNode
+    from conftest import Kube, PortForwards, RealNode
 
 Eventually = Callable[..., Any]
 
@@ -227,52 +226,16 @@ def test_a_pod_reaches_the_apiserver_as_its_service_account(
     assert logs.strip() == f"authenticated as system:serviceaccount:{namespace}:default"
 
 
-@pytest.fixture
-def port_forward(kube: Kube) -> Iterator[Callable[[str, str, int], int]]:
-    procs: list[subprocess.Popen[str]] = []
-
-    def start(namespace: str, target: str, port: int) -> int:
-        proc = subprocess.Popen(
-            [
-                kube.kubectl_path,
-                f"--kubeconfig={kube.kubeconfig}",
-                f"--namespace={namespace}",
-                "port-forward",
-                target,
-                f":{port}",
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        procs.append(proc)
-        assert proc.stdout is not None
-        # kubectl prints the local port once it listens; readline blocks until then
-        # (or EOF if it fails).
-        line = proc.stdout.readline()
-        match = re.match(r"Forwarding from 127\.0\.0\.1:(\d+) -> \d+", line)
-        if match is None:
-            proc.kill()
-            _, err = proc.communicate(timeout=10)
-            raise AssertionError(f"kubectl port-forward printed {line!r}; stderr: {err}")
-        return int(match.group(1))
-
-    yield start
-    for proc in procs:
-        proc.kill()
-        proc.wait(timeout=10)
-
-
 def test_port_forward_reaches_a_pod_on_the_node_from_the_host(
     kube: Kube,
     real_node: RealNode,
     namespace: str,
     eventually: Eventually,
-    port_forward: Callable[[str, str, int], int],
+    port_forwards: PortForwards,
 ) -> None:
     kube.apply(probe_pod(real_node, "server", "serve", "9000", serve_port=9000), namespace)
     eventually(lambda: pod_ready(kube, namespace, "server"), timeout=60, what="server Ready")
-    local_port = port_forward(namespace, "pod/server", 9000)
+    local_port = port_forwards.start(namespace, "pod/server", 9000)
 
     def answer() -> str:
         with socket.create_connection(("127.0.0.1", local_port), timeout=10) as conn:
