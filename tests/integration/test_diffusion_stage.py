@@ -279,25 +279,56 @@ async def test_startup_past_its_deadline_is_reported_and_leaves_nothing(
     assert set(psutil.Process().children(recursive=True)) - before == set()
 
 
-@pytest.mark.asyncio(loop_scope="function")
-async def test_sigterm_aborts_a_running_request_and_exits(
-    doomed_client: StageDiffusionCoreClient,
-) -> None:
-    core = psutil.Process(doomed_client.proc_manager.pid)
-    idle_cpu = sum(core.cpu_times()[:2])
-    await doomed_client.add_request_async(request("long", num_inference_steps=500))
+async def wait_running(client: StageDiffusionCoreClient, idle_cpu: float) -> None:
     # An idle core burns no CPU: half a second of it means the request is running.
+    core = psutil.Process(client.proc_manager.pid)
     deadline = time.monotonic() + 30
     while sum(core.cpu_times()[:2]) - idle_cpu < 0.5:
         assert time.monotonic() < deadline, "the request never started"
         await asyncio.sleep(0.05)
-    start = time.monotonic()
+
+
+@pytest.mark.asyncio(loop_scope="function")
+async def test_sigterm_finishes_the_running_request_then_exits(
+    doomed_client: StageDiffusionCoreClient,
+) -> None:
+    """A stop signal drains: the request the core runs completes (a pod's SIGTERM must not
+    cost a user the image it was making), then the core exits cleanly."""
+    core = psutil.Process(doomed_client.proc_manager.pid)
+    idle_cpu = sum(core.cpu_times()[:2])
+    await doomed_client.add_request_async(request("finishing", num_inference_steps=60))
+    await wait_running(doomed_client, idle_cpu)
     os.kill(doomed_client.proc_manager.pid, signal.SIGTERM)
-    outputs, death = await outputs_until_dead(doomed_client)
+    outputs, death = await outputs_until_dead(doomed_client, timeout=60)
     assert "exit code 0" in str(death)
-    assert [o.request_id for o in outputs] == ["long"]
-    assert outputs[0].aborted
-    assert time.monotonic() - start < 5
+    assert [o.request_id for o in outputs] == ["finishing"]
+    assert not outputs[0].aborted
+    assert outputs[0].error is None
+    assert outputs[0].images is not None
+
+
+@pytest.mark.asyncio(loop_scope="function")
+async def test_sigterm_aborts_what_outlives_the_drain_timeout(
+    engine_config: DiffusionEngineConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The drain is bounded (OMNI_DRAIN_TIMEOUT_S, read by the core at start): past it the
+    running request is aborted, and the core still exits cleanly."""
+    monkeypatch.setenv("OMNI_DRAIN_TIMEOUT_S", "0.5")
+    client = StageDiffusionCoreClient(engine_config)
+    try:
+        core = psutil.Process(client.proc_manager.pid)
+        idle_cpu = sum(core.cpu_times()[:2])
+        await client.add_request_async(request("long", num_inference_steps=500))
+        await wait_running(client, idle_cpu)
+        start = time.monotonic()
+        os.kill(client.proc_manager.pid, signal.SIGTERM)
+        outputs, death = await outputs_until_dead(client)
+        assert "exit code 0" in str(death)
+        assert [o.request_id for o in outputs] == ["long"]
+        assert outputs[0].aborted
+        assert time.monotonic() - start < 5
+    finally:
+        client.shutdown()
 
 
 async def test_core_exits_when_its_manager_process_is_killed(
