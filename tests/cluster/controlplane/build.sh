@@ -18,21 +18,9 @@ set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 cache_root="${OMNI_CACHE_DIR:-$HOME/.cache/omni-operator}"
 
-go_bin="${GO:-}"
-if [[ -z "$go_bin" ]]; then
-  if command -v go >/dev/null 2>&1; then
-    go_bin="$(command -v go)"
-  elif [[ -x /usr/local/go/bin/go ]]; then
-    go_bin=/usr/local/go/bin/go
-  else
-    echo "build.sh: no Go toolchain found (set GO or put go on PATH)" >&2
-    exit 2
-  fi
-fi
-if ! [[ -x "$go_bin" ]] && ! command -v "$go_bin" >/dev/null 2>&1; then
-  echo "build.sh: Go toolchain $go_bin is not executable" >&2
-  exit 2
-fi
+# shellcheck source=../go_build.sh
+source "$here/../go_build.sh"
+find_go build.sh
 
 binaries=(etcd kube-apiserver kube-controller-manager kube-scheduler kubectl kwok kubelet kube-proxy)
 
@@ -42,34 +30,7 @@ go_version="$("$go_bin" env GOVERSION)"
 key="$(cat "$here/go.mod" "$here/go.sum" <(echo "$go_version") | sha256sum | cut -c1-16)"
 bin_dir="$cache_root/controlplane/$key/bin"
 
-if [[ "${1:-}" == "--print-bin-dir" ]]; then
-  echo "$bin_dir"
-  exit 0
-fi
-
-all_present() {
-  local b
-  for b in "${binaries[@]}"; do
-    [[ -x "$bin_dir/$b" ]] || return 1
-  done
-}
-
-if all_present; then
-  echo "build.sh: binaries up to date in $bin_dir" >&2
-  echo "$bin_dir"
-  exit 0
-fi
-
-mkdir -p "$cache_root/controlplane/$key"
-# Two test sessions may build at once; the second waits and then finds the
-# binaries present instead of compiling the same thing twice.
-exec 9>"$cache_root/controlplane/$key/build.lock"
-flock 9
-if all_present; then
-  echo "build.sh: binaries up to date in $bin_dir (built by another process)" >&2
-  echo "$bin_dir"
-  exit 0
-fi
+cached_or_locked build.sh "${1:-}"
 
 cd "$here"
 k8s_version="$("$go_bin" list -m -f '{{.Version}}' k8s.io/kubernetes)"

@@ -17,17 +17,9 @@ set -euo pipefail
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 cache_root="${OMNI_CACHE_DIR:-$HOME/.cache/omni-operator}"
 
-go_bin="${GO:-}"
-if [[ -z "$go_bin" ]]; then
-  if command -v go >/dev/null 2>&1; then
-    go_bin="$(command -v go)"
-  elif [[ -x /usr/local/go/bin/go ]]; then
-    go_bin=/usr/local/go/bin/go
-  else
-    echo "node/build.sh: no Go toolchain found (set GO or put go on PATH)" >&2
-    exit 2
-  fi
-fi
+# shellcheck source=../go_build.sh
+source "$here/../go_build.sh"
+find_go node/build.sh
 cc="${CC:-gcc}"
 
 binaries=(containerd containerd-shim-runc-v2 ctr crictl omni-probe pause)
@@ -45,32 +37,7 @@ key="$(cat "$here/go.mod" "$here/go.sum" "$here"/probe/*.go \
   <(echo "$go_version|$cc_version|$go_tags|$k8s_mod") | sha256sum | cut -c1-16)"
 bin_dir="$cache_root/node/$key/bin"
 
-if [[ "${1:-}" == "--print-bin-dir" ]]; then
-  echo "$bin_dir"
-  exit 0
-fi
-
-all_present() {
-  local b
-  for b in "${binaries[@]}"; do
-    [[ -x "$bin_dir/$b" ]] || return 1
-  done
-}
-
-if all_present; then
-  echo "node/build.sh: binaries up to date in $bin_dir" >&2
-  echo "$bin_dir"
-  exit 0
-fi
-
-mkdir -p "$cache_root/node/$key"
-exec 9>"$cache_root/node/$key/build.lock"
-flock 9
-if all_present; then
-  echo "node/build.sh: binaries up to date in $bin_dir (built by another process)" >&2
-  echo "$bin_dir"
-  exit 0
-fi
+cached_or_locked node/build.sh "${1:-}"
 
 tmp_dir="$(mktemp -d "$cache_root/node/$key/tmp.XXXXXX")"
 trap 'rm -rf "$tmp_dir"' EXIT
