@@ -81,6 +81,12 @@ class StageLLMFrontend(StageFrontend):
         # request id -> (connector, key, when) of hidden states put and maybe not fetched,
         # so that an abort after the handoff still frees them.
         self._handoffs: OrderedDict[str, tuple[str, str, float]] = OrderedDict()
+        # The stage's own config names its hand-off, not the router's: during a rollout a
+        # router of one revision routes through replicas of another, whose connectors may
+        # differ (the replicas of one revision agree with each other).
+        self._handoff_connector = (
+            pipeline.output_connector(stage.stage_id) or DEFAULT_HANDOFF_CONNECTOR
+        )
 
     @property
     def in_flight(self) -> int:
@@ -106,12 +112,7 @@ class StageLLMFrontend(StageFrontend):
         self._requests[request_id] = _Request(
             self._detokenizer(core_request),
             prompt_tokens=len(core_request.prompt_token_ids or ()),
-            # The stage's own config names its hand-off, not the router's: during a rollout
-            # a router of one revision routes through replicas of another, whose
-            # connectors may differ (the replicas of one revision agree with each other).
-            output_connector=request.output_connector
-            or self.pipeline.output_connector(self.stage.stage_id)
-            or DEFAULT_HANDOFF_CONNECTOR,
+            output_connector=request.output_connector or self._handoff_connector,
             stream=request.stream,
         )
         try:
