@@ -45,7 +45,14 @@ from .api import (
     VERSION,
 )
 from .reconciler import EventSink, PipelineRef, Reconciler, refused_for_good
-from .render import CHILD_KINDS, LABEL_MANAGED_BY, LABEL_PIPELINE, MANAGED_BY
+from .render import (
+    CHILD_KINDS,
+    COMPONENT_STAGES,
+    LABEL_COMPONENT,
+    LABEL_MANAGED_BY,
+    LABEL_PIPELINE,
+    MANAGED_BY,
+)
 
 logger = logging.getLogger("omni_operator")
 
@@ -55,6 +62,7 @@ RETRY_DELAY_S = 5
 RUNTIME_CUDA_IMAGE_ENV = "OMNI_RUNTIME_CUDA_IMAGE"
 ANNOTATION_PREFIX = "omni.dev"
 _OURS = {LABEL_MANAGED_BY: MANAGED_BY}
+_STAGE_PODS = {**_OURS, LABEL_COMPONENT: COMPONENT_STAGES}
 
 
 @kopf.on.startup()
@@ -66,6 +74,11 @@ async def start(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
         prefix=ANNOTATION_PREFIX, key="last-handled-configuration"
     )
+    # The apiserver filters the watches of what the operator made (kopf's handler filters
+    # alone would have every pod and Deployment of the cluster streamed to it).
+    for kind in CHILD_KINDS:
+        settings.watching.label_selectors[kind.plural] = _selector(_OURS)
+    settings.watching.label_selectors["pods"] = _selector(_STAGE_PODS)
     # Our own Events say what was done; kopf's per-handler "succeeded" ones would be noise.
     settings.posting.level = logging.INFO
     settings.posting.loggers = False
@@ -149,6 +162,52 @@ def deployments_by_pipeline(
     }
 
 
+@kopf.index("", "v1", "pods", labels=_STAGE_PODS)
+def stage_pods_by_pipeline(
+    namespace: str | None, name: str, labels: Mapping[str, str], body: kopf.Body, **_: Any
+) -> dict[tuple[str, str], dict[str, Any]]:
+    """(namespace, pipeline) -> what the readiness gate needs of each stage pod."""
+    pipeline = labels.get(LABEL_PIPELINE)
+    if not pipeline or namespace is None:
+        return {}
+    return {
+        (namespace, pipeline): {
+            "metadata": {
+                "name": name,
+                "labels": dict(labels),
+                "annotations": dict(body.metadata.annotations),
+                "deletionTimestamp": body.metadata.get("deletionTimestamp"),
+            },
+            "status": {"conditions": list(body.status.get("conditions") or [])},
+        }
+    }
+
+
+@kopf.on.event("", "v1", "pods", labels=_STAGE_PODS)
+async def stage_pod_changed(
+    namespace: str | None, labels: Mapping[str, str], memo: Any, **kwargs: Any
+) -> None:
+    pipeline = labels.get(LABEL_PIPELINE)
+    if not pipeline or namespace is None:
+        return
+    reconciler: Reconciler = memo.reconciler
+    ref = reconciler.known(namespace, pipeline)
+    if ref is not None:
+        await _release(reconciler, ref, kwargs)
+
+
+async def _release(reconciler: Reconciler, ref: PipelineRef, kwargs: Mapping[str, Any]) -> None:
+    """Open the readiness gate of ``ref``'s pods if their revision is whole; kwargs are a
+    handler's (kopf passes each index as a keyword argument named after its function)."""
+    index: kopf.Index[tuple[str, str], dict[str, Any]] = kwargs["stage_pods_by_pipeline"]
+    pods = list(index.get((ref.namespace, ref.name), []))
+    try:
+        await reconciler.release_revision(ref, pods, _events(_pipeline_body(ref)))
+    except KubeApiError as e:
+        # The next change of any of its pods tries again; so does the next converge.
+        logger.warning("%s/%s: releasing pods: %s", ref.namespace, ref.name, e)
+
+
 @kopf.on.resume(GROUP, VERSION, PLURAL)
 @kopf.on.create(GROUP, VERSION, PLURAL)
 @kopf.on.update(GROUP, VERSION, PLURAL, field="spec")
@@ -160,7 +219,7 @@ async def converge(
     spec: kopf.Spec,
     status: kopf.Status,
     memo: Any,
-    **_: Any,
+    **kwargs: Any,
 ) -> None:
     assert namespace is not None  # OmniPipelines are namespaced
     reconciler: Reconciler = memo.reconciler
@@ -172,6 +231,9 @@ async def converge(
             # The status says why; a new spec (an update) is what can fix it.
             raise kopf.PermanentError(str(e)) from None
         raise kopf.TemporaryError(str(e), delay=RETRY_DELAY_S) from None
+    # Pods that became ready while the operator was away (or before this spec was
+    # applied) send no event of their own any more.
+    await _release(reconciler, ref, kwargs)
 
 
 @kopf.on.event(GROUP, VERSION, PLURAL)
@@ -248,6 +310,10 @@ def _pipeline_body(ref: PipelineRef) -> dict[str, Any]:
         "kind": KIND,
         "metadata": {"name": ref.name, "namespace": ref.namespace, "uid": ref.uid},
     }
+
+
+def _selector(labels: Mapping[str, str]) -> str:
+    return ",".join(f"{key}={value}" for key, value in sorted(labels.items()))
 
 
 def _events(body: Mapping[str, Any]) -> EventSink:

@@ -28,16 +28,19 @@ from .render import (
     COMPONENT_STAGES,
     FIELD_MANAGER,
     LABEL_COMPONENT,
+    LABEL_GROUP,
     LABEL_PIPELINE,
     REVISION_ENV,
     config_data,
     config_hash,
     endpoint_url,
     group_object_name,
+    label_value,
     object_key,
     prune_set,
     render,
 )
+from .revision_gate import StagePod, pods_to_release, released_condition
 from .status import StagePlacement, invalid_status, pipeline_status, status_body
 
 logger = logging.getLogger("omni_operator")
@@ -222,6 +225,45 @@ class Reconciler:
                 ready = next(c for c in status.conditions if c.type == "Ready")
                 event(kind, status.phase, f"phase {was} -> {status.phase}: {ready.message}")
             await self._write_status_locked(ref, status)
+
+    async def release_revision(
+        self, ref: PipelineRef, pods: Iterable[Mapping[str, Any]], event: EventSink
+    ) -> None:
+        """Open the readiness gate (revision_gate.py) of the stage pods of ``ref``'s
+        current config, if that revision now has a ready pod in every placement group.
+        ``pods`` are the pipeline's stage pods as last seen; nothing is done before the
+        pipeline's spec has been applied (converge calls this again once it has)."""
+        applied = self._applied.get((ref.namespace, ref.name))
+        if applied is None:
+            return
+        _, spec = applied
+        groups = [label_value(group.name) for group in placement_groups(spec)]
+        current = config_hash(config_data(spec))
+        summaries = [
+            StagePod.of(pod, group_label=LABEL_GROUP, hash_annotation=ANNOTATION_CONFIG_HASH)
+            for pod in pods
+        ]
+        names = pods_to_release(summaries, current, groups)
+        if not names:
+            return
+        patch = {"status": {"conditions": [released_condition(_now(), len(groups))]}}
+        for name in names:
+            try:
+                await self.kube.patch_strategic(
+                    object_path("v1", "pods", ref.namespace, name, "status"), patch
+                )
+            except KubeApiError as e:
+                if e.status == 404:  # deleted meanwhile
+                    continue
+                event("Warning", "ReleaseFailed", f"Pod {name}: {e}")
+                raise
+        logger.info(
+            "%s/%s: revision %s is whole; released pod(s) %s",
+            ref.namespace,
+            ref.name,
+            current,
+            ", ".join(names),
+        )
 
     async def _write_status(self, ref: PipelineRef, status: OmniPipelineStatus) -> None:
         async with self.lock(ref):

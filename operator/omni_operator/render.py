@@ -43,6 +43,9 @@ Decisions a reader would otherwise have to reverse-engineer:
 - Revisions: every stage pod carries ``OMNI_PIPELINE_REVISION=<generation>-<config hash>``,
   which its stage servers advertise to routers so that a request never pairs stages of two
   configurations while a rollout mixes them, and routers prefer the newest complete one.
+  Stage pods also carry the readiness gate ``omni.dev/revision-complete``
+  (revision_gate.py): a new revision's pods become Ready only together, once every group
+  has one whose containers are ready, so the old revision stays whole until then.
   ``generation`` is the caller's ``config_generation``: the pipeline's metadata.generation
   at which the config hash took its current value (not the current generation, which a
   scale change bumps too: with it in the template, scaling one stage would roll them all).
@@ -93,6 +96,7 @@ from .placement import (
     is_reserved_env,
     placement_groups,
 )
+from .revision_gate import READINESS_GATE
 
 FIELD_MANAGER = "omni-operator"
 MANAGED_BY = "omni-operator"
@@ -673,6 +677,9 @@ def _group_deployment(ctx: _Context, group: PlacementGroup) -> dict[str, Any]:
         shm=shm,
     )
     pod = _pod_spec(ctx, placement, container, shm=shm, service_account=None)
+    # Ready (traffic, and the rollout's progress) waits until this pod's revision has a
+    # ready pod in every placement group: see revision_gate.py.
+    pod["readinessGates"] = [{"conditionType": READINESS_GATE}]
     name = group_object_name(ctx.name, group)
     return _deployment(ctx, name, labels, group.replicas, _strategy(group.gpu_count > 0), pod)
 

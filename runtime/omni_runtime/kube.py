@@ -466,6 +466,14 @@ class KubeClient:
         )
         return result
 
+    async def patch_strategic(self, path: str, body: Mapping[str, Any]) -> dict[str, Any]:
+        """A strategic merge patch of a built-in kind: lists with a merge key (a pod's
+        conditions, by type) are merged item by item, not replaced as a merge patch would."""
+        result: dict[str, Any] = await self.request(
+            "PATCH", path, body=dict(body), content_type="application/strategic-merge-patch+json"
+        )
+        return result
+
     async def watch(
         self,
         path: str,

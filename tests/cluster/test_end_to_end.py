@@ -6,8 +6,8 @@ on that node), `kubectl apply -f` of the tiny CPU pipeline (its pods run the run
 vLLM's CPU build and diffusers), the official openai client through `kubectl
 port-forward`, `kubectl logs`, `kubectl delete`. Then rollouts under a closed loop of
 requests: a config change that rolls every pod (and changes the connector between the
-stages, which an old DiT cannot read from a new encoder), `kubectl delete pod` of one
-replica, and a scale-down; no request may fail.
+stages, which an old DiT cannot read from a new encoder), then an image change,
+`kubectl delete pod` of one replica, and a scale-down; no request may fail.
 
 Skipped, saying why, where the real node cannot run (the `real_node` fixture).
 """
@@ -20,6 +20,7 @@ import io
 import json
 import os
 import re
+import shutil
 import subprocess
 import threading
 import time
@@ -44,6 +45,7 @@ BASE = REPO / "manifests" / "base"
 TINY_EXAMPLE = REPO / "manifests" / "examples" / "tiny-pipeline.yaml"
 OPERATOR_IMAGE = "omni-operator/omni-operator:0.1.0"
 RUNTIME_IMAGE = "omni-operator/omni-runtime:0.1.0"
+ROLLOUT_IMAGE = "omni-operator/omni-runtime:0.1.0-rollout"
 OPERATOR_NAMESPACE = "omni-system"
 PIPELINE = "tiny"
 MODEL = "tiny-omni"
@@ -791,22 +793,53 @@ def test_deleting_a_pod_and_scaling_down_under_a_closed_loop_lose_no_request(
     assert_nothing_lost(counts)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known gap: each placement group's Deployment rolls on its own, so the old DiT "
-    "pods can all be gone while the new thinker still starts; no revision is then complete "
-    "and the router answers 503 until it is (the old revision must stay complete until the "
-    "new one is: per-revision Deployments, not yet built)",
-)
-@pytest.mark.timeout(900)  # every pod rolls, on 2 shared cores
-def test_a_config_rollout_under_a_closed_loop_loses_no_request_and_never_mixes_revisions(
+@pytest.fixture
+def second_runtime_tag(real_node: RealNode) -> Iterator[str]:
+    """The runtime image under a second name on the node: a new image as far as the pod
+    templates go (a rollout), the same files (no second multi-GB import)."""
+    podman_tag = shutil.which("podman")
+    assert podman_tag is not None, "podman is not on PATH"
+    subprocess.run([podman_tag, "tag", RUNTIME_IMAGE, ROLLOUT_IMAGE], check=True, timeout=60)
+    try:
+        real_node.load_image(ROLLOUT_IMAGE)
+        yield ROLLOUT_IMAGE
+    finally:
+        subprocess.run([podman_tag, "untag", ROLLOUT_IMAGE], check=False, timeout=60)
+
+
+def rolled_to(
+    kube: Kube, namespace: str, old_pods: set[str], revision: str | None = None
+) -> Callable[[], bool]:
+    """Every pod of the pipeline replaced (none of ``old_pods`` left, every Deployment
+    caught up, the pipeline Ready) and its stage pods on one revision (``revision``, where
+    given)."""
+
+    def check() -> bool:
+        names = {p["metadata"]["name"] for p in pipeline_pods(kube, namespace)}
+        assert not names & old_pods, f"old pods left: {sorted(names & old_pods)}"
+        deployments_rolled(kube, namespace)
+        pipeline_ready(kube, namespace)()
+        revisions = set().union(*stage_revisions(kube, namespace).values())
+        if revision is not None:
+            assert revisions == {revision}, revisions
+        return len(revisions) == 1
+
+    return check
+
+
+@pytest.mark.timeout(1200)  # every pod rolls twice, on 2 shared cores
+def test_a_config_rollout_and_an_image_rollout_under_a_closed_loop_lose_no_request(
     kube: Kube,
     real_node: RealNode,
     operator_installed: InstalledOperator,
     namespace: str,
     port_forwards: PortForwards,
     eventually: Eventually,
+    second_runtime_tag: str,
 ) -> None:
+    """Each placement group's Deployment rolls on its own; the stage pods' readiness gate
+    (omni_operator/revision_gate.py) keeps the old revision whole until the new one is,
+    and the router never pairs two revisions in one request."""
     figures = Figures()
     serving = serve_through_a_relay(kube, real_node, namespace, port_forwards, eventually, figures)
     old_revision = serving.revision
@@ -822,20 +855,19 @@ def test_a_config_rollout_under_a_closed_loop_loses_no_request_and_never_mixes_r
         dit = next(s for s in changed["spec"]["stages"] if s["name"] == "dit")
         dit["inputConnectors"] = {"from_stage_0": "tcp_next"}
         dit["defaultSamplingParams"]["seed"] = 53
+        old_pods = {p["metadata"]["name"] for p in pipeline_pods(kube, namespace)}
+        answered = loop.snapshot().answered
         t0 = time.monotonic()
         kube.apply(changed, namespace=namespace)
-
-        def rolled() -> bool:
-            revisions = stage_revisions(kube, namespace)
-            assert set().union(*revisions.values()) != {old_revision}, revisions
-            deployments_rolled(kube, namespace)
-            pipeline_ready(kube, namespace)()
-            return len(set().union(*revisions.values())) == 1
-
-        answered = loop.snapshot().answered
-        eventually(rolled, timeout=420, interval=1, what="every pod on the new config")
+        eventually(
+            rolled_to(kube, namespace, old_pods),
+            timeout=420,
+            interval=1,
+            what="every pod on the new config",
+        )
         figures.values["config rollout (s)"] = round(time.monotonic() - t0, 1)
         (new_revision,) = set().union(*stage_revisions(kube, namespace).values())
+        assert new_revision != old_revision
         # The newer config orders after the older (the operator's generation), so that
         # routers prefer it as soon as it is complete.
         assert revision_order(new_revision) > revision_order(old_revision)
@@ -846,8 +878,33 @@ def test_a_config_rollout_under_a_closed_loop_loses_no_request_and_never_mixes_r
             what="answers after the config rollout",
         )
         figures.values["answered during the config rollout"] = loop.snapshot().answered - answered
+
+        # An image change: every pod rolls again, the config (so the revision) stays.
+        changed["spec"]["image"] = second_runtime_tag
+        old_pods = {p["metadata"]["name"] for p in pipeline_pods(kube, namespace)}
+        answered = loop.snapshot().answered
+        t0 = time.monotonic()
+        kube.apply(changed, namespace=namespace)
+        eventually(
+            rolled_to(kube, namespace, old_pods, new_revision),
+            timeout=420,
+            interval=1,
+            what="every pod on the new image",
+        )
+        figures.values["image rollout (s)"] = round(time.monotonic() - t0, 1)
+        images = {
+            c["image"] for p in pipeline_pods(kube, namespace) for c in p["spec"]["containers"]
+        }
+        assert images == {second_runtime_tag}, images
+        eventually(
+            progress(loop, 2, loop.snapshot().answered),
+            timeout=120,
+            interval=0.5,
+            what="answers after the image rollout",
+        )
+        figures.values["answered during the image rollout"] = loop.snapshot().answered - answered
     figures.values["revisions"] = {"old": old_revision, "new": new_revision}
-    counts, by_revision, served = record_loop(figures, loop, metrics, "config rollout")
+    counts, by_revision, served = record_loop(figures, loop, metrics, "config and image rollouts")
     assert_nothing_lost(counts)
     # Both revisions served requests: the loop really ran across the switch.
     assert by_revision.get((old_revision,), 0) > 0, by_revision

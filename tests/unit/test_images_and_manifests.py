@@ -500,9 +500,11 @@ def test_cluster_role_covers_what_the_operator_does(base: list[dict[str, Any]]) 
     # What the rendered Roles grant, the operator must hold itself (RBAC escalation check).
     for role in (o for o in rendered if o["kind"] == "Role"):
         assert lacking(grants(role["rules"])) == [], role["metadata"]["name"]
-    # The pipelines, their status, Events, and kopf's own needs (status comes from the
-    # Deployments: the operator reads no pods).
+    # The pipelines, their status, Events, kopf's own needs, and the stage pods' readiness
+    # gate (pods read, one condition written through their status).
     needs = [
+        *[("", "pods", v) for v in ("get", "list", "watch")],
+        ("", "pods/status", "patch"),
         *[(GROUP, PLURAL, v) for v in ("get", "list", "watch", "patch")],
         *[(GROUP, f"{PLURAL}/status", v) for v in ("get", "patch")],
         (GROUP, f"{PLURAL}/finalizers", "update"),
@@ -513,7 +515,9 @@ def test_cluster_role_covers_what_the_operator_does(base: list[dict[str, Any]]) 
     assert lacking(needs) == []
     # Peering is not used (--standalone), so kopf.dev is not granted.
     assert not any(group == "kopf.dev" for group, _, _ in granted)
-    assert not any(resource == "pods" for _, resource, _ in granted)
+    # It never writes a pod's spec, nor creates or deletes one (the Deployments do).
+    assert {v for _, resource, v in granted if resource == "pods"} == {"get", "list", "watch"}
+    assert {v for _, resource, v in granted if resource == "pods/status"} == {"patch"}
 
 
 def test_single_namespace_overlay(
