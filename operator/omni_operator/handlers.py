@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 from collections.abc import Iterable, Mapping
 from typing import Any, cast
 
@@ -79,6 +80,7 @@ async def start(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
     for kind in CHILD_KINDS:
         settings.watching.label_selectors[kind.plural] = _selector(_OURS)
     settings.watching.label_selectors["pods"] = _selector(_STAGE_PODS)
+    logging.getLogger("kopf.objects").addFilter(_quiet_watch_handlers)
     # Our own Events say what was done; kopf's per-handler "succeeded" ones would be noise.
     settings.posting.level = logging.INFO
     settings.posting.loggers = False
@@ -96,6 +98,19 @@ async def start(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
         default_image=os.environ.get(RUNTIME_IMAGE_ENV) or DEFAULT_RUNTIME_IMAGE,
         default_gpu_image=os.environ.get(RUNTIME_CUDA_IMAGE_ENV) or DEFAULT_RUNTIME_CUDA_IMAGE,
     )
+
+
+_WATCH_HANDLER_SUCCEEDED = re.compile(
+    r"Handler '(stage_pod_changed|deployment_changed|pipeline_gone|[A-Za-z]+-deleted)' "
+    r"succeeded\."
+)
+
+
+def _quiet_watch_handlers(record: logging.LogRecord) -> bool:
+    """Drops kopf's "Handler ... succeeded." of the handlers that run on every watch event
+    (each pod's every status change): one line per event says nothing. Their failures,
+    and every other handler's lines, are kept."""
+    return not _WATCH_HANDLER_SUCCEEDED.fullmatch(record.getMessage())
 
 
 @kopf.on.cleanup()

@@ -7,12 +7,14 @@ real thing, on a real kubelet, is the config rollout of tests/cluster/test_end_t
 from __future__ import annotations
 
 import copy
+import logging
 from collections.abc import Mapping
 from typing import Any, cast
 
 import pytest
 from test_reconciler import FakeKube, tiny_spec
 
+from omni_operator.handlers import _quiet_watch_handlers
 from omni_operator.reconciler import PipelineRef, Reconciler, parse_spec
 from omni_operator.render import (
     ANNOTATION_CONFIG_HASH,
@@ -182,3 +184,23 @@ async def test_nothing_is_released_for_a_pipeline_whose_spec_was_not_applied() -
 def test_either_group_missing_holds_the_other(missing: str) -> None:
     pods = [pod(f"{g}1", g) for g in GROUPS if g != missing]
     assert pods_to_release(pods, "new", GROUPS) == []
+
+
+# ------------------------------------------------------------------ the operator's log
+
+
+@pytest.mark.parametrize(
+    ("message", "kept"),
+    [
+        ("Handler 'stage_pod_changed' succeeded.", False),
+        ("Handler 'deployment_changed' succeeded.", False),
+        ("Handler 'ConfigMap-deleted' succeeded.", False),
+        ("Handler 'converge' succeeded.", True),
+        ("Handler 'stage_pod_changed' failed with an exception and will try again", True),
+    ],
+)
+def test_the_watch_handlers_success_lines_are_dropped_and_nothing_else(
+    message: str, kept: bool
+) -> None:
+    record = logging.LogRecord("kopf.objects", logging.INFO, __file__, 1, message, None, None)
+    assert _quiet_watch_handlers(record) is kept
