@@ -694,7 +694,11 @@ def _strategy(gpu: bool) -> dict[str, Any]:
 # How long one stage of a pod may take to load its model (a 7B checkpoint fetched from the
 # hub can take many minutes); the pod's startup probe allows that for each of its stages.
 STAGE_STARTUP_TIMEOUT_S = 840
-_STARTUP_PROBE_PERIOD_S = 10
+# Short periods, so that a pod takes traffic (and a rollout moves on) within a moment of
+# being able to: every pod a rollout replaces waits out what is left of a period, twice
+# (startup, then readiness). A probe is one local HTTP GET.
+_STARTUP_PROBE_PERIOD_S = 2
+_READINESS_PROBE_PERIOD_S = 2
 
 
 def _stage_args(group: PlacementGroup) -> list[str]:
@@ -750,7 +754,9 @@ def _stage_probes(stages: int) -> dict[str, Any]:
             failures=-(-window // _STARTUP_PROBE_PERIOD_S),
         ),
         "livenessProbe": _http_probe("/livez", "health", period=10, failures=3),
-        "readinessProbe": _http_probe("/readyz", "health", period=5, failures=3),
+        "readinessProbe": _http_probe(
+            "/readyz", "health", period=_READINESS_PROBE_PERIOD_S, failures=3
+        ),
     }
 
 
@@ -952,7 +958,9 @@ def _router_deployment(ctx: _Context, groups: Sequence[PlacementGroup]) -> dict[
         ports=[{"name": "http", "containerPort": router.port, "protocol": "TCP"}],
         probes={
             # /health answers 503 until every stage has a live replica: not ready, alive.
-            "readinessProbe": _http_probe("/health", "http", period=5, failures=3),
+            "readinessProbe": _http_probe(
+                "/health", "http", period=_READINESS_PROBE_PERIOD_S, failures=3
+            ),
             "livenessProbe": _http_probe("/livez", "http", period=10, failures=3),
         },
         shm=False,
