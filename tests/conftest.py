@@ -13,6 +13,12 @@ import pytest
 # vLLM/torch/transformers log noise is not test output.
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
+# vLLM's CPU workers run single-threaded and unpinned: the tiny models gain nothing from
+# threads, and by default each engine pins spinning OpenMP threads to the same cores, so
+# that the engines of tests running side by side (pytest-xdist) would take turns at a
+# crawl. What users run keeps vLLM's defaults; tests/cluster's pods set the same.
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(scope="session")

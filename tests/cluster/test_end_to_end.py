@@ -66,6 +66,14 @@ SMALL_REQUESTS = {
 }
 
 
+# As the rest of the suite runs vLLM (tests/conftest.py): one unpinned OpenMP thread, so
+# that the pods' engines do not spin on the cores the tests beside them run on.
+SINGLE_THREADED_VLLM = (
+    {"name": "VLLM_CPU_OMP_THREADS_BIND", "value": "nobind"},
+    {"name": "OMP_NUM_THREADS", "value": "1"},
+)
+
+
 @dataclass
 class Figures:
     """What the tests measured, printed at the end of each (pytest -s shows it)."""
@@ -211,6 +219,7 @@ def tiny_pipeline(
         placement["nodeSelector"] = dict(node.node_selector)
         placement["tolerations"] = [dict(node.toleration)]
         placement.setdefault("resources", {})["requests"] = dict(SMALL_REQUESTS[name])
+        placement["env"] = [dict(var) for var in SINGLE_THREADED_VLLM]
     for stage in body["spec"]["stages"]:
         if stage["name"] == "dit":
             stage["replicas"] = dit_replicas
@@ -713,86 +722,6 @@ def assert_nothing_lost(counts: LoopCounts) -> None:
     assert set(counts.statuses) == {200}, counts.statuses
 
 
-@pytest.mark.timeout(900)  # vLLM and diffusers pods rolling on 2 shared cores
-def test_deleting_a_pod_and_scaling_down_under_a_closed_loop_lose_no_request(
-    kube: Kube,
-    real_node: RealNode,
-    operator_installed: InstalledOperator,
-    namespace: str,
-    port_forwards: PortForwards,
-    eventually: Eventually,
-) -> None:
-    """A replica that goes away (``kubectl delete pod``, a scale-down) drains: it stops
-    being ready, finishes or hands back what it holds, and the router retries hand-backs
-    elsewhere; the clients see every request answered."""
-    figures = Figures()
-    serving = serve_through_a_relay(kube, real_node, namespace, port_forwards, eventually, figures)
-    with MetricsWatch(kube, namespace) as metrics, ClosedLoop(serving.url) as loop:
-        eventually(progress(loop, 3, 0), timeout=120, interval=0.5, what="the loop warmed up")
-
-        # `kubectl delete pod` of one DiT replica.
-        dit_pods = [
-            p["metadata"]["name"]
-            for p in pipeline_pods(kube, namespace)
-            if p["metadata"]["labels"].get("omni.dev/placement-group") == "dit"
-        ]
-        assert len(dit_pods) == 2, dit_pods
-        t0 = time.monotonic()
-        kube.kubectl("delete", "pod", dit_pods[0], "--wait=false", namespace=namespace)
-
-        def replaced() -> bool:
-            names = {p["metadata"]["name"] for p in pipeline_pods(kube, namespace)}
-            assert dit_pods[0] not in names, "the deleted pod is still there"
-            deployments_rolled(kube, namespace)
-            return True
-
-        eventually(replaced, timeout=180, interval=1, what="the deleted DiT pod replaced")
-        figures.values["pod delete -> replaced (s)"] = round(time.monotonic() - t0, 1)
-        eventually(
-            progress(loop, 2, loop.snapshot().answered),
-            timeout=120,
-            interval=0.5,
-            what="answers after the pod delete",
-        )
-
-        # Scale the DiT down, 2 -> 1: one pod drains and goes, nothing else rolls.
-        others = {
-            p["metadata"]["name"]
-            for p in pipeline_pods(kube, namespace)
-            if p["metadata"]["labels"].get("omni.dev/placement-group") != "dit"
-        }
-        scaled = copy.deepcopy(serving.body)
-        dit = next(s for s in scaled["spec"]["stages"] if s["name"] == "dit")
-        dit["replicas"] = 1
-        t0 = time.monotonic()
-        kube.apply(scaled, namespace=namespace)
-
-        def scaled_down() -> bool:
-            rolled = deployments_rolled(kube, namespace)
-            assert rolled[f"{PIPELINE}-dit"]["spec"]["replicas"] == 1
-            pipeline_ready(kube, namespace)()
-            return True
-
-        eventually(scaled_down, timeout=180, interval=1, what="the DiT scaled down to 1")
-        figures.values["scale down (s)"] = round(time.monotonic() - t0, 1)
-        left = {
-            p["metadata"]["name"]
-            for p in pipeline_pods(kube, namespace)
-            if p["metadata"]["labels"].get("omni.dev/placement-group") != "dit"
-        }
-        assert left == others, "a scale change rolled other pods"
-        # A pure scale change keeps the revision.
-        assert set().union(*stage_revisions(kube, namespace).values()) == {serving.revision}
-        eventually(
-            progress(loop, 2, loop.snapshot().answered),
-            timeout=120,
-            interval=0.5,
-            what="answers after the scale-down",
-        )
-    counts, _, _ = record_loop(figures, loop, metrics, "pod delete and scale-down under a loop")
-    assert_nothing_lost(counts)
-
-
 @pytest.fixture
 def second_runtime_tag(real_node: RealNode) -> Iterator[str]:
     """The runtime image under a second name on the node: a new image as far as the pod
@@ -827,8 +756,25 @@ def rolled_to(
     return check
 
 
-@pytest.mark.timeout(1200)  # every pod rolls twice, on 2 shared cores
-def test_a_config_rollout_and_an_image_rollout_under_a_closed_loop_lose_no_request(
+def dit_pods(kube: Kube, namespace: str) -> list[str]:
+    return [
+        p["metadata"]["name"]
+        for p in pipeline_pods(kube, namespace)
+        if p["metadata"]["labels"].get("omni.dev/placement-group") == "dit"
+    ]
+
+
+def answers_go_on(loop: ClosedLoop, eventually: Eventually, after: str) -> None:
+    eventually(
+        progress(loop, 2, loop.snapshot().answered),
+        timeout=120,
+        interval=0.5,
+        what=f"answers after the {after}",
+    )
+
+
+@pytest.mark.timeout(1500)  # every pod rolls twice, then one is deleted; 2 shared cores
+def test_rollouts_a_pod_delete_and_a_scale_down_under_a_closed_loop_lose_no_request(
     kube: Kube,
     real_node: RealNode,
     operator_installed: InstalledOperator,
@@ -837,19 +783,28 @@ def test_a_config_rollout_and_an_image_rollout_under_a_closed_loop_lose_no_reque
     eventually: Eventually,
     second_runtime_tag: str,
 ) -> None:
-    """Each placement group's Deployment rolls on its own; the stage pods' readiness gate
-    (omni_operator/revision_gate.py) keeps the old revision whole until the new one is,
-    and the router never pairs two revisions in one request."""
+    """Under one closed loop of clients, on one pipeline (DiT and router 2 replicas each):
+
+    - a config rollout that also changes the hand-off between the stages, so that a
+      request pairing an old DiT with a new thinker (or the reverse) would fail. Each
+      placement group's Deployment rolls on its own; the stage pods' readiness gate
+      (omni_operator/revision_gate.py) keeps the old revision whole until the new one is,
+      and the router never pairs two revisions in one request;
+    - an image rollout: every pod again, the revision (the config) unchanged;
+    - ``kubectl delete pod`` of one DiT replica, then a scale-down of the DiT to 1: the
+      replica going away drains (stops being ready, finishes or hands back what it holds,
+      the router retries hand-backs elsewhere) and nothing else rolls.
+
+    The clients see every request answered, with no HTTP error behind their retries."""
     figures = Figures()
     serving = serve_through_a_relay(kube, real_node, namespace, port_forwards, eventually, figures)
     old_revision = serving.revision
     with MetricsWatch(kube, namespace) as metrics, ClosedLoop(serving.url) as loop:
         eventually(progress(loop, 3, 0), timeout=120, interval=0.5, what="the loop warmed up")
 
-        # A config change that rolls every pod and changes the hand-off: the DiT now reads
-        # the thinker's hidden states from a connector of another name, which an old DiT
-        # does not have; a request pairing an old DiT with a new thinker (or the reverse)
-        # fails, and its 500 would be counted even where the client retried it.
+        # The config rollout: the DiT now reads the thinker's hidden states from a
+        # connector of another name, which an old DiT does not have (a mixed pair is a 500,
+        # counted even where the client retried it).
         changed = copy.deepcopy(serving.body)
         changed["spec"]["connectors"] = {"tcp_next": {"name": "TCPConnector"}}
         dit = next(s for s in changed["spec"]["stages"] if s["name"] == "dit")
@@ -871,15 +826,10 @@ def test_a_config_rollout_and_an_image_rollout_under_a_closed_loop_lose_no_reque
         # The newer config orders after the older (the operator's generation), so that
         # routers prefer it as soon as it is complete.
         assert revision_order(new_revision) > revision_order(old_revision)
-        eventually(
-            progress(loop, 2, loop.snapshot().answered),
-            timeout=120,
-            interval=0.5,
-            what="answers after the config rollout",
-        )
+        answers_go_on(loop, eventually, "config rollout")
         figures.values["answered during the config rollout"] = loop.snapshot().answered - answered
 
-        # An image change: every pod rolls again, the config (so the revision) stays.
+        # The image rollout.
         changed["spec"]["image"] = second_runtime_tag
         old_pods = {p["metadata"]["name"] for p in pipeline_pods(kube, namespace)}
         answered = loop.snapshot().answered
@@ -896,15 +846,56 @@ def test_a_config_rollout_and_an_image_rollout_under_a_closed_loop_lose_no_reque
             c["image"] for p in pipeline_pods(kube, namespace) for c in p["spec"]["containers"]
         }
         assert images == {second_runtime_tag}, images
-        eventually(
-            progress(loop, 2, loop.snapshot().answered),
-            timeout=120,
-            interval=0.5,
-            what="answers after the image rollout",
-        )
+        answers_go_on(loop, eventually, "image rollout")
         figures.values["answered during the image rollout"] = loop.snapshot().answered - answered
+
+        # `kubectl delete pod` of one DiT replica.
+        before = dit_pods(kube, namespace)
+        assert len(before) == 2, before
+        t0 = time.monotonic()
+        kube.kubectl("delete", "pod", before[0], "--wait=false", namespace=namespace)
+
+        def replaced() -> bool:
+            names = {p["metadata"]["name"] for p in pipeline_pods(kube, namespace)}
+            assert before[0] not in names, "the deleted pod is still there"
+            deployments_rolled(kube, namespace)
+            return True
+
+        eventually(replaced, timeout=180, interval=1, what="the deleted DiT pod replaced")
+        figures.values["pod delete -> replaced (s)"] = round(time.monotonic() - t0, 1)
+        answers_go_on(loop, eventually, "pod delete")
+
+        # Scale the DiT down, 2 -> 1: one pod drains and goes, nothing else rolls.
+        others = {
+            p["metadata"]["name"]
+            for p in pipeline_pods(kube, namespace)
+            if p["metadata"]["labels"].get("omni.dev/placement-group") != "dit"
+        }
+        scaled = copy.deepcopy(changed)
+        dit = next(s for s in scaled["spec"]["stages"] if s["name"] == "dit")
+        dit["replicas"] = 1
+        t0 = time.monotonic()
+        kube.apply(scaled, namespace=namespace)
+
+        def scaled_down() -> bool:
+            rolled = deployments_rolled(kube, namespace)
+            assert rolled[f"{PIPELINE}-dit"]["spec"]["replicas"] == 1
+            pipeline_ready(kube, namespace)()
+            return True
+
+        eventually(scaled_down, timeout=180, interval=1, what="the DiT scaled down to 1")
+        figures.values["scale down (s)"] = round(time.monotonic() - t0, 1)
+        left = {
+            p["metadata"]["name"]
+            for p in pipeline_pods(kube, namespace)
+            if p["metadata"]["labels"].get("omni.dev/placement-group") != "dit"
+        }
+        assert left == others, "a scale change rolled other pods"
+        # A pure scale change keeps the revision.
+        assert set().union(*stage_revisions(kube, namespace).values()) == {new_revision}
+        answers_go_on(loop, eventually, "scale-down")
     figures.values["revisions"] = {"old": old_revision, "new": new_revision}
-    counts, by_revision, served = record_loop(figures, loop, metrics, "config and image rollouts")
+    counts, by_revision, served = record_loop(figures, loop, metrics, "rollouts under a loop")
     assert_nothing_lost(counts)
     # Both revisions served requests: the loop really ran across the switch.
     assert by_revision.get((old_revision,), 0) > 0, by_revision
