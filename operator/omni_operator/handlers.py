@@ -161,11 +161,10 @@ def deployments_by_pipeline(
     namespace: str | None, name: str, labels: Mapping[str, str], body: kopf.Body, **_: Any
 ) -> dict[tuple[str, str], dict[str, Any]]:
     """(namespace, pipeline) -> the Deployment's name, labels, replicas and status."""
-    pipeline = labels.get(LABEL_PIPELINE)
-    if not pipeline or namespace is None:
-        return {}
-    return {
-        (namespace, pipeline): {
+    return _by_pipeline(
+        namespace,
+        labels,
+        {
             "metadata": {
                 "name": name,
                 "labels": dict(labels),
@@ -173,8 +172,8 @@ def deployments_by_pipeline(
             },
             "spec": {"replicas": body.spec.get("replicas", 1)},
             "status": dict(body.status),
-        }
-    }
+        },
+    )
 
 
 @kopf.index("", "v1", "pods", labels=_STAGE_PODS)
@@ -182,11 +181,10 @@ def stage_pods_by_pipeline(
     namespace: str | None, name: str, labels: Mapping[str, str], body: kopf.Body, **_: Any
 ) -> dict[tuple[str, str], dict[str, Any]]:
     """(namespace, pipeline) -> what the readiness gate needs of each stage pod."""
-    pipeline = labels.get(LABEL_PIPELINE)
-    if not pipeline or namespace is None:
-        return {}
-    return {
-        (namespace, pipeline): {
+    return _by_pipeline(
+        namespace,
+        labels,
+        {
             "metadata": {
                 "name": name,
                 "labels": dict(labels),
@@ -194,8 +192,18 @@ def stage_pods_by_pipeline(
                 "deletionTimestamp": body.metadata.get("deletionTimestamp"),
             },
             "status": {"conditions": list(body.status.get("conditions") or [])},
-        }
-    }
+        },
+    )
+
+
+def _by_pipeline(
+    namespace: str | None, labels: Mapping[str, str], summary: dict[str, Any]
+) -> dict[tuple[str, str], dict[str, Any]]:
+    """An index entry: ``summary`` under the object's (namespace, pipeline), if it has one."""
+    pipeline = labels.get(LABEL_PIPELINE)
+    if not pipeline or namespace is None:
+        return {}
+    return {(namespace, pipeline): summary}
 
 
 @kopf.on.event("", "v1", "pods", labels=_STAGE_PODS)
