@@ -733,7 +733,8 @@ def second_runtime_tag(real_node: RealNode) -> Iterator[str]:
         real_node.load_image(ROLLOUT_IMAGE)
         yield ROLLOUT_IMAGE
     finally:
-        subprocess.run([podman_tag, "untag", ROLLOUT_IMAGE], check=False, timeout=60)
+        # With the image and the name: `podman untag NAME` alone removes every name.
+        subprocess.run([podman_tag, "untag", RUNTIME_IMAGE, ROLLOUT_IMAGE], check=False, timeout=60)
 
 
 def rolled_to(
