@@ -64,6 +64,16 @@ class SpecRefused(Exception):
     """The spec passed the CRD but cannot be deployed; the message says why."""
 
 
+@dataclass(frozen=True)
+class _Applied:
+    """A pipeline's spec as last applied, with what the readiness gate compares pods to."""
+
+    generation: int
+    spec: OmniPipelineSpec
+    config_hash: str
+    group_labels: tuple[str, ...]
+
+
 @dataclass
 class Reconciler:
     """Converges pipelines; one per operator process."""
@@ -75,7 +85,7 @@ class Reconciler:
     # an unchanged status is not written again.
     _locks: dict[tuple[str, str], asyncio.Lock] = field(default_factory=dict)
     _written: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
-    _applied: dict[tuple[str, str], tuple[int, OmniPipelineSpec]] = field(default_factory=dict)
+    _applied: dict[tuple[str, str], _Applied] = field(default_factory=dict)
     # The pipelines seen by converge, with their spec as given, for child watches to use.
     _seen: dict[tuple[str, str], tuple[PipelineRef, dict[str, Any]]] = field(default_factory=dict)
 
@@ -128,6 +138,7 @@ class Reconciler:
             await self._write_status(ref, invalid_status(str(e), ref.generation, before, _now()))
             return
         existing = await self._list_children(ref)
+        current_hash = config_hash(config_data(spec))
         desired = render(
             ref.name,
             ref.namespace,
@@ -135,9 +146,7 @@ class Reconciler:
             spec,
             default_image=self.default_image,
             default_gpu_image=self.default_gpu_image,
-            config_generation=config_generation(
-                config_hash(config_data(spec)), existing.values(), ref.generation
-            ),
+            config_generation=config_generation(current_hash, existing.values(), ref.generation),
         )
         applied: dict[ObjectKey, dict[str, Any]] = {}
         for obj in desired:
@@ -171,7 +180,12 @@ class Reconciler:
             except KubeApiError as e:
                 event("Warning", "PruneFailed", f"{key[1]} {key[2]}: {e}")
                 raise
-        self._applied[(ref.namespace, ref.name)] = (ref.generation, spec)
+        self._applied[(ref.namespace, ref.name)] = _Applied(
+            ref.generation,
+            spec,
+            current_hash,
+            tuple(label_value(group.name) for group in placement_groups(spec)),
+        )
         deployments = {key[2]: body for key, body in applied.items() if key[1] == "Deployment"}
         await self.report(ref, deployments, previous, event)
 
@@ -187,7 +201,7 @@ class Reconciler:
         applied = self._applied.get((ref.namespace, ref.name))
         if applied is None:
             return
-        generation, spec = applied
+        generation, spec = applied.generation, applied.spec
         groups = placement_groups(spec)
         stages = [
             StagePlacement(
@@ -236,9 +250,9 @@ class Reconciler:
         applied = self._applied.get((ref.namespace, ref.name))
         if applied is None:
             return
-        _, spec = applied
-        groups = [label_value(group.name) for group in placement_groups(spec)]
-        current = config_hash(config_data(spec))
+        # Per pod event: only what the apply already computed, no rendering.
+        groups = applied.group_labels
+        current = applied.config_hash
         summaries = [
             StagePod.of(pod, group_label=LABEL_GROUP, hash_annotation=ANNOTATION_CONFIG_HASH)
             for pod in pods
