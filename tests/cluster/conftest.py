@@ -13,12 +13,15 @@ kube-proxy; see controlplane/realnode.py), or a skip saying what is missing
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -217,6 +220,8 @@ class RealNode:
     crictl_path: str
     # The tests' own tiny image (omni-probe), already in the node's containerd.
     probe_image: str
+    # The node's network namespace (its supervisor's): pod IPs are routable inside it.
+    netns: str
     # Labels and taint: only pods that ask for the real node land on it.
     node_selector: dict[str, str]
     toleration: dict[str, str]
@@ -264,6 +269,54 @@ class RealNode:
             raise AssertionError(f"load-image {image} failed:\n{res.stderr[-3000:]}")
         return _last_line(res.stdout)
 
+    @contextlib.contextmanager
+    def unix_socket_to(self, address: str, port: int) -> Iterator[str]:
+        """A unix socket on this machine whose every connection is a fresh TCP connection
+        from the node's network to address:port (a pod IP, say), for as long as the
+        context lasts.
+
+        Why not `kubectl port-forward`: one forwarding error on any of its connections (a
+        reset from the far end) closes all of them and the process exits ("lost connection
+        to pod", client-go's portforward.go), which a rollout's closing connections do.
+        Here each connection stands alone, as a client inside the cluster's network has it.
+        """
+        socat = shutil.which("socat")
+        nsenter = shutil.which("nsenter")
+        assert socat, "socat is not on PATH (the real node needs it too)"
+        assert nsenter, "nsenter is not on PATH"
+        # A short path: a unix socket's name is at most 107 bytes, pytest's tmp dirs run long.
+        with tempfile.TemporaryDirectory(prefix="omni-node-") as tmp:
+            path = str(Path(tmp) / "s")
+            log = Path(tmp) / "socat.log"
+            with log.open("w") as err:
+                proc = subprocess.Popen(
+                    [
+                        nsenter,
+                        f"--net={self.netns}",
+                        socat,
+                        f"UNIX-LISTEN:{path},fork,mode=600",
+                        f"TCP:{address}:{port}",
+                    ],
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                    stderr=err,
+                    # Its group: socat forks a child per connection.
+                    start_new_session=True,
+                )
+            try:
+                deadline = time.monotonic() + 10
+                while not Path(path).exists():
+                    if proc.poll() is not None or time.monotonic() > deadline:
+                        raise AssertionError(
+                            f"socat in the node's network made no {path}: {log.read_text()}"
+                        )
+                    time.sleep(0.02)
+                yield path
+            finally:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=10)
+
     def pod_spec(self, **spec: Any) -> dict[str, Any]:
         """A pod spec pinned to the real node (its selector and toleration) plus spec."""
         return {
@@ -297,6 +350,7 @@ def real_node(kube: Kube) -> RealNode:
         ctr_path=node["ctr"],
         crictl_path=node["crictl"],
         probe_image=node["probe_image"],
+        netns=f"/proc/{node['supervisor_pid']}/ns/net",
         node_selector={"omni-operator.test/node-kind": "real"},
         toleration={
             "key": "omni-operator.test/real-node",

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import httpx2
 import openai
 import pytest
 import yaml
@@ -431,11 +432,12 @@ def test_a_user_installs_the_operator_deploys_the_tiny_pipeline_gets_an_image_an
 
 # --- 2 and 3. rollouts under load: no request lost, no revisions mixed -----------------------
 
-# A TCP relay in a pod of its own, which no rollout of the pipeline replaces: `kubectl
-# port-forward` binds to ONE pod, and the router's pods roll with every config change. A
-# user's clients reach the Service through something in the cluster that follows its
-# endpoints (an Ingress, a load balancer); here each connection goes to the Service's
-# ClusterIP, and kube-proxy picks a ready router pod, terminating ones excluded.
+# A TCP relay in a pod of its own, which no rollout of the pipeline replaces: a user's
+# clients reach the Service through something in the cluster that follows its endpoints (an
+# Ingress, a load balancer); here each connection goes to the Service's ClusterIP, and
+# kube-proxy picks a ready router pod, terminating ones excluded. The test's clients reach
+# the relay from the node's network (RealNode.unix_socket_to), not through `kubectl
+# port-forward`, which exits at the first connection a rollout resets.
 RELAY = """
 import asyncio, sys
 target = (sys.argv[1], int(sys.argv[2]))
@@ -504,8 +506,10 @@ class ClosedLoop:
     429 and 5xx). Every attempt and every response status is counted through httpx hooks,
     so a failure the client's retries hid is still seen."""
 
-    def __init__(self, base_url: str, clients: int = 3) -> None:
+    def __init__(self, base_url: str, clients: int = 3, uds: str | None = None) -> None:
         self.base_url = base_url
+        # Where every connection goes, whatever base_url's host (RealNode.unix_socket_to).
+        self.uds = uds
         self.counts = LoopCounts()
         self.lock = threading.Lock()
         self.stop = threading.Event()
@@ -540,10 +544,11 @@ class ClosedLoop:
             statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
 
     def _run(self) -> None:
-        # The client's own httpx (openai pins a fork of it), with hooks added.
+        # The client's own httpx (openai pins a fork of it, httpx2), with hooks added.
         http = openai.DefaultHttpxClient(
             event_hooks={"request": [self._on_request], "response": [self._on_response]},
             timeout=120,
+            transport=httpx2.HTTPTransport(uds=self.uds) if self.uds else None,
         )
         client = openai.OpenAI(base_url=self.base_url, api_key="unused", http_client=http)
         with http:
@@ -659,7 +664,7 @@ class Serving:
     """The tiny pipeline Ready on the real node, its endpoint reached through the relay."""
 
     body: dict[str, Any]
-    url: str
+    relay_ip: str
     revision: str
 
 
@@ -667,7 +672,6 @@ def serve_through_a_relay(
     kube: Kube,
     real_node: RealNode,
     namespace: str,
-    port_forwards: PortForwards,
     eventually: Eventually,
     figures: Figures,
 ) -> Serving:
@@ -688,9 +692,9 @@ def serve_through_a_relay(
         namespace=namespace,
         timeout=90,
     )
-    local = port_forwards.start(namespace, "pod/endpoint-relay", 8000)
+    relay_ip = kube.get_json("pod", "endpoint-relay", namespace=namespace)["status"]["podIP"]
     (revision,) = set().union(*stage_revisions(kube, namespace).values())
-    return Serving(body, f"http://127.0.0.1:{local}/v1", revision)
+    return Serving(body, relay_ip, revision)
 
 
 def record_loop(
@@ -774,19 +778,12 @@ def answers_go_on(loop: ClosedLoop, eventually: Eventually, after: str) -> None:
     )
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="flaky, under investigation: in 1 run of 3 the clients got connection errors "
-    "(no HTTP error) through the relay's port-forward during the config rollout; the pods "
-    "rolled and the pipeline was Ready; passed in the other 2 with 0 failed",
-)
 @pytest.mark.timeout(1500)  # every pod rolls twice, then one is deleted; 2 shared cores
 def test_rollouts_a_pod_delete_and_a_scale_down_under_a_closed_loop_lose_no_request(
     kube: Kube,
     real_node: RealNode,
     operator_installed: InstalledOperator,
     namespace: str,
-    port_forwards: PortForwards,
     eventually: Eventually,
     second_runtime_tag: str,
 ) -> None:
@@ -804,9 +801,13 @@ def test_rollouts_a_pod_delete_and_a_scale_down_under_a_closed_loop_lose_no_requ
 
     The clients see every request answered, with no HTTP error behind their retries."""
     figures = Figures()
-    serving = serve_through_a_relay(kube, real_node, namespace, port_forwards, eventually, figures)
+    serving = serve_through_a_relay(kube, real_node, namespace, eventually, figures)
     old_revision = serving.revision
-    with MetricsWatch(kube, namespace) as metrics, ClosedLoop(serving.url) as loop:
+    with (
+        real_node.unix_socket_to(serving.relay_ip, 8000) as relay,
+        MetricsWatch(kube, namespace) as metrics,
+        ClosedLoop("http://endpoint-relay/v1", uds=relay) as loop,
+    ):
         eventually(progress(loop, 3, 0), timeout=120, interval=0.5, what="the loop warmed up")
 
         # The config rollout: the DiT now reads the thinker's hidden states from a

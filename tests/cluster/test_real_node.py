@@ -12,9 +12,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
+import tarfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -247,6 +249,73 @@ def test_port_forward_reaches_a_pod_on_the_node_from_the_host(
 
     assert answer() == "hello from server\n"
     assert answer() == "hello from server\n"  # a second connection on the same forward
+
+
+def test_a_unix_socket_from_the_host_reaches_a_pod_on_the_node(
+    kube: Kube, real_node: RealNode, namespace: str, eventually: Eventually
+) -> None:
+    """RealNode.unix_socket_to: what the rollout test's clients connect through."""
+    kube.apply(probe_pod(real_node, "server", "serve", "9000", serve_port=9000), namespace)
+    eventually(lambda: pod_ready(kube, namespace, "server"), timeout=60, what="server Ready")
+    pod_ip = kube.get_json("pod", "server", namespace=namespace)["status"]["podIP"]
+    with real_node.unix_socket_to(pod_ip, 9000) as path:
+
+        def answer() -> str:
+            with socket.socket(socket.AF_UNIX) as conn:
+                conn.settimeout(10)
+                conn.connect(path)
+                data = b""
+                while chunk := conn.recv(4096):
+                    data += chunk
+            return data.decode()
+
+        assert answer() == "hello from server\n"
+        assert answer() == "hello from server\n"  # each connection a fresh one to the pod
+    assert not Path(path).exists()
+
+
+def test_loading_a_rebuilt_image_drops_the_old_build_from_the_node(
+    real_node: RealNode, tmp_path: Path
+) -> None:
+    """The node's containerd store outlives the suite (a warm run imports nothing), so
+    each load of a rebuilt image removes the build it replaces: runtime images are GBs."""
+    podman = shutil.which("podman")
+    assert podman is not None, "podman is not on PATH"
+    image = "omni-operator.test/rebuilt:1"
+
+    def build(content: str) -> None:
+        (tmp_path / "f").write_text(content)
+        with tarfile.open(tmp_path / "root.tar", "w") as tar:
+            tar.add(tmp_path / "f", arcname="f")
+        subprocess.run(
+            [podman, "import", str(tmp_path / "root.tar"), image],
+            check=True,
+            capture_output=True,
+            timeout=60,
+        )
+
+    def refs_and_digests() -> dict[str, str]:
+        out = real_node.ctr("images", "ls").stdout.splitlines()[1:]
+        return {line.split()[0]: line.split()[2] for line in out}
+
+    try:
+        build("first")
+        assert "imported" in real_node.load_image(image)
+        first = refs_and_digests()
+        build("second")
+        assert "imported" in real_node.load_image(image)
+        second = refs_and_digests()
+        assert first[image] != second[image]
+        # Nothing names the first build any more, and every other image is still there.
+        assert first[image] not in second.values(), second
+        others = {ref for ref, digest in first.items() if digest != first[image]}
+        assert others <= set(second), (first, second)
+    finally:
+        subprocess.run([podman, "rmi", "--force", image], capture_output=True, timeout=60)
+        left = refs_and_digests()
+        mine = [ref for ref, digest in left.items() if digest == left.get(image)]
+        if mine:
+            real_node.ctr("images", "rm", *mine)
 
 
 # Image builds beside the tests (podman, buildah) mount and unmount under these.

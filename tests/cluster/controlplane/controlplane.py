@@ -1066,11 +1066,25 @@ def load_image(state: State, image: str) -> str:
         ctr_run("images", "tag", "--force", source, want, timeout=60)
         ctr_run("images", "label", want, f"{PODMAN_ID_LABEL}={image_id}", timeout=60)
 
+    def drop_stale() -> None:
+        # The store is on disk across runs (a warm run imports nothing) and each runtime
+        # image is GBs: what a rebuild replaced goes. Containers still running one keep
+        # its content (containerd's leases); only the names go.
+        rows = [
+            line.split()[:3:2]  # REF, DIGEST
+            for line in ctr_run("images", "ls", timeout=60).stdout.splitlines()[1:]
+        ]
+        stale = realnode.stale_image_refs([(r[0], r[1]) for r in rows if len(r) == 2], want)
+        if stale:
+            ctr_run("images", "rm", *stale, timeout=120)
+
     names = have()
     if want in names:
+        drop_stale()
         return f"{want} already present ({image_id[:19]})"
     if names:
         tag(names[0])
+        drop_stale()
         return f"{want} tagged from {names[0]} ({image_id[:19]})"
     t0 = time.monotonic()
     # Streamed: the runtime image is several GB; no copy of it lands on disk.
@@ -1098,6 +1112,7 @@ def load_image(state: State, image: str) -> str:
     if not made:
         raise ImageError(f"ctr images import named no image:\n{imp.stdout}{imp.stderr}")
     tag(made[0])
+    drop_stale()
     return f"{want} imported in {time.monotonic() - t0:.1f}s ({image_id[:19]})"
 
 

@@ -285,6 +285,33 @@ def normalize_ref(ref: str) -> str:
     return name + tag
 
 
+def stale_image_refs(images: list[tuple[str, str]], want: str) -> list[str]:
+    """Of containerd's images (name, manifest digest), the names a load of ``want`` left
+    stale: another build under want's repository, whatever registry host names it (an
+    import also names it as podman did, localhost/...), and the id and digest names
+    (sha256:..., import-...@sha256:...) of content no other name holds any more."""
+
+    def repository(ref: str) -> str | None:
+        if ref.startswith("sha256:") or "@" in ref or ":" not in ref:
+            return None
+        name = ref.rpartition(":")[0]
+        first, _, rest = name.partition("/")
+        # docker.io/x/y and localhost/x/y are one repository x/y here.
+        return rest if rest and ("." in first or first == "localhost") else name
+
+    digest = dict(images).get(want)
+    if digest is None:
+        return []
+    stale = {
+        ref
+        for ref, d in images
+        if d != digest and repository(ref) is not None and repository(ref) == repository(want)
+    }
+    named = {d for ref, d in images if repository(ref) is not None and ref not in stale}
+    stale |= {ref for ref, d in images if repository(ref) is None and d not in named}
+    return sorted(stale)
+
+
 # --- configuration files ---------------------------------------------------------------
 
 
