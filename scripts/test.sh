@@ -57,22 +57,24 @@ fi
 if [ "$#" -gt 0 ]; then
     echo "== pytest"; exec "$py" -m pytest "$@"
 fi
-# The whole suite runs as two pytest sessions side by side: the cluster suite, and the
-# rest. Most of either is waiting (a stage engine loading, a pod rolling) and the tests'
-# engines are single-threaded (tests/conftest.py), so on 2 cores the two overlap rather
-# than slow each other down (the warm run's figures are in README.md). The cluster
-# session's output is held and printed after the other's.
-echo "== pytest: tests/unit and tests/integration, with tests/cluster beside them"
+# The whole suite runs as two pytest sessions side by side: the cluster suite with the unit
+# tests and the images' tests (the images the real node runs), and the rest of
+# tests/integration. One session alone leaves a core idle much of the time (one process
+# waiting on another: an engine loading, a pod rolling; the tests' engines are
+# single-threaded, tests/conftest.py); the split keeps the two sessions' lengths close
+# (README.md has the figures). The first session's output is printed after the other's.
+echo "== pytest: tests/integration, with tests/cluster, tests/unit and the images beside it"
+images_tests=tests/integration/test_images.py
 cluster_log=$(mktemp)
-"$py" -m pytest tests/cluster >"$cluster_log" 2>&1 &
+"$py" -m pytest tests/cluster tests/unit "$images_tests" >"$cluster_log" 2>&1 &
 cluster_pid=$!
 # SIGINT, not SIGTERM: pytest tears its fixtures down (the control plane) on an interrupt.
 trap '[ -n "$cluster_pid" ] && kill -INT "$cluster_pid" 2>/dev/null && wait "$cluster_pid"; rm -f "$cluster_log" "$images_log"' EXIT
 rc=0
-"$py" -m pytest tests/unit tests/integration || rc=$?
+"$py" -m pytest tests/integration --ignore="$images_tests" || rc=$?
 cluster_rc=0
 wait "$cluster_pid" || cluster_rc=$?
 cluster_pid=
-echo "== pytest: tests/cluster"
+echo "== pytest: tests/cluster, tests/unit, $images_tests"
 cat "$cluster_log"
 [ "$rc" -eq 0 ] && [ "$cluster_rc" -eq 0 ]
