@@ -66,8 +66,7 @@ fi
 echo "== pytest: tests/integration, with tests/cluster, tests/unit and the images beside it"
 images_tests=tests/integration/test_images.py
 cluster_log=$(mktemp)
-# Niced: the other session is the longer one (measured), so it has the cores first.
-nice -n 5 "$py" -m pytest tests/cluster tests/unit "$images_tests" >"$cluster_log" 2>&1 &
+"$py" -m pytest tests/cluster tests/unit "$images_tests" >"$cluster_log" 2>&1 &
 cluster_pid=$!
 # SIGINT, not SIGTERM: pytest tears its fixtures down (the control plane) on an interrupt.
 trap '[ -n "$cluster_pid" ] && kill -INT "$cluster_pid" 2>/dev/null && wait "$cluster_pid"; rm -f "$cluster_log" "$images_log"' EXIT
