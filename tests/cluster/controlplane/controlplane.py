@@ -1070,11 +1070,9 @@ def load_image(state: State, image: str) -> str:
         # The store is on disk across runs (a warm run imports nothing) and each runtime
         # image is GBs: what a rebuild replaced goes. Containers still running one keep
         # its content (containerd's leases); only the names go.
-        rows = [
-            line.split()[:3:2]  # REF, DIGEST
-            for line in ctr_run("images", "ls", timeout=60).stdout.splitlines()[1:]
-        ]
-        stale = realnode.stale_image_refs([(r[0], r[1]) for r in rows if len(r) == 2], want)
+        listed = ctr_run("images", "ls", timeout=60).stdout.splitlines()[1:]
+        rows = [(f[0], f[2]) for f in map(str.split, listed) if len(f) > 2]  # REF, DIGEST
+        stale = realnode.stale_image_refs(rows, want)
         if stale:
             ctr_run("images", "rm", *stale, timeout=120)
 

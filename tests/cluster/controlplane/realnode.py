@@ -302,11 +302,7 @@ def stale_image_refs(images: list[tuple[str, str]], want: str) -> list[str]:
     digest = dict(images).get(want)
     if digest is None:
         return []
-    stale = {
-        ref
-        for ref, d in images
-        if d != digest and repository(ref) is not None and repository(ref) == repository(want)
-    }
+    stale = {ref for ref, d in images if d != digest and repository(ref) == repository(want)}
     named = {d for ref, d in images if repository(ref) is not None and ref not in stale}
     stale |= {ref for ref, d in images if repository(ref) is None and d not in named}
     return sorted(stale)
