@@ -4,10 +4,10 @@ Everything runs on the real node (kubelet, containerd, kube-proxy; test_real_nod
 `kubectl apply -k` of manifests/base (through an overlay that only puts the operator's pod
 on that node), `kubectl apply -f` of the tiny CPU pipeline (its pods run the runtime image,
 vLLM's CPU build and diffusers), the official openai client through `kubectl
-port-forward`, `kubectl logs`, `kubectl delete`. Then rollouts under a closed loop of
-requests: a config change that rolls every pod (and changes the connector between the
-stages, which an old DiT cannot read from a new encoder), then an image change,
-`kubectl delete pod` of one replica, and a scale-down; no request may fail.
+port-forward`, `kubectl logs`, `kubectl delete`. Then, under a closed loop of requests,
+`kubectl delete pod` of one replica, a scale-down, a config change that rolls every pod
+(and changes the connector between the stages, which an old DiT cannot read from a new
+encoder), then an image change; no request may fail.
 
 Skipped, saying why, where the real node cannot run (the `real_node` fixture).
 """
@@ -207,9 +207,7 @@ def kopf_started(kube: Kube, pod: str) -> str:
 # --- the pipeline -------------------------------------------------------------------------
 
 
-def tiny_pipeline(
-    node: RealNode, *, dit_replicas: int = 1, router_replicas: int = 1
-) -> dict[str, Any]:
+def tiny_pipeline(node: RealNode, *, dit_replicas: int = 1) -> dict[str, Any]:
     """manifests/examples/tiny-pipeline.yaml, every pod placed on the real node with small
     requests (see SMALL_REQUESTS)."""
     body: dict[str, Any] = yaml.safe_load(TINY_EXAMPLE.read_text())
@@ -224,7 +222,6 @@ def tiny_pipeline(
     for stage in body["spec"]["stages"]:
         if stage["name"] == "dit":
             stage["replicas"] = dit_replicas
-    body["spec"]["router"]["replicas"] = router_replicas
     return body
 
 
@@ -685,7 +682,7 @@ def serve_through_a_relay(
     figures: Figures,
 ) -> Serving:
     real_node.load_image(RUNTIME_IMAGE)
-    body = tiny_pipeline(real_node, dit_replicas=2, router_replicas=2)
+    body = tiny_pipeline(real_node, dit_replicas=2)
     kube.apply(body, namespace=namespace)
     eventually(pipeline_ready(kube, namespace), timeout=240, interval=1, what="tiny Ready")
     deployments_rolled(kube, namespace)
@@ -789,7 +786,7 @@ def answers_go_on(loop: ClosedLoop, eventually: Eventually, after: str) -> None:
     )
 
 
-@pytest.mark.timeout(1500)  # every pod rolls twice, then one is deleted; 2 shared cores
+@pytest.mark.timeout(1500)  # every pod rolls twice, one is deleted; 2 shared cores
 def test_rollouts_a_pod_delete_and_a_scale_down_under_a_closed_loop_lose_no_request(
     kube: Kube,
     real_node: RealNode,
@@ -798,19 +795,22 @@ def test_rollouts_a_pod_delete_and_a_scale_down_under_a_closed_loop_lose_no_requ
     eventually: Eventually,
     second_runtime_tag: str,
 ) -> None:
-    """Under one closed loop of clients, on one pipeline (DiT and router 2 replicas each):
+    """Under one closed loop of clients, on one pipeline (the DiT at 2 replicas, then 1):
 
+    - ``kubectl delete pod`` of one DiT replica, then a scale-down of the DiT to 1: the
+      replica going away drains (stops being ready, finishes or hands back what it holds,
+      the router retries hand-backs elsewhere) and nothing else rolls;
     - a config rollout that also changes the hand-off between the stages, so that a
       request pairing an old DiT with a new thinker (or the reverse) would fail. Each
       placement group's Deployment rolls on its own; the stage pods' readiness gate
       (omni_operator/revision_gate.py) keeps the old revision whole until the new one is,
       and the router never pairs two revisions in one request;
-    - an image rollout: every pod again, the revision (the config) unchanged;
-    - ``kubectl delete pod`` of one DiT replica, then a scale-down of the DiT to 1: the
-      replica going away drains (stops being ready, finishes or hands back what it holds,
-      the router retries hand-backs elsewhere) and nothing else rolls.
+    - an image rollout: every pod again, the revision (the config) unchanged.
 
-    The clients see every request answered, with no HTTP error behind their retries."""
+    The rollouts run with one replica per Deployment: each replaces its pods one surge pod
+    at a time (render.py), so a second replica would only make every rollout two pod starts
+    long without testing anything the first does not. The clients see every request
+    answered, with no HTTP error behind their retries."""
     figures = Figures()
     serving = serve_through_a_relay(kube, real_node, namespace, eventually, figures)
     old_revision = serving.revision
@@ -821,12 +821,56 @@ def test_rollouts_a_pod_delete_and_a_scale_down_under_a_closed_loop_lose_no_requ
     ):
         eventually(progress(loop, 3, 0), timeout=120, interval=0.5, what="the loop warmed up")
 
+        # `kubectl delete pod` of one DiT replica.
+        before = dit_pods(kube, namespace)
+        assert len(before) == 2, before
+        t0 = time.monotonic()
+        kube.kubectl("delete", "pod", before[0], "--wait=false", namespace=namespace)
+
+        def replaced() -> bool:
+            names = {p["metadata"]["name"] for p in pipeline_pods(kube, namespace)}
+            assert before[0] not in names, "the deleted pod is still there"
+            deployments_rolled(kube, namespace)
+            return True
+
+        eventually(replaced, timeout=180, interval=1, what="the deleted DiT pod replaced")
+        figures.values["pod delete -> replaced (s)"] = round(time.monotonic() - t0, 1)
+        answers_go_on(loop, eventually, "pod delete")
+
+        # Scale the DiT down, 2 -> 1: one pod drains and goes, nothing else rolls.
+        others = {
+            p["metadata"]["name"]
+            for p in pipeline_pods(kube, namespace)
+            if p["metadata"]["labels"].get("omni.dev/placement-group") != "dit"
+        }
+        changed = copy.deepcopy(serving.body)
+        dit = next(s for s in changed["spec"]["stages"] if s["name"] == "dit")
+        dit["replicas"] = 1
+        t0 = time.monotonic()
+        kube.apply(changed, namespace=namespace)
+
+        def scaled_down() -> bool:
+            rolled = deployments_rolled(kube, namespace)
+            assert rolled[f"{PIPELINE}-dit"]["spec"]["replicas"] == 1
+            pipeline_ready(kube, namespace)()
+            return True
+
+        eventually(scaled_down, timeout=180, interval=1, what="the DiT scaled down to 1")
+        figures.values["scale down (s)"] = round(time.monotonic() - t0, 1)
+        left = {
+            p["metadata"]["name"]
+            for p in pipeline_pods(kube, namespace)
+            if p["metadata"]["labels"].get("omni.dev/placement-group") != "dit"
+        }
+        assert left == others, "a scale change rolled other pods"
+        # A pure scale change keeps the revision.
+        assert set().union(*stage_revisions(kube, namespace).values()) == {old_revision}
+        answers_go_on(loop, eventually, "scale-down")
+
         # The config rollout: the DiT now reads the thinker's hidden states from a
         # connector of another name, which an old DiT does not have (a mixed pair is a 500,
         # counted even where the client retried it).
-        changed = copy.deepcopy(serving.body)
         changed["spec"]["connectors"] = {"tcp_next": {"name": "TCPConnector"}}
-        dit = next(s for s in changed["spec"]["stages"] if s["name"] == "dit")
         dit["inputConnectors"] = {"from_stage_0": "tcp_next"}
         dit["defaultSamplingParams"]["seed"] = 53
         old_pods = {p["metadata"]["name"] for p in pipeline_pods(kube, namespace)}
@@ -867,52 +911,6 @@ def test_rollouts_a_pod_delete_and_a_scale_down_under_a_closed_loop_lose_no_requ
         assert images == {second_runtime_tag}, images
         answers_go_on(loop, eventually, "image rollout")
         figures.values["answered during the image rollout"] = loop.snapshot().answered - answered
-
-        # `kubectl delete pod` of one DiT replica.
-        before = dit_pods(kube, namespace)
-        assert len(before) == 2, before
-        t0 = time.monotonic()
-        kube.kubectl("delete", "pod", before[0], "--wait=false", namespace=namespace)
-
-        def replaced() -> bool:
-            names = {p["metadata"]["name"] for p in pipeline_pods(kube, namespace)}
-            assert before[0] not in names, "the deleted pod is still there"
-            deployments_rolled(kube, namespace)
-            return True
-
-        eventually(replaced, timeout=180, interval=1, what="the deleted DiT pod replaced")
-        figures.values["pod delete -> replaced (s)"] = round(time.monotonic() - t0, 1)
-        answers_go_on(loop, eventually, "pod delete")
-
-        # Scale the DiT down, 2 -> 1: one pod drains and goes, nothing else rolls.
-        others = {
-            p["metadata"]["name"]
-            for p in pipeline_pods(kube, namespace)
-            if p["metadata"]["labels"].get("omni.dev/placement-group") != "dit"
-        }
-        scaled = copy.deepcopy(changed)
-        dit = next(s for s in scaled["spec"]["stages"] if s["name"] == "dit")
-        dit["replicas"] = 1
-        t0 = time.monotonic()
-        kube.apply(scaled, namespace=namespace)
-
-        def scaled_down() -> bool:
-            rolled = deployments_rolled(kube, namespace)
-            assert rolled[f"{PIPELINE}-dit"]["spec"]["replicas"] == 1
-            pipeline_ready(kube, namespace)()
-            return True
-
-        eventually(scaled_down, timeout=180, interval=1, what="the DiT scaled down to 1")
-        figures.values["scale down (s)"] = round(time.monotonic() - t0, 1)
-        left = {
-            p["metadata"]["name"]
-            for p in pipeline_pods(kube, namespace)
-            if p["metadata"]["labels"].get("omni.dev/placement-group") != "dit"
-        }
-        assert left == others, "a scale change rolled other pods"
-        # A pure scale change keeps the revision.
-        assert set().union(*stage_revisions(kube, namespace).values()) == {new_revision}
-        answers_go_on(loop, eventually, "scale-down")
     figures.values["revisions"] = {"old": old_revision, "new": new_revision}
     counts, by_revision, served = record_loop(figures, loop, metrics, "rollouts under a loop")
     assert_nothing_lost(counts)
