@@ -58,23 +58,28 @@ if [ "$#" -gt 0 ]; then
     echo "== pytest"; exec "$py" -m pytest "$@"
 fi
 # The whole suite runs as two pytest sessions side by side: the cluster suite with the unit
-# tests and the images' tests (the images the real node runs), and the rest of
-# tests/integration. One session alone leaves a core idle much of the time (one process
-# waiting on another: an engine loading, a pod rolling; the tests' engines are
-# single-threaded, tests/conftest.py); the split keeps the two sessions' lengths close
-# (README.md has the figures). The first session's output is printed after the other's.
-echo "== pytest: tests/integration, with tests/cluster, tests/unit and the images beside it"
-images_tests=tests/integration/test_images.py
+# tests, the images' tests (the images the real node runs) and a few integration modules,
+# and the rest of tests/integration. One session alone leaves a core idle much of the time
+# (one process waiting on another: an engine loading, a pod rolling; the tests' engines are
+# single-threaded, tests/conftest.py); the integration modules named here keep the two
+# sessions' lengths close (README.md has the figures). The first session's output is
+# printed after the other's.
+beside=(
+    tests/integration/test_images.py
+    tests/integration/test_main_job.py
+    tests/integration/test_drain_and_revisions.py
+)
+echo "== pytest: tests/integration, with tests/cluster, tests/unit and ${beside[*]} beside it"
 cluster_log=$(mktemp)
-"$py" -m pytest tests/cluster tests/unit "$images_tests" >"$cluster_log" 2>&1 &
+"$py" -m pytest tests/cluster tests/unit "${beside[@]}" >"$cluster_log" 2>&1 &
 cluster_pid=$!
 # SIGINT, not SIGTERM: pytest tears its fixtures down (the control plane) on an interrupt.
 trap '[ -n "$cluster_pid" ] && kill -INT "$cluster_pid" 2>/dev/null && wait "$cluster_pid"; rm -f "$cluster_log" "$images_log"' EXIT
 rc=0
-"$py" -m pytest tests/integration --ignore="$images_tests" || rc=$?
+"$py" -m pytest tests/integration "${beside[@]/#/--ignore=}" || rc=$?
 cluster_rc=0
 wait "$cluster_pid" || cluster_rc=$?
 cluster_pid=
-echo "== pytest: tests/cluster, tests/unit, $images_tests"
+echo "== pytest: tests/cluster, tests/unit, ${beside[*]}"
 cat "$cluster_log"
 [ "$rc" -eq 0 ] && [ "$cluster_rc" -eq 0 ]
