@@ -30,6 +30,7 @@ import yaml
 from aiohttp import web
 from kubernetes import client as k8s_client
 from kubernetes.config import incluster_config
+from test_stage_replica_pool import FakeReplica
 
 from omni_operator.handlers import connection_info, login
 from omni_runtime.config import PipelineConfig
@@ -45,7 +46,11 @@ from omni_runtime.kube import (
     object_path,
     resource_path_for,
 )
-from omni_runtime.router.discovery import EndpointSliceDiscovery, addresses_by_stage
+from omni_runtime.router.discovery import (
+    EndpointSliceDiscovery,
+    StageEndpoints,
+    addresses_by_stage,
+)
 from omni_runtime.router.replicas import ReplicaConnector
 
 REPO = Path(__file__).resolve().parents[2]
@@ -377,13 +382,23 @@ def test_slices_to_addresses_by_readiness_port_name_and_service() -> None:
                 ep("10.0.0.1", ready=True),
                 {"addresses": ["10.0.0.2"]},  # ready unknown: counts as ready
                 ep("10.0.0.3", ready=False),
+                # Terminating: still serving (serving unset: as ready says) or not.
                 ep("10.0.0.4", ready=True, terminating=True),
+                ep("10.0.0.7", ready=False, serving=True, terminating=True),
+                ep("10.0.0.8", ready=False, serving=False, terminating=True),
+                ep("10.0.0.9", ready=False, terminating=True),
                 ep("10.0.0.5", "10.0.0.55", ready=True),  # fungible: the first only
             ],
             group_ports,
         ),
-        # The same Service's second slice, repeating one endpoint (as during a handover).
-        endpoint_slice("p-group-b", "p-group", [ep("10.0.0.1"), ep("10.0.0.6")], group_ports),
+        # The same Service's second slice, repeating one endpoint (as during a handover),
+        # once terminating: ready in one slice is ready.
+        endpoint_slice(
+            "p-group-b",
+            "p-group",
+            [ep("10.0.0.1"), ep("10.0.0.6"), ep("10.0.0.5", serving=True, terminating=True)],
+            group_ports,
+        ),
         endpoint_slice("other", "other-svc", [ep("10.9.9.9")], group_ports),
         endpoint_slice("p-v6", "p-v6", [ep("fd00::7", ready=True)], {"stage-2": 52002}, "IPv6"),
         endpoint_slice("p-fqdn", "p-v6", [ep("a.example")], {"stage-2": 52002}, "FQDN"),
@@ -391,22 +406,30 @@ def test_slices_to_addresses_by_readiness_port_name_and_service() -> None:
     ]
     services = {0: "p-group", 1: "p-group", 2: "p-v6", 3: "p-none", 4: "p-absent"}
     assert addresses_by_stage(slices, services) == {
-        0: ["10.0.0.1:52000", "10.0.0.2:52000", "10.0.0.5:52000", "10.0.0.6:52000"],
-        1: ["10.0.0.1:52001", "10.0.0.2:52001", "10.0.0.5:52001", "10.0.0.6:52001"],
-        2: ["[fd00::7]:52002"],
-        3: [],
-        4: [],
+        0: StageEndpoints(
+            ("10.0.0.1:52000", "10.0.0.2:52000", "10.0.0.5:52000", "10.0.0.6:52000"),
+            ("10.0.0.4:52000", "10.0.0.7:52000"),
+        ),
+        1: StageEndpoints(
+            ("10.0.0.1:52001", "10.0.0.2:52001", "10.0.0.5:52001", "10.0.0.6:52001"),
+            ("10.0.0.4:52001", "10.0.0.7:52001"),
+        ),
+        2: StageEndpoints(("[fd00::7]:52002",)),
+        3: StageEndpoints(),
+        4: StageEndpoints(),
     }
 
 
 class RecordingConnector(ReplicaConnector):
     def __init__(self, stage_ids: Iterable[int]) -> None:
         super().__init__({i: StageReplicaPool(f"s{i}") for i in stage_ids})
-        self.calls: list[tuple[int, list[str]]] = []
+        self.calls: list[tuple[int, list[str], list[str]]] = []
 
-    def set_addresses(self, stage_id: int, addresses: Iterable[str]) -> None:
-        self.calls.append((stage_id, list(addresses)))
-        super().set_addresses(stage_id, addresses)
+    def set_addresses(
+        self, stage_id: int, addresses: Iterable[str], *, terminating: Iterable[str] = ()
+    ) -> None:
+        self.calls.append((stage_id, list(addresses), list(terminating)))
+        super().set_addresses(stage_id, addresses, terminating=terminating)
 
 
 class ScriptedClient:
@@ -445,7 +468,9 @@ async def test_discovery_follows_the_watch_and_relists_after_expiry_and_errors()
     one["metadata"]["resourceVersion"] = "11"
     two = endpoint_slice("s2", "svc", [ep("10.0.0.2")], ports)
     two["metadata"]["resourceVersion"] = "12"
-    unready = endpoint_slice("s1", "svc", [ep("10.0.0.1", ready=False)], ports)
+    unready = endpoint_slice(
+        "s1", "svc", [ep("10.0.0.1", ready=False, serving=True, terminating=True)], ports
+    )
     unready["metadata"]["resourceVersion"] = "13"
     client = ScriptedClient(
         lists=[("10", [one]), KubeApiError(0, "ConnectionError", "refused", method="", path=""),
@@ -474,11 +499,43 @@ async def test_discovery_follows_the_watch_and_relists_after_expiry_and_errors()
     # a failed relist, the next list's version.
     assert client.watched_from == ["10", "12b", "13", "20"]
     assert connector.calls == [
-        (0, ["10.0.0.1:52000"]),
-        (0, ["10.0.0.1:52000", "10.0.0.2:52000"]),
-        (0, ["10.0.0.2:52000"]),
+        (0, ["10.0.0.1:52000"], []),
+        (0, ["10.0.0.1:52000", "10.0.0.2:52000"], []),
+        (0, ["10.0.0.2:52000"], ["10.0.0.1:52000"]),
+        (0, ["10.0.0.2:52000"], []),
     ]
-    assert discovery.current == {0: ["10.0.0.2:52000"]}
+    assert discovery.current == {0: StageEndpoints(("10.0.0.2:52000",))}
+
+
+async def test_a_terminating_address_keeps_its_replica_as_a_last_resort_until_it_goes() -> None:
+    pool = StageReplicaPool("s0")
+    connector = ReplicaConnector({0: pool})
+    a, b = FakeReplica("a"), FakeReplica("b")
+    a_id = pool.add_replica(a, "a:1", revision="1-x")
+    pool.add_replica(b, "b:1", revision="2-y")
+    try:
+        connector.set_addresses(0, ["b:1"], terminating=["a:1"])
+        await connector.reconcile()
+        assert {s.address: s.terminating for s in pool.stats()} == {"a:1": True, "b:1": False}
+        assert pool.revisions() == {"2-y"}
+        assert pool.revisions(terminating=True) == {"1-x", "2-y"}
+
+        # Named ready as well (two slices during a handover): ready wins.
+        connector.set_addresses(0, ["a:1", "b:1"], terminating=["a:1"])
+        await connector.reconcile()
+        assert [s.terminating for s in pool.stats()] == [False, False]
+
+        # Gone from both: drained out of the pool.
+        connector.set_addresses(0, ["b:1"])
+        await connector.reconcile()
+        deadline = time.monotonic() + 5
+        while a_id in {s.replica_id for s in pool.stats()}:
+            assert time.monotonic() < deadline, "the replica was not removed"
+            await asyncio.sleep(0.01)
+        assert a.shut_down
+        assert not b.shut_down
+    finally:
+        await pool.close()
 
 
 # --- the client over HTTP (a loopback aiohttp server) -----------------------------------

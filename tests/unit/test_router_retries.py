@@ -100,3 +100,54 @@ async def test_no_complete_revision_is_a_503_saying_so() -> None:
     with pytest.raises(PipelineError, match=r"no live replica for stage\(s\): dit") as failed:
         await asyncio.wait_for(run.complete(PipelineRequest("r1", prompt="p")), 5)
     assert failed.value.status == 503
+
+
+TWO_STAGES = PipelineConfig.model_validate(
+    {
+        "model": "m",
+        "stages": [
+            {"stageId": 0, "name": "thinker", "type": "llm"},
+            {"stageId": 1, "name": "dit", "type": "diffusion"},
+        ],
+    }
+)
+
+
+async def test_a_terminating_replica_serves_only_where_no_revision_is_complete_without_it() -> None:
+    # Mid-rollout at one replica per stage: the old DiT's pod is terminating (still
+    # serving) and the new DiT is live, but this router has not connected the new thinker.
+    thinker, dit = StageReplicaPool("thinker"), StageReplicaPool("dit")
+    old_thinker, old_dit, new_dit = (AnsweringReplica(n) for n in ("t1", "d1", "d2"))
+    thinker.add_replica(old_thinker, "t1", revision="1-old")
+    old_dit_id = dit.add_replica(old_dit, "d1", revision="1-old")
+    dit.add_replica(new_dit, "d2", revision="2-new")
+    dit.set_terminating(old_dit_id, True)
+    run = PipelineOrchestrator(TWO_STAGES, {0: thinker, 1: dit})
+    try:
+        assert dit.revisions() == {"2-new"}
+        assert dit.revisions(terminating=True) == {"1-old", "2-new"}
+        outputs = await asyncio.wait_for(run.complete(PipelineRequest("r1", prompt="p")), 5)
+        assert outputs[-1].text == "image"
+        assert old_thinker.received == ["r1"]
+        assert old_dit.received == ["r1"]  # the old revision, whole only with it
+        assert new_dit.received == []  # never paired with the old thinker
+
+        # Once the new thinker is live, the new revision is complete without the
+        # terminating replica, and takes every request.
+        new_thinker = AnsweringReplica("t2")
+        thinker.add_replica(new_thinker, "t2", revision="2-new")
+        await asyncio.wait_for(run.complete(PipelineRequest("r2", prompt="p")), 5)
+        assert (new_thinker.received, new_dit.received) == (["r2"], ["r2"])
+        assert old_dit.received == ["r1"]
+
+        # Without it, and with no complete revision at all, the 503 says what is live.
+        dit.set_terminating(old_dit_id, False)
+        await dit.remove_replica(old_dit_id)
+        thinker_ids = {s.address: s.replica_id for s in thinker.stats()}
+        await thinker.remove_replica(thinker_ids["t2"])
+        with pytest.raises(PipelineError, match="thinker: 1-old; dit: 2-new") as failed:
+            await asyncio.wait_for(run.complete(PipelineRequest("r3", prompt="p")), 5)
+        assert failed.value.status == 503
+    finally:
+        await thinker.close()
+        await dit.close()

@@ -580,3 +580,23 @@ def test_finality_and_failure_of_llm_outputs() -> None:
     )
     assert is_failed_output(llm(FinishReason.ERROR, StageError.bad_request("prompt: too long")))
     assert is_failed_output(llm(FinishReason.ABORT))
+
+
+async def test_a_terminating_replica_takes_requests_only_where_no_other_does(
+    make_pool: PoolFactory,
+) -> None:
+    pool, (r0, r1) = make_pool(2)
+    pool.set_terminating(0, True)
+    pool.set_terminating(99, True)  # gone already: ignored
+    assert [s.terminating for s in pool.stats()] == [True, False]
+    for n in range(3):
+        request = await pool.add_request(req(f"a{n}"))
+        r1.answer(f"a{n}")
+        await collect(request)
+    assert (r0.received, r1.received) == ([], ["a0", "a1", "a2"])
+    r1.die("gone")
+    await until(lambda: pool.live_replica_count == 1)
+    request = await pool.add_request(req("b"))
+    r0.answer("b")
+    assert texts(await collect(request)) == ["done"]
+    assert r0.received == ["b"]

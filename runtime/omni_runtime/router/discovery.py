@@ -9,8 +9,11 @@ the event loop never waits on the apiserver; cancelling ``run`` and closing the 
 a watch blocked mid-read instead of waiting out its timeout.
 
 Readiness follows the EndpointSlice API: ``ready`` unset means unknown, which consumers
-should treat as ready; a terminating endpoint is never used, whatever ``ready`` says
+should treat as ready; a terminating endpoint is never a ready one, whatever ``ready`` says
 (its pod is going away; a Service with publishNotReadyAddresses may still mark it ready).
+A terminating endpoint that is still ``serving`` (unset: as ``ready`` says) is passed on
+as such: the router keeps its replica as a last resort (ReplicaConnector), as kube-proxy
+uses a Service's serving terminating endpoints when it has no ready one.
 Of an endpoint's addresses only the first is used: the API declares them fungible, and
 using each would count one pod as several replicas.
 """
@@ -21,6 +24,7 @@ import asyncio
 import logging
 import random
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from omni_runtime.kube import KubeApiError, KubeClient, WatchExpired, object_path
@@ -45,14 +49,42 @@ def endpoint_is_ready(endpoint: Mapping[str, Any]) -> bool:
     return conditions.get("ready") is not False and conditions.get("terminating") is not True
 
 
+def endpoint_serves_while_terminating(endpoint: Mapping[str, Any]) -> bool:
+    conditions = endpoint.get("conditions") or {}
+    if conditions.get("terminating") is not True:
+        return False
+    serving = conditions.get("serving")
+    return conditions.get("ready") is not False if serving is None else serving is True
+
+
+@dataclass(frozen=True)
+class StageEndpoints:
+    """One stage's replicas in its Service's slices, each sorted ``ip:port``: ``ready``
+    ones, and ``terminating`` ones (their pods going away) that still serve."""
+
+    ready: tuple[str, ...] = ()
+    terminating: tuple[str, ...] = ()
+
+    def describe(self) -> str:
+        text = f"{len(self.ready)} replica(s)" + (
+            ": " + ", ".join(self.ready) if self.ready else ""
+        )
+        if self.terminating:
+            text += "; terminating, still serving: " + ", ".join(self.terminating)
+        return text
+
+
 def addresses_by_stage(
     slices: Iterable[Mapping[str, Any]], services: Mapping[int, str]
-) -> dict[int, list[str]]:
-    """Stage id -> sorted ready ``ip:port`` of its Service's slices (merged, deduplicated).
+) -> dict[int, StageEndpoints]:
+    """Stage id -> the endpoints of its Service's slices (merged, deduplicated; an
+    address both ready and terminating, as two slices may say during a handover, is
+    ready).
 
     Every stage of ``services`` is in the result, with no address if no slice has any.
     """
-    found: dict[int, set[str]] = {stage_id: set() for stage_id in services}
+    ready: dict[int, set[str]] = {stage_id: set() for stage_id in services}
+    terminating: dict[int, set[str]] = {stage_id: set() for stage_id in services}
     for eps in slices:
         service = ((eps.get("metadata") or {}).get("labels") or {}).get(SERVICE_NAME_LABEL)
         if eps.get("addressType") not in ("IPv4", "IPv6"):
@@ -68,13 +100,22 @@ def addresses_by_stage(
                 continue
             for endpoint in eps.get("endpoints") or []:
                 addresses = endpoint.get("addresses") or []
-                if addresses and endpoint_is_ready(endpoint):
-                    found[stage_id].add(format_address(addresses[0], port))
-    return {stage_id: sorted(addresses) for stage_id, addresses in found.items()}
+                if not addresses:
+                    continue
+                if endpoint_is_ready(endpoint):
+                    ready[stage_id].add(format_address(addresses[0], port))
+                elif endpoint_serves_while_terminating(endpoint):
+                    terminating[stage_id].add(format_address(addresses[0], port))
+    return {
+        stage_id: StageEndpoints(
+            tuple(sorted(addresses)), tuple(sorted(terminating[stage_id] - addresses))
+        )
+        for stage_id, addresses in ready.items()
+    }
 
 
 class EndpointSliceDiscovery:
-    """Keeps ``connector``'s addresses equal to the ready endpoints of the stages' Services."""
+    """Keeps ``connector``'s addresses equal to the endpoints of the stages' Services."""
 
     def __init__(
         self,
@@ -94,7 +135,7 @@ class EndpointSliceDiscovery:
         self.watch_timeout = watch_timeout
         self.backoff_initial = backoff_initial
         self.backoff_max = backoff_max
-        self.current: dict[int, list[str]] = {}
+        self.current: dict[int, StageEndpoints] = {}
         self._slices: dict[str, dict[str, Any]] = {}
         self._path = object_path("discovery.k8s.io/v1", "endpointslices", namespace)
         names = ",".join(sorted(set(self.services.values())))
@@ -154,16 +195,17 @@ class EndpointSliceDiscovery:
 
     def _update(self) -> None:
         wanted = addresses_by_stage(self._slices.values(), self.services)
-        for stage_id, addresses in wanted.items():
-            if self.current.get(stage_id) == addresses:
+        for stage_id, endpoints in wanted.items():
+            if self.current.get(stage_id) == endpoints:
                 continue
-            self.current[stage_id] = addresses
+            self.current[stage_id] = endpoints
             pool = self.connector.pools.get(stage_id)
             logger.info(
-                "stage %d (%s): %d replica(s)%s",
+                "stage %d (%s): %s",
                 stage_id,
                 pool.stage_name if pool is not None else "?",
-                len(addresses),
-                ": " + ", ".join(addresses) if addresses else "",
+                endpoints.describe(),
             )
-            self.connector.set_addresses(stage_id, addresses)
+            self.connector.set_addresses(
+                stage_id, endpoints.ready, terminating=endpoints.terminating
+            )

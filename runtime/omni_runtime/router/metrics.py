@@ -113,6 +113,12 @@ class _PoolCollector(Collector):
             "router is removing it), else 0; with the revision it advertised.",
             labels=["stage", "replica", "address", "revision"],
         )
+        terminating = GaugeMetricFamily(
+            "omni_stage_replica_terminating",
+            "1 for a replica whose pod is terminating but still serves (used only where no "
+            "revision is complete without it), else 0.",
+            labels=["stage", "replica", "address"],
+        )
         for name, pool in self._pools().items():
             stats = pool.stats()
             in_flight.add_metric([name], sum(s.in_flight for s in stats))
@@ -121,7 +127,9 @@ class _PoolCollector(Collector):
                 replica = [name, str(s.replica_id), s.address]
                 replica_in_flight.add_metric(replica, s.in_flight)
                 draining.add_metric([*replica, s.revision], 0 if s.accepting else 1)
+                terminating.add_metric(replica, 1 if s.terminating else 0)
         yield in_flight
         yield replica_in_flight
         yield live
         yield draining
+        yield terminating

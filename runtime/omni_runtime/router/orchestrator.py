@@ -31,6 +31,7 @@ disconnected) aborts the request in the stage running it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
@@ -222,10 +223,25 @@ class PipelineOrchestrator:
         return [output async for output in self.run(request)]
 
     def choose_revision(self) -> str:
-        """The revision a request starts on now; PipelineError (503) if none is complete."""
-        live = {stage.name: self.pools[stage.stage_id].revisions() for stage in self.stages}
+        """The revision a request starts on now; PipelineError (503) if none is complete.
+
+        Replicas whose pods are terminating but still serve count only when no revision
+        is complete without them, as kube-proxy sends to a Service's serving terminating
+        endpoints only when it has no ready one: mid-rollout at one replica per stage, the
+        old DiT's pod is terminating before this router has connected the new thinker, and
+        the old revision still serves every request meanwhile."""
+        chain = [stage.name for stage in self.stages]
+
+        def live(terminating: bool) -> dict[str, set[str]]:
+            return {
+                stage.name: self.pools[stage.stage_id].revisions(terminating=terminating)
+                for stage in self.stages
+            }
+
+        with contextlib.suppress(NoCompleteRevisionError):
+            return choose_revision(chain, live(terminating=False))
         try:
-            return choose_revision([stage.name for stage in self.stages], live)
+            return choose_revision(chain, live(terminating=True))
         except NoCompleteRevisionError as e:
             raise PipelineError(503, str(e), kind="service_unavailable") from None
 

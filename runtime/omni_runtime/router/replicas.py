@@ -9,7 +9,9 @@ traffic again without anyone restarting the router.
 A replica joins its pool with the pipeline revision it advertised; one that is draining
 already when it answers is not added (it is going away). A replica no longer wanted is
 drained out of its pool in a task of its own, so that one slow drain never holds up
-connecting the replicas that replace it.
+connecting the replicas that replace it. One whose pod is terminating but still serves
+(discovery's ``terminating`` addresses) stays in its pool, marked as the last resort
+(``StageReplicaPool.set_terminating``); a terminating address never connects anew.
 """
 
 from __future__ import annotations
@@ -40,14 +42,20 @@ class ReplicaConnector:
         self.interval = interval
         self.connect_timeout = connect_timeout
         self._addresses: dict[int, set[str]] = {stage_id: set() for stage_id in pools}
+        self._terminating: dict[int, set[str]] = {stage_id: set() for stage_id in pools}
         self._connecting: dict[tuple[int, str], asyncio.Task[None]] = {}
         self._removing: dict[tuple[int, int], asyncio.Task[None]] = {}
         self._failures: dict[tuple[int, str], str] = {}
         self._wake = asyncio.Event()
 
-    def set_addresses(self, stage_id: int, addresses: Iterable[str]) -> None:
-        """The replicas stage ``stage_id`` should have; others are removed from its pool."""
+    def set_addresses(
+        self, stage_id: int, addresses: Iterable[str], *, terminating: Iterable[str] = ()
+    ) -> None:
+        """The replicas stage ``stage_id`` should have (``addresses``), and those it may
+        keep as a last resort while their pods terminate (``terminating``); others are
+        removed from its pool."""
         self._addresses[stage_id] = set(addresses)
+        self._terminating[stage_id] = set(terminating) - self._addresses[stage_id]
         self._wake.set()
 
     async def run(self) -> None:
@@ -67,9 +75,12 @@ class ReplicaConnector:
     async def reconcile(self) -> None:
         for stage_id, pool in self.pools.items():
             wanted = self._addresses[stage_id]
+            terminating = self._terminating[stage_id]
             present = {s.address: s for s in pool.stats()}
             for address, stats in present.items():
-                if address not in wanted and not stats.draining:
+                if address in wanted or address in terminating:
+                    pool.set_terminating(stats.replica_id, address in terminating)
+                elif not stats.draining:
                     self._remove(stage_id, pool, stats.replica_id, address)
             for address in wanted - set(present):
                 key = (stage_id, address)

@@ -10,7 +10,10 @@ health check raises is evicted: only the requests bound to it fail, with
 Each replica has the pipeline revision it advertised; a request may be bound to one
 revision (``add_request(..., revision=...)``), so that a request's stages all run one
 configuration while a rollout mixes two. A replica that says it is draining (its pod is
-going away) takes nothing new, as one the pool is removing does not.
+going away) takes nothing new, as one the pool is removing does not. A replica marked
+terminating (``set_terminating``: its pod is going away but still serves, as in its
+preStop delay) is the last resort: it takes a request only where no other replica of the
+revision asked for does, and its revision counts only in ``revisions(terminating=True)``.
 
 The pool refuses rather than queues (:class:`PoolSaturatedError`,
 :class:`NoLiveReplicaError`): the router answers those with 429/503 at once, which is what
@@ -125,6 +128,8 @@ class ReplicaStats:
     revision: str = ""
     # The replica said it is draining (its process is going away): it takes nothing new.
     replica_draining: bool = False
+    # Its pod is terminating but still serves: used only where nothing else is.
+    terminating: bool = False
 
     @property
     def accepting(self) -> bool:
@@ -205,6 +210,7 @@ class _Replica:
     # Ids aborted here whose final (aborted) output has not come back yet.
     aborting: set[str] = field(default_factory=set)
     draining: bool = False
+    terminating: bool = False
     drained: asyncio.Event = field(default_factory=asyncio.Event)
     reader: asyncio.Task[None] | None = None
     done: int = 0
@@ -253,9 +259,22 @@ class StageReplicaPool:
         """Replicas that take new requests (draining ones do not)."""
         return sum(replica.accepting for replica in self._replicas.values())
 
-    def revisions(self) -> set[str]:
-        """The revisions of the replicas that take new requests."""
-        return {replica.revision for replica in self._replicas.values() if replica.accepting}
+    def revisions(self, *, terminating: bool = False) -> set[str]:
+        """The revisions of the replicas that take new requests, terminating ones' only
+        with ``terminating``."""
+        return {
+            replica.revision
+            for replica in self._replicas.values()
+            if replica.accepting and (terminating or not replica.terminating)
+        }
+
+    def set_terminating(self, replica_id: int, terminating: bool) -> None:
+        """Mark a replica whose pod is going away but still serves (or no longer so): it
+        takes requests only where no other replica of the revision does. An id not in the
+        pool is ignored (watchers race with eviction)."""
+        replica = self._replicas.get(replica_id)
+        if replica is not None:
+            replica.terminating = terminating
 
     @property
     def in_flight(self) -> int:
@@ -277,6 +296,7 @@ class StageReplicaPool:
                 latency_count=r.latency_count,
                 revision=r.revision,
                 replica_draining=r.client.draining,
+                terminating=r.terminating,
             )
             for r in self._replicas.values()
         ]
@@ -444,6 +464,7 @@ class StageReplicaPool:
                 f"stage {self.stage_name!r} has no live replica{of}"
                 + (f" ({draining} draining)" if draining else "")
             )
+        live = [replica for replica in live if not replica.terminating] or live
         limit = self.max_in_flight_per_replica
         open_ = [r for r in live if limit is None or len(r.requests) < limit]
         if not open_:
