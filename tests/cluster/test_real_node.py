@@ -310,6 +310,27 @@ def test_loading_a_rebuilt_image_drops_the_old_build_from_the_node(
         assert first[image] not in second.values(), second
         others = {ref for ref, digest in first.items() if digest != first[image]}
         assert others <= set(second), (first, second)
+
+        # A build on top of the second: its lower layer is on the node already, so only
+        # the new layer (with the image's config and manifest) is sent, and the image
+        # containerd makes of it is whole.
+        (tmp_path / "g").write_text("third")
+        (tmp_path / "Containerfile").write_text(f"FROM {image}\nCOPY g /g\n")
+        subprocess.run(
+            [podman, "build", "--quiet", "-t", image, str(tmp_path)],
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
+        loaded = real_node.load_image(image)
+        assert "imported" in loaded
+        assert "1 blob(s) the node had already" in loaded, loaded
+        (row,) = [
+            line.split()
+            for line in real_node.ctr("images", "check").stdout.splitlines()
+            if line.split()[:1] == [image]
+        ]
+        assert "complete" in row, row
     finally:
         subprocess.run([podman, "rmi", "--force", image], capture_output=True, timeout=60)
         left = refs_and_digests()

@@ -43,12 +43,14 @@ import socket
 import ssl
 import subprocess
 import sys
+import tarfile
+import tempfile
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 # Beside this file, which is on sys.path when run as a script.
 import realnode
@@ -1085,33 +1087,78 @@ def load_image(state: State, image: str) -> str:
         drop_stale()
         return f"{want} tagged from {names[0]} ({image_id[:19]})"
     t0 = time.monotonic()
-    # Streamed: the runtime image is several GB; no copy of it lands on disk.
-    save = subprocess.Popen(
-        [podman, "save", "--format", "oci-archive", image],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-    )
-    assert save.stdout is not None
-    imp = subprocess.run(
-        [*ctr, "images", "import", "--local", "--digests", "-"],
-        stdin=save.stdout,
-        capture_output=True,
-        text=True,
-        timeout=1800,
-    )
-    save.stdout.close()
-    save_err = save.stderr.read().decode(errors="replace") if save.stderr else ""
-    if save.wait() != 0:
-        raise ImageError(f"podman save {image} failed: {save_err.strip()}")
+    # Uncompressed, so that a layer's digest is its content's (the same every save) and
+    # no one compresses 6 GB to have containerd decompress it again; and streamed without
+    # the blobs containerd has already (an OCI archive's import reads only index.json
+    # and writes what it is given; unpacking finds the rest in the content store). A
+    # rebuild that changed only the top layers then sends only those, not the GBs below.
+    known = set(ctr_run("content", "ls", "-q", timeout=60).stdout.split())
+    # Their messages go to files: a pipe nobody reads while the copy runs could fill.
+    with tempfile.TemporaryFile() as save_err, tempfile.TemporaryFile() as imp_log:
+        save = subprocess.Popen(
+            [podman, "save", "--uncompressed", "--format", "oci-archive", image],
+            stdout=subprocess.PIPE,
+            stderr=save_err,
+        )
+        imp = subprocess.Popen(
+            [*ctr, "images", "import", "--local", "--digests", "-"],
+            stdin=subprocess.PIPE,
+            stdout=imp_log,
+            stderr=subprocess.STDOUT,
+        )
+        assert save.stdout is not None
+        assert imp.stdin is not None
+        skipped = 0
+        try:
+            skipped = copy_archive_without(save.stdout, imp.stdin, known)
+        except BrokenPipeError:
+            pass  # ctr stopped reading: its output says why
+        finally:
+            with contextlib.suppress(BrokenPipeError):
+                imp.stdin.close()
+            save.stdout.close()
+        try:
+            imp.wait(timeout=1800)
+            save.wait(timeout=60)
+        finally:
+            for proc in (imp, save):
+                if proc.poll() is None:
+                    proc.kill()
+        save_err.seek(0)
+        imp_log.seek(0)
+        save_text = save_err.read().decode(errors="replace")
+        imp_out = imp_log.read().decode(errors="replace")
+    if save.returncode != 0:
+        raise ImageError(f"podman save {image} failed: {save_text.strip()[-2000:]}")
     if imp.returncode != 0:
-        raise ImageError(f"ctr images import failed: {imp.stderr.strip()}")
+        raise ImageError(f"ctr images import failed: {imp_out.strip()[-2000:]}")
     # What the import made: a digest-named image (--digests), maybe a named one too.
-    made = re.findall(r"^unpacking (\S+) \(", imp.stdout + imp.stderr, re.MULTILINE)
+    made = re.findall(r"^unpacking (\S+) \(", imp_out, re.MULTILINE)
     if not made:
-        raise ImageError(f"ctr images import named no image:\n{imp.stdout}{imp.stderr}")
+        raise ImageError(f"ctr images import named no image:\n{imp_out}")
     tag(made[0])
     drop_stale()
-    return f"{want} imported in {time.monotonic() - t0:.1f}s ({image_id[:19]})"
+    return (
+        f"{want} imported in {time.monotonic() - t0:.1f}s ({image_id[:19]}; "
+        f"{skipped} blob(s) the node had already)"
+    )
+
+
+def copy_archive_without(source: IO[bytes], sink: IO[bytes], known: set[str]) -> int:
+    """Copy the tar stream ``source`` to ``sink`` without the blobs whose digests are in
+    ``known``; returns how many were left out."""
+    skipped = 0
+    with (
+        tarfile.open(fileobj=source, mode="r|", bufsize=1 << 20) as archive,
+        tarfile.open(fileobj=sink, mode="w|", bufsize=1 << 20, format=tarfile.PAX_FORMAT) as out,
+    ):
+        out.copybufsize = 1 << 20
+        for member in archive:
+            if realnode.archive_blob_digest(member.name) in known:
+                skipped += 1
+                continue  # the stream reads past its data
+            out.addfile(member, archive.extractfile(member) if member.isfile() else None)
+    return skipped
 
 
 def cmd_load_image(state_dir: Path, image: str) -> int:

@@ -308,6 +308,14 @@ def stale_image_refs(images: list[tuple[str, str]], want: str) -> list[str]:
     return sorted(stale)
 
 
+def archive_blob_digest(member: str) -> str | None:
+    """The digest an OCI archive member holds (``blobs/<alg>/<hex>``), else None."""
+    parts = member.removeprefix("./").split("/")
+    if len(parts) == 3 and parts[0] == "blobs" and parts[1] and parts[2]:
+        return f"{parts[1]}:{parts[2]}"
+    return None
+
+
 # --- configuration files ---------------------------------------------------------------
 
 
