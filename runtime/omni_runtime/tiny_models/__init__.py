@@ -13,6 +13,7 @@ are random. Under one root:
   QwenImageEditPipeline and ZImagePipeline, laid out and shaped as the real checkpoints
   are, scaled down. Their text encoders (Qwen2.5-VL, Qwen3) load in vLLM from the
   ``text_encoder/`` folders.
+- ``bagel/``: a BAGEL checkpoint in the real one's files and names (``tiny_models.bagel``).
 """
 
 from __future__ import annotations
@@ -24,12 +25,14 @@ from pathlib import Path
 
 from ._common import HIDDEN_SIZE, SEED, VOCAB_SIZE
 from ._tokenizer import CHATML_TEMPLATE, build_qwen_tokenizer
+from .bagel import build_bagel
 from .chat_llm import build_chat_llm
 from .qwen_image import MAX_POSITIONS, build_qwen_image
 from .stable_diffusion import build_stable_diffusion
 from .z_image import build_z_image
 
 __all__ = [
+    "BAGEL_SUBDIR",
     "CHATML_TEMPLATE",
     "DIFFUSION_SUBDIR",
     "HIDDEN_SIZE",
@@ -47,10 +50,18 @@ DIFFUSION_SUBDIR = "diffusion"
 QWEN_IMAGE_SUBDIR = "qwen-image"
 QWEN_IMAGE_EDIT_SUBDIR = "qwen-image-edit"
 Z_IMAGE_SUBDIR = "z-image"
-SUBDIRS = (LLM_SUBDIR, DIFFUSION_SUBDIR, QWEN_IMAGE_SUBDIR, QWEN_IMAGE_EDIT_SUBDIR, Z_IMAGE_SUBDIR)
+BAGEL_SUBDIR = "bagel"
+SUBDIRS = (
+    LLM_SUBDIR,
+    DIFFUSION_SUBDIR,
+    QWEN_IMAGE_SUBDIR,
+    QWEN_IMAGE_EDIT_SUBDIR,
+    Z_IMAGE_SUBDIR,
+    BAGEL_SUBDIR,
+)
 _MARKER = "omni-tiny-models.json"
 # Bump when what is built changes, so that old directories are rebuilt.
-_RECIPE_VERSION = 5
+_RECIPE_VERSION = 6
 
 
 def _readable_by_all(tree: Path) -> None:
@@ -79,6 +90,7 @@ def ensure_tiny_models(root: str | Path) -> Path:
             staging / QWEN_IMAGE_SUBDIR, staging / QWEN_IMAGE_EDIT_SUBDIR, qwen_tokenizer
         )
         build_z_image(staging / Z_IMAGE_SUBDIR, qwen_tokenizer)
+        build_bagel(staging / BAGEL_SUBDIR, qwen_tokenizer)
         for sub in SUBDIRS:
             _readable_by_all(staging / sub)
             shutil.rmtree(root / sub, ignore_errors=True)
