@@ -312,14 +312,22 @@ def test_unknown_model_with_types_loads_and_names_default_to_stage_id() -> None:
 
 def test_explicit_type_and_name_win_over_the_topology() -> None:
     data = seed_mapping()
-    data["stages"][0].update(type="diffusion", name="painter")
-    data["stages"][1].update(type="llm", name="talker", output="hidden_states")
+    data["stages"][0].update(type="llm", name="planner")
+    data["stages"][1].update(name="painter")
     config = load_pipeline(data, model=BAGEL_MODEL)
     assert [(s.type, s.name) for s in config.stages] == [
+        ("llm", "planner"),
         ("diffusion", "painter"),
-        ("llm", "talker"),
     ]
-    assert config.stages[1].output == "hidden_states"
+
+
+def test_a_bagel_pipeline_is_its_thinker_then_its_dit() -> None:
+    data = seed_mapping()
+    data["stages"][0].update(type="diffusion")
+    data["stages"][1].update(type="llm")
+    with pytest.raises(PipelineConfigError, match="a bagel pipeline is two stages"):
+        load_pipeline(data, model=BAGEL_MODEL)
+    assert load_pipeline(seed_mapping(), model=BAGEL_MODEL).family == "bagel"
 
 
 # --- field normalisation -------------------------------------------------------------------

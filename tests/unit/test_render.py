@@ -157,10 +157,9 @@ def test_bagel_example_is_the_seeds_config() -> None:
     seed = dump_pipeline(
         load_pipeline(ROOT / "examples" / "bagel.yaml", model="ByteDance-Seed/BAGEL-7B-MoT")
     )
-    # What the example adds to the seed's file: the thinker's output kind, the router's
-    # port (the seed serves on 8091).
-    assert ours["stages"][0].pop("output") == "hidden_states"
-    seed["stages"][0].pop("output")
+    # What the example adds to the seed's file: the DiT's dtype (bf16, as the released
+    # weights are), the router's port (the seed serves on 8091).
+    assert ours["stages"][1].pop("dtype") == "bfloat16"
     assert ours.pop("router")["port"] == 8091
     seed.pop("router")
     assert ours == seed

@@ -24,8 +24,13 @@ from typing import Literal, get_args
 
 from .topologies import model_basename
 
-FamilyName = Literal["qwen-image", "qwen-image-edit", "z-image"]
+FamilyName = Literal["qwen-image", "qwen-image-edit", "z-image", "bagel"]
 FAMILY_NAMES: tuple[str, ...] = get_args(FamilyName)
+# BAGEL is one model, not an encoder and a DiT: its thinker's context (its KV cache, or
+# for now the prompt and image it passes on) conditions the same model's generation
+# expert, which omni_runtime.modeling.bagel runs. It has no recipe in FAMILIES; its
+# pipelines are found by the BAGEL topology (config.topologies).
+BAGEL_FAMILY = "bagel"
 # How a family's pipeline takes text embeddings: "padded": [batch, tokens, width] with a
 # mask (Qwen-Image); "rows": a list of [tokens, width] arrays, one per prompt (Z-Image).
 EmbedsLayout = Literal["padded", "rows"]

@@ -24,7 +24,14 @@ from pydantic import (
 from pydantic.alias_generators import to_camel
 
 from .errors import PipelineConfigError
-from .families import FAMILIES, FAMILY_NAMES, Family, FamilyName, family_of_model_name
+from .families import (
+    BAGEL_FAMILY,
+    FAMILIES,
+    FAMILY_NAMES,
+    Family,
+    FamilyName,
+    family_of_model_name,
+)
 from .topologies import STAGE_TYPES, StageType, find_topology
 
 LLMOutput = Literal["text", "hidden_states"]
@@ -408,6 +415,8 @@ class PipelineConfig(_Model):
             if family is not None:
                 data = {**data, "family": family.name}
         topology = find_topology(model) if isinstance(model, str) else None
+        if topology is not None and topology.key == BAGEL_FAMILY and data.get("family") is None:
+            data = {**data, "family": BAGEL_FAMILY}
         if topology is None or not isinstance(stages, list):
             return data
         filled: list[Any] = []
@@ -463,7 +472,9 @@ class PipelineConfig(_Model):
                     issues.append(
                         (path, f"unknown connector {connector!r}; defined connectors: {connectors}")
                     )
-        if self.family is not None:
+        if self.family == BAGEL_FAMILY:
+            issues += self._bagel_issues(index_of_id)
+        elif self.family is not None:
             issues += self._family_issues(index_of_id)
         if issues:
             raise PipelineConfigError(issues)
@@ -488,10 +499,25 @@ class PipelineConfig(_Model):
                 )
         return issues
 
+    def _bagel_issues(self, index_of_id: Mapping[int, int]) -> list[tuple[str, str]]:
+        """BAGEL's pipeline is its thinker (an LLM stage) and then its DiT."""
+        chain = sorted(self.stages, key=lambda s: s.stage_id)
+        kinds = [(stage.type, stage.output) for stage in chain]
+        if kinds == [("llm", "text"), ("diffusion", None)]:
+            return []
+        where = f"stages[{index_of_id[chain[-1].stage_id]}]"
+        return [
+            (
+                where,
+                "a bagel pipeline is two stages: the thinker (type llm, output text) and then "
+                "the DiT (type diffusion)",
+            )
+        ]
+
     @property
     def family_recipe(self) -> Family | None:
-        """The recipe of the pipeline's model family, if it has one."""
-        return FAMILIES[self.family] if self.family is not None else None
+        """The recipe of the pipeline's model family, if it has one (BAGEL has none)."""
+        return FAMILIES.get(self.family) if self.family is not None else None
 
     def output_connector(self, stage_id: int) -> str | None:
         """The connector stage ``stage_id`` hands its output to the next stage with: what

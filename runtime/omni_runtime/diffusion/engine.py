@@ -17,6 +17,7 @@ and the inline client admit, abort and run requests through it
 
 from __future__ import annotations
 
+import abc
 import inspect
 import logging
 import os
@@ -24,12 +25,12 @@ import re
 import threading
 import time
 from collections.abc import Callable, Iterable
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 import msgspec
 import numpy as np
 
-from omni_runtime.config.families import FAMILIES, Family, family_of_pipeline_class
+from omni_runtime.config.families import BAGEL_FAMILY, FAMILIES, Family, family_of_pipeline_class
 from omni_runtime.engine.stage.stage_core_client import request_id_in_flight_error
 from omni_runtime.engine.stage.stage_core_types import (
     InvalidStageRequestError,
@@ -94,7 +95,6 @@ class DiffusionParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 
 # Parameters passed to the pipeline's __call__ under their own name when set.
 _CALL_PARAMS = ("num_inference_steps", "guidance_scale", "true_cfg_scale", "strength")
-PARAM_NAMES = DiffusionParams.__struct_fields__
 
 
 class InvalidRequestError(InvalidStageRequestError):
@@ -105,63 +105,36 @@ class RequestAbortedError(Exception):
     """Raised inside the pipeline's step callback to stop an aborted request."""
 
 
-class DiffusionEngine:
-    """A diffusers pipeline loaded from a local directory, run one request at a time."""
+class DiffusionEngineBase(abc.ABC):
+    """What every diffusion engine shares: the ids of the requests in flight, which of them
+    are aborted, and turning a request into exactly one output whatever happens to it.
 
-    def __init__(self, config: DiffusionEngineConfig) -> None:
-        import torch
-        from diffusers import AutoPipelineForImage2Image, DiffusionPipeline
+    A subclass loads its model and implements :meth:`validate` (the effective params, or
+    InvalidRequestError naming the field), :meth:`_run` (the images; RequestAbortedError
+    once ``should_abort()`` says so) and :meth:`describe`.
+    """
 
-        if config.dtype not in _DTYPES:
-            raise InvalidRequestError(
-                f"dtype: {config.dtype!r} is not one of {sorted(_DTYPES)}", "dtype"
-            )
-        if config.num_threads is not None:
-            torch.set_num_threads(config.num_threads)
-        self.config = config
-        _parse_params(config.default_params, "defaultSamplingParams")
-        self._torch_dtype = getattr(torch, _DTYPES[config.dtype])
-        self.family = _family(config.family)
-        left_out: dict[str, None] = {}
-        if self.family is not None and config.text_from_upstream:
-            left_out = dict.fromkeys(self.family.dit.text_components)
-        # A hub id is fetched into HF_HOME (without the left-out components' files).
-        self.pipeline = DiffusionPipeline.from_pretrained(
-            config.model,
-            local_files_only=os.path.isdir(config.model),
-            dtype=self._torch_dtype,
-            **left_out,
-        )
-        _check_family(type(self.pipeline).__name__, self.family)
-        self.device = _choose_device(config.device)
-        self.pipeline.to(self.device)
-        self.pipeline.set_progress_bar_config(disable=True)
-        self._img2img = None
-        if self.family is None:
-            try:
-                self._img2img = AutoPipelineForImage2Image.from_pipe(self.pipeline)
-                self._img2img.set_progress_bar_config(disable=True)
-            except ValueError:
-                pass  # this pipeline family has no image-to-image variant
-        # What the pipeline's __call__ takes, so a parameter it would ignore or choke on
-        # is refused by name instead.
-        self._call_params = frozenset(inspect.signature(self.pipeline.__call__).parameters)
-        self.takes_image = self._img2img is not None or (
-            self.family is not None and self.family.dit.takes_image
-        )
-        self.size_multiple = _size_multiple(self.pipeline)
-        self.default_size = _default_size(self.pipeline)
-        self.conditioning_width = _conditioning_width(self.pipeline)
-        # Schedulers index a table of their training timesteps: more steps than that fail
-        # deep inside the pipeline.
-        train_steps = getattr(self.pipeline.scheduler.config, "num_train_timesteps", None)
-        self.max_steps = int(train_steps) - 1 if train_steps else None
+    def __init__(self) -> None:
         # Requests admitted and not yet answered, and those of them aborted. Requests
         # arrive on one thread (the core's input thread, the inline client's event loop)
         # while another runs them (the busy loop, the inline client's worker).
         self._lock = threading.Lock()
         self._admitted: set[str] = set()
         self._aborted: set[str] = set()
+
+    @abc.abstractmethod
+    def describe(self) -> dict[str, Any]:
+        """Plain facts about the loaded model (answered over collective_rpc)."""
+
+    @abc.abstractmethod
+    def validate(self, request: StageDiffusionCoreRequest) -> Any:
+        """The request's effective parameters; InvalidRequestError naming the field if bad."""
+
+    @abc.abstractmethod
+    def _run(
+        self, request: StageDiffusionCoreRequest, params: Any, should_abort: Callable[[], bool]
+    ) -> np.ndarray:
+        """The request's images, uint8 [num_images, height, width, 3]."""
 
     def admit(self, request_id: str) -> StageDiffusionCoreOutput | None:
         """Take ``request_id`` as in flight until :meth:`execute` answers it; or, if an
@@ -184,6 +157,109 @@ class DiffusionEngine:
         with self._lock:
             self._aborted.update(self._admitted)
 
+    def execute(self, request: StageDiffusionCoreRequest) -> StageDiffusionCoreOutput:
+        """Run one (admitted) request to completion, and release its id. Never raises for a
+        request's own problems: a refused, failed or aborted request becomes an output
+        saying so."""
+        request_id = request.request_id
+        try:
+            return self._execute(request, lambda: request_id in self._aborted)
+        finally:
+            with self._lock:
+                self._admitted.discard(request_id)
+                self._aborted.discard(request_id)
+
+    def _execute(
+        self, request: StageDiffusionCoreRequest, should_abort: Callable[[], bool]
+    ) -> StageDiffusionCoreOutput:
+        request_id = request.request_id
+        try:
+            params = self.validate(request)
+        except InvalidRequestError as e:
+            return StageDiffusionCoreOutput(request_id=request_id, error=e.error)
+        if should_abort():
+            return StageDiffusionCoreOutput(request_id=request_id, aborted=True)
+        start = time.perf_counter()
+        try:
+            images = self._run(request, params, should_abort)
+        except RequestAbortedError:
+            return StageDiffusionCoreOutput(request_id=request_id, aborted=True)
+        except ValueError as e:
+            # diffusers' own input checks (check_inputs) raise ValueError.
+            return StageDiffusionCoreOutput(
+                request_id=request_id, error=StageError.bad_request(f"pipeline: {e}")
+            )
+        except Exception as e:  # a request that breaks the pipeline must not kill the stage
+            logger.exception("request %s failed", request_id)
+            failure = f"the pipeline failed: {type(e).__name__}: {e}"
+            return StageDiffusionCoreOutput(
+                request_id=request_id, error=StageError(StageErrorCode.STAGE_FAILED, failure)
+            )
+        return StageDiffusionCoreOutput(
+            request_id=request_id, images=images, execute_time=time.perf_counter() - start
+        )
+
+
+def load_diffusion_engine(config: DiffusionEngineConfig) -> DiffusionEngineBase:
+    """The engine for ``config``'s model: BAGEL's own for a BAGEL pipeline, else the
+    diffusers pipeline the checkpoint holds."""
+    if config.family == BAGEL_FAMILY:
+        from omni_runtime.diffusion.bagel_engine import BagelEngine
+
+        engine: DiffusionEngineBase = BagelEngine(config)
+        return engine
+    return DiffusionEngine(config)
+
+
+class DiffusionEngine(DiffusionEngineBase):
+    """A diffusers pipeline loaded from a local directory, run one request at a time."""
+
+    def __init__(self, config: DiffusionEngineConfig) -> None:
+        import torch
+        from diffusers import AutoPipelineForImage2Image, DiffusionPipeline
+
+        self._torch_dtype = torch_dtype(config.dtype)
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        super().__init__()
+        self.config = config
+        parse_params(config.default_params, "defaultSamplingParams", DiffusionParams)
+        self.family = _family(config.family)
+        left_out: dict[str, None] = {}
+        if self.family is not None and config.text_from_upstream:
+            left_out = dict.fromkeys(self.family.dit.text_components)
+        # A hub id is fetched into HF_HOME (without the left-out components' files).
+        self.pipeline = DiffusionPipeline.from_pretrained(
+            config.model,
+            local_files_only=os.path.isdir(config.model),
+            dtype=self._torch_dtype,
+            **left_out,
+        )
+        _check_family(type(self.pipeline).__name__, self.family)
+        self.device = choose_device(config.device)
+        self.pipeline.to(self.device)
+        self.pipeline.set_progress_bar_config(disable=True)
+        self._img2img = None
+        if self.family is None:
+            try:
+                self._img2img = AutoPipelineForImage2Image.from_pipe(self.pipeline)
+                self._img2img.set_progress_bar_config(disable=True)
+            except ValueError:
+                pass  # this pipeline family has no image-to-image variant
+        # What the pipeline's __call__ takes, so a parameter it would ignore or choke on
+        # is refused by name instead.
+        self._call_params = frozenset(inspect.signature(self.pipeline.__call__).parameters)
+        self.takes_image = self._img2img is not None or (
+            self.family is not None and self.family.dit.takes_image
+        )
+        self.size_multiple = _size_multiple(self.pipeline)
+        self.default_size = _default_size(self.pipeline)
+        self.conditioning_width = _conditioning_width(self.pipeline)
+        # Schedulers index a table of their training timesteps: more steps than that fail
+        # deep inside the pipeline.
+        train_steps = getattr(self.pipeline.scheduler.config, "num_train_timesteps", None)
+        self.max_steps = int(train_steps) - 1 if train_steps else None
+
     def describe(self) -> dict[str, Any]:
         """Plain facts about the loaded pipeline (answered over collective_rpc)."""
         return {
@@ -201,8 +277,10 @@ class DiffusionEngine:
     def validate(self, request: StageDiffusionCoreRequest) -> DiffusionParams:
         """The request's effective parameters; InvalidRequestError naming the field if bad."""
         # The request's own params alone first, so an error names what the caller sent.
-        _parse_params(request.params, "params")
-        params = _parse_params({**self.config.default_params, **request.params}, "params")
+        parse_params(request.params, "params", DiffusionParams)
+        params = parse_params(
+            {**self.config.default_params, **request.params}, "params", DiffusionParams
+        )
         steps = params.num_inference_steps
         if self.max_steps is not None and steps is not None and steps > self.max_steps:
             raise InvalidRequestError(
@@ -289,48 +367,6 @@ class DiffusionEngine:
                 raise InvalidRequestError(
                     f"{name}: not a parameter of this pipeline ({pipeline})", name
                 )
-
-    def execute(self, request: StageDiffusionCoreRequest) -> StageDiffusionCoreOutput:
-        """Run one (admitted) request to completion, and release its id. Never raises for a
-        request's own problems: a refused, failed or aborted request becomes an output
-        saying so."""
-        request_id = request.request_id
-        try:
-            return self._execute(request, lambda: request_id in self._aborted)
-        finally:
-            with self._lock:
-                self._admitted.discard(request_id)
-                self._aborted.discard(request_id)
-
-    def _execute(
-        self, request: StageDiffusionCoreRequest, should_abort: Callable[[], bool]
-    ) -> StageDiffusionCoreOutput:
-        request_id = request.request_id
-        try:
-            params = self.validate(request)
-        except InvalidRequestError as e:
-            return StageDiffusionCoreOutput(request_id=request_id, error=e.error)
-        if should_abort():
-            return StageDiffusionCoreOutput(request_id=request_id, aborted=True)
-        start = time.perf_counter()
-        try:
-            images = self._run(request, params, should_abort)
-        except RequestAbortedError:
-            return StageDiffusionCoreOutput(request_id=request_id, aborted=True)
-        except ValueError as e:
-            # diffusers' own input checks (check_inputs) raise ValueError.
-            return StageDiffusionCoreOutput(
-                request_id=request_id, error=StageError.bad_request(f"pipeline: {e}")
-            )
-        except Exception as e:  # a request that breaks the pipeline must not kill the stage
-            logger.exception("request %s failed", request_id)
-            failure = f"the pipeline failed: {type(e).__name__}: {e}"
-            return StageDiffusionCoreOutput(
-                request_id=request_id, error=StageError(StageErrorCode.STAGE_FAILED, failure)
-            )
-        return StageDiffusionCoreOutput(
-            request_id=request_id, images=images, execute_time=time.perf_counter() - start
-        )
 
     def _run(
         self,
@@ -451,7 +487,16 @@ def _check_family(pipeline_class: str, family: Family | None) -> None:
         )
 
 
-def _choose_device(device: str) -> str:
+def torch_dtype(name: str) -> Any:
+    """The torch dtype a config's ``dtype`` names; InvalidRequestError if none."""
+    import torch
+
+    if name not in _DTYPES:
+        raise InvalidRequestError(f"dtype: {name!r} is not one of {sorted(_DTYPES)}", "dtype")
+    return getattr(torch, _DTYPES[name])
+
+
+def choose_device(device: str) -> str:
     import torch
 
     if device == "auto":
@@ -465,23 +510,25 @@ def _choose_device(device: str) -> str:
     return device
 
 
-def _parse_params(params: dict[str, Any], where: str) -> DiffusionParams:
+_S = TypeVar("_S", bound=msgspec.Struct)
+
+
+def parse_params(params: dict[str, Any], where: str, struct: type[_S]) -> _S:
+    """``params`` as ``struct`` (an engine's parameter set); InvalidRequestError naming
+    the field that is wrong, and for an unknown one, the names allowed."""
     try:
-        return msgspec.convert(params, DiffusionParams)
+        return msgspec.convert(params, struct)
     except msgspec.ValidationError as e:
-        raise _invalid_params(e, where) from None
-
-
-def _invalid_params(error: msgspec.ValidationError, where: str) -> InvalidRequestError:
-    # An unknown field is named in the text alone ("Object contains unknown field `foo`");
-    # the list of allowed ones is what the caller needs to fix it.
-    message = str(error)
-    unknown = re.fullmatch(r"Object contains unknown field `(.+)`", message)
-    if unknown:
-        name = unknown.group(1)
-        allowed = ", ".join(PARAM_NAMES)
-        return InvalidRequestError(f"{where}.{name}: unknown parameter (allowed: {allowed})", name)
-    return InvalidRequestError.from_validation(error, where)
+        # An unknown field is named in the text alone ("Object contains unknown field
+        # `foo`"); the list of allowed ones is what the caller needs to fix it.
+        unknown = re.fullmatch(r"Object contains unknown field `(.+)`", str(e))
+        if unknown:
+            name = unknown.group(1)
+            allowed = ", ".join(struct.__struct_fields__)
+            raise InvalidRequestError(
+                f"{where}.{name}: unknown parameter (allowed: {allowed})", name
+            ) from None
+        raise InvalidRequestError.from_validation(e, where) from None
 
 
 def _size_multiple(pipeline: Any) -> int:

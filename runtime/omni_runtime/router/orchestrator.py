@@ -8,7 +8,8 @@ the input image, which the DiT gets too), and where the DiT will run guidance a 
 request of the same stage encodes the negative prompt, whose handle goes to the DiT as
 ``negative_prompt_embeds``. The last stage's outputs
 are what the caller receives (streamed text, or images). Each stage's replica comes from
-its StageReplicaPool.
+its StageReplicaPool. A BAGEL pipeline's DiT takes the caller's prompt and image: its
+thinker passes them on unchanged for now.
 
 Every stage request of one caller's request (companions included) goes to replicas of one
 pipeline revision: the newest that every stage has a replica of (``router.revisions``);
@@ -41,6 +42,7 @@ from typing import Any, Literal, TypeVar
 import numpy as np
 
 from omni_runtime.config import PipelineConfig, StageConfig
+from omni_runtime.config.families import BAGEL_FAMILY
 from omni_runtime.connectors.base import ConnectorHandle
 from omni_runtime.engine.stage.stage_core_types import (
     StageError,
@@ -254,6 +256,11 @@ class PipelineOrchestrator:
         revision = attempt.revision = self.choose_revision()
         sticky = request.sticky_key
         for index, stage in enumerate(self.stages):
+            if self.pipeline.family == BAGEL_FAMILY and stage.type == "llm":
+                # BAGEL's thinker passes the prompt and the input image on as they are, and
+                # the DiT builds the contexts from them (the first step of the thinker's KV
+                # hand-off); the DiT's request then takes them from the caller's.
+                continue
             stage_request = self._stage_request(
                 request, attempt.number, index, upstream, upstream_text, negative
             )

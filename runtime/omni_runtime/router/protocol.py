@@ -4,7 +4,9 @@ Bodies are validated here, before any stage sees them, so that a bad request is 
 413) whose message names the field and what is allowed. Unknown fields are refused, as
 OpenAI refuses them. The image extensions of vLLM-Omni's API are accepted on chat
 completions: ``modalities: ["image"]`` with height, width, num_inference_steps,
-guidance_scale, seed and negative_prompt; input images come as data URLs in the content.
+guidance_scale, seed and negative_prompt, and BAGEL's guidance (cfg_text_scale,
+cfg_img_scale, cfg_interval, cfg_renorm_type, cfg_renorm_min, timestep_shift); input images
+come as data URLs in the content.
 /v1/images/edits takes OpenAI's multipart form (``ImageEditForm`` parses it as it arrives,
 within the limits) with the same extensions as form fields.
 """
@@ -97,6 +99,7 @@ class StreamOptions(_Body):
 # JSON has no inf or nan, but form fields do ("inf" parses as a float): refused for both.
 NonNegativeFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
 Strength = Annotated[float, Field(gt=0, le=1)]
+UnitFloat = Annotated[float, Field(ge=0, le=1)]
 Seed = Annotated[StrictInt, Field(ge=0, le=2**63 - 1)]
 
 
@@ -128,6 +131,13 @@ class ChatCompletionRequest(_Body):
     true_cfg_scale: NonNegativeFloat | None = None
     negative_prompt: str | None = None
     strength: Strength | None = None
+    # BAGEL's guidance (a bagel pipeline's DiT; others refuse them by name).
+    cfg_text_scale: NonNegativeFloat | None = None
+    cfg_img_scale: NonNegativeFloat | None = None
+    cfg_interval: tuple[UnitFloat, UnitFloat] | None = None
+    cfg_renorm_type: Literal["global", "channel", "text_channel"] | None = None
+    cfg_renorm_min: UnitFloat | None = None
+    timestep_shift: Annotated[float, Field(gt=0, le=100)] | None = None
 
     def has_input_image(self) -> bool:
         """Whether converting this request decodes an image (worth a thread of its own)."""
@@ -231,6 +241,13 @@ class _ImageRequest(_Body):
     # Qwen-Image's classifier-free guidance scale (with a negative prompt).
     true_cfg_scale: NonNegativeFloat | None = None
     negative_prompt: str | None = None
+    # BAGEL's guidance (a bagel pipeline's DiT; others refuse them by name).
+    cfg_text_scale: NonNegativeFloat | None = None
+    cfg_img_scale: NonNegativeFloat | None = None
+    cfg_interval: tuple[UnitFloat, UnitFloat] | None = None
+    cfg_renorm_type: Literal["global", "channel", "text_channel"] | None = None
+    cfg_renorm_min: UnitFloat | None = None
+    timestep_shift: Annotated[float, Field(gt=0, le=100)] | None = None
     user: str | None = None
 
     def _diffusion_params(
@@ -308,6 +325,12 @@ _DIFFUSION_FIELDS = (
     "true_cfg_scale",
     "seed",
     "negative_prompt",
+    "cfg_text_scale",
+    "cfg_img_scale",
+    "cfg_interval",
+    "cfg_renorm_type",
+    "cfg_renorm_min",
+    "timestep_shift",
 )
 
 

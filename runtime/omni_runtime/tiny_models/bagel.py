@@ -62,6 +62,20 @@ _VIT_CONFIG: dict[str, Any] = {
 }
 
 
+_PREPROCESSOR_CONFIG: dict[str, Any] = {
+    "image_processor_type": "SiglipImageProcessor",
+    "do_convert_rgb": True,
+    "do_resize": True,
+    "size": {"height": 14 * VIT_SIDE, "width": 14 * VIT_SIDE},
+    "resample": 3,
+    "do_rescale": True,
+    "rescale_factor": 1 / 255,
+    "do_normalize": True,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+}
+
+
 def bagel_config() -> dict[str, Any]:
     """The tiny checkpoint's config.json."""
     return {
@@ -110,6 +124,8 @@ def build_bagel(path: Path, tokenizer: Any) -> None:
     )
     tokenizer.save_pretrained(path)
     _write_slow_tokenizer_files(path)
+    # What vLLM's BAGEL (the thinker) reads images with: SigLIP's processor.
+    (path / "preprocessor_config.json").write_text(json.dumps(_PREPROCESSOR_CONFIG, indent=2))
 
     torch.manual_seed(SEED)
     # The depths that read_bagel_shape will find in the weights written here.

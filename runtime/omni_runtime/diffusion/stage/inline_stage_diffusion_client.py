@@ -12,7 +12,7 @@ import time
 from collections import deque
 from typing import Any
 
-from omni_runtime.diffusion.engine import DiffusionEngine, DiffusionEngineConfig
+from omni_runtime.diffusion.engine import DiffusionEngineConfig, load_diffusion_engine
 from omni_runtime.engine.stage.stage_core_client import StageCoreClientBase, StageCoreDeadError
 from omni_runtime.engine.stage.stage_core_types import (
     StageCoreRequest,
@@ -25,7 +25,7 @@ class InlineStageDiffusionClient(StageCoreClientBase):
     """A diffusion engine run in-process behind the stage client contract."""
 
     def __init__(self, config: DiffusionEngineConfig) -> None:
-        self.engine = DiffusionEngine(config)
+        self.engine = load_diffusion_engine(config)
         self.info = self.engine.describe()
         # Admitted, waiting for the worker (the engine tracks ids and aborts).
         self._pending: deque[StageDiffusionCoreRequest] = deque()

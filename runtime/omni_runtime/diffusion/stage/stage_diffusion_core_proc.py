@@ -31,7 +31,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from omni_runtime.diffusion.engine import DiffusionEngine, DiffusionEngineConfig
+from omni_runtime.diffusion.engine import DiffusionEngineConfig, load_diffusion_engine
 from omni_runtime.engine.stage.stage_core_types import (
     StageCoreRequestType,
     StageDiffusionCoreOutputs,
@@ -78,7 +78,7 @@ class StageDiffusionCoreProc:
         self._ctx = zmq.Context()
         self._handshake_address = handshake_address
         try:
-            self.engine = DiffusionEngine(config)
+            self.engine = load_diffusion_engine(config)
         except BaseException as e:
             self._send_handshake(StageProcHandshake(os.getpid(), False, error=_describe(e)))
             self._ctx.term()

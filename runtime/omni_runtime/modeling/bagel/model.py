@@ -136,10 +136,12 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool) -> Tensor:
     if causal:
         rows = torch.arange(n, device=q.device)[:, None] + (t - n)
         mask = torch.arange(t, device=q.device)[None, :] <= rows
+    # [1, heads, tokens, dim]: SDPA's batched layout, whose CPU kernel the reference's
+    # attention runs too (its results then agree bit for bit).
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask
     )
-    return out.transpose(0, 1).reshape(n, heads * dim)
+    return out[0].transpose(0, 1).reshape(n, heads * dim)
 
 
 class MoTAttention(nn.Module):  # type: ignore[misc]

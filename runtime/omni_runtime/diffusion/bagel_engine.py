@@ -1,0 +1,214 @@
+"""BagelEngine: BAGEL's DiT stage, request by request.
+
+BAGEL generates with the same model its thinker runs: the generation expert denoises
+latent tokens against the request's context KV (``omni_runtime.modeling.bagel``). In this
+step of the hand-off the stage builds the three contexts itself from what the thinker stage
+passes on, the prompt text and the input image; the thinker's own KV cache takes their
+place when it crosses over a connector.
+
+Parameters (``params``): height, width (text-to-image; an edit makes its input image's
+size, after a resize to height x width where given), num_inference_steps (BAGEL's
+num_timesteps: that many points from noise to image, one step fewer), seed (the
+reference's ``torch.manual_seed``), num_images, and BAGEL's guidance: cfg_text_scale
+(guidance_scale is taken for it), cfg_img_scale, cfg_interval, cfg_renorm_type,
+cfg_renorm_min, timestep_shift. Left out, each is BAGEL's default for an edit or for
+text-to-image.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Annotated, Any, Literal
+
+import msgspec
+import numpy as np
+
+from omni_runtime.diffusion.engine import (
+    MAX_IMAGES,
+    MAX_SIDE,
+    DiffusionEngineBase,
+    DiffusionEngineConfig,
+    InvalidRequestError,
+    RequestAbortedError,
+    choose_device,
+    parse_params,
+    torch_dtype,
+)
+from omni_runtime.engine.stage.stage_core_types import StageDiffusionCoreRequest
+
+Fraction = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
+
+
+class BagelParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """The sampling parameters a BAGEL request may carry; None is BAGEL's default."""
+
+    height: Annotated[int, msgspec.Meta(ge=1, le=MAX_SIDE)] | None = None
+    width: Annotated[int, msgspec.Meta(ge=1, le=MAX_SIDE)] | None = None
+    # Points on the schedule, noise and image included: at least 2 (one step).
+    num_inference_steps: Annotated[int, msgspec.Meta(ge=2, le=1000)] | None = None
+    seed: Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)] | None = None
+    num_images: Annotated[int, msgspec.Meta(ge=1, le=MAX_IMAGES)] = 1
+    # The OpenAI-style name for the text guidance scale.
+    guidance_scale: Annotated[float, msgspec.Meta(ge=0.0)] | None = None
+    cfg_text_scale: Annotated[float, msgspec.Meta(ge=0.0)] | None = None
+    cfg_img_scale: Annotated[float, msgspec.Meta(ge=0.0)] | None = None
+    cfg_interval: tuple[Fraction, Fraction] | None = None
+    cfg_renorm_type: Literal["global", "channel", "text_channel"] | None = None
+    cfg_renorm_min: Fraction | None = None
+    timestep_shift: Annotated[float, msgspec.Meta(gt=0.0, le=100.0)] | None = None
+
+
+class BagelEngine(DiffusionEngineBase):
+    """A BAGEL checkpoint loaded for generation in this process."""
+
+    def __init__(self, config: DiffusionEngineConfig) -> None:
+        import torch
+
+        from omni_runtime.modeling.bagel.config import BagelCheckpointError
+        from omni_runtime.modeling.bagel.generation import BagelGenerator
+
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        super().__init__()
+        self.config = config
+        parse_params(config.default_params, "defaultSamplingParams", BagelParams)
+        self.device = choose_device(config.device)
+        try:
+            self.generator = BagelGenerator.load(
+                config.model, dtype=torch_dtype(config.dtype), device=self.device
+            )
+        except BagelCheckpointError as e:
+            raise InvalidRequestError(f"model: {e}", "model") from None
+        self.shape = self.generator.shape
+        self.size_multiple = self.shape.latent_downsample
+        self.max_side = self.generator.max_side()
+        transform = self.shape.vae_transform
+        self.default_size = (transform.max_size, transform.max_size)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "model": self.config.model,
+            "device": self.device,
+            "pipeline": "BAGEL",
+            "family": "bagel",
+            "takes_image": True,
+            "size_multiple": self.size_multiple,
+            "max_side": self.max_side,
+            "default_size": list(self.default_size),
+        }
+
+    def validate(self, request: StageDiffusionCoreRequest) -> BagelParams:
+        parse_params(request.params, "params", BagelParams)
+        params = parse_params(
+            {**self.config.default_params, **request.params}, "params", BagelParams
+        )
+        if request.prompt is None:
+            raise InvalidRequestError("prompt: required (the text BAGEL generates from)", "prompt")
+        for name in ("prompt_embeds", "negative_prompt_embeds"):
+            if getattr(request, name) is not None:
+                raise InvalidRequestError(
+                    f"{name}: BAGEL's DiT reads its context from the prompt and image, not "
+                    "embeddings",
+                    name,
+                )
+        if params.guidance_scale is not None:
+            if params.cfg_text_scale is not None:
+                raise InvalidRequestError(
+                    "guidance_scale: give cfg_text_scale or guidance_scale (the same scale), "
+                    "not both",
+                    "guidance_scale",
+                )
+            params.cfg_text_scale, params.guidance_scale = params.guidance_scale, None
+        if params.cfg_interval is not None and params.cfg_interval[0] >= params.cfg_interval[1]:
+            raise InvalidRequestError(
+                f"cfg_interval: expected [low, high] with low < high in [0, 1], got "
+                f"{list(params.cfg_interval)}",
+                "cfg_interval",
+            )
+        for name in ("height", "width"):
+            value = getattr(params, name)
+            if value is None:
+                continue
+            if value % self.size_multiple or value > self.max_side:
+                raise InvalidRequestError(
+                    f"{name}: must be a multiple of {self.size_multiple} and at most "
+                    f"{self.max_side} for this model (got {value})",
+                    name,
+                )
+        if (params.height is None) != (params.width is None):
+            raise InvalidRequestError("height: give height and width together", "height")
+        if request.image is not None:
+            image = request.image
+            if image.ndim != 3 or image.shape[2] != 3 or image.dtype != np.uint8:
+                raise InvalidRequestError(
+                    f"image: expected uint8 RGB [height, width, 3], got {image.dtype} "
+                    f"{list(image.shape)}",
+                    "image",
+                )
+            if params.height is not None and params.width is not None:
+                size = (params.width, params.height)
+                kept = self.shape.vae_transform.size_for(*size)
+                if kept != size:
+                    transform = self.shape.vae_transform
+                    raise InvalidRequestError(
+                        f"height: an edit's size must be one BAGEL's image transform keeps "
+                        f"(sides {transform.min_size}-{transform.max_size}, multiples of "
+                        f"{transform.stride}); {params.width}x{params.height} would become "
+                        f"{kept[0]}x{kept[1]}",
+                        "height",
+                    )
+        elif params.height is None:
+            params.height, params.width = self.default_size
+        return params
+
+    def _run(
+        self,
+        request: StageDiffusionCoreRequest,
+        params: BagelParams,
+        should_abort: Callable[[], bool],
+    ) -> np.ndarray:
+        import torch
+        from PIL import Image
+
+        from omni_runtime.modeling.bagel.generation import default_guidance
+
+        def on_step(step: int) -> None:
+            if should_abort():
+                raise RequestAbortedError
+
+        edit = request.image is not None
+        guidance = default_guidance(edit)
+        overrides: dict[str, Any] = {
+            "num_timesteps": params.num_inference_steps,
+            "timestep_shift": params.timestep_shift,
+            "cfg_text_scale": params.cfg_text_scale,
+            "cfg_img_scale": params.cfg_img_scale,
+            "cfg_interval": params.cfg_interval,
+            "cfg_renorm_type": params.cfg_renorm_type,
+            "cfg_renorm_min": params.cfg_renorm_min,
+        }
+        guidance = dataclasses.replace(
+            guidance, **{k: v for k, v in overrides.items() if v is not None}
+        )
+        generator = torch.Generator()
+        if params.seed is not None:
+            generator.manual_seed(params.seed)
+        else:
+            generator.seed()
+        image = None
+        size = None if params.width is None else (params.width, params.height or 0)
+        if edit:
+            assert request.image is not None
+            picture = Image.fromarray(np.asarray(request.image), mode="RGB")
+            image = self.generator.prepare_image(picture, size)
+        assert request.prompt is not None
+        contexts = self.generator.contexts(
+            request.prompt, image, params.height or 0, params.width or 0, generator
+        )
+        return np.stack(
+            [
+                self.generator.generate(contexts, guidance, generator, on_step)
+                for _ in range(params.num_images)
+            ]
+        )

@@ -1,0 +1,1 @@
+"""BAGEL's official reference inference, run on CPU in its own environment (harness.py)."""

@@ -1,0 +1,367 @@
+"""BAGEL on the tiny checkpoint: equal to BAGEL's own inference code, and served as the seed
+asks for it.
+
+The reference is ByteDance-Seed/Bagel's inference code, unmodified, run in an environment
+of its own (bagel_reference/: transformers 4.49, a flash-attn stand-in on SDPA) on the same
+weights, prompt, seed and so the same noise. What may differ, and why:
+
+- the VAE: the reference runs under bf16 autocast, so its VAE convolves in bf16; ours is
+  float32. The image tokens of an input image (its VAE latent) and every decoded pixel carry
+  that difference; measured on the reference's own latent, our decode differs by at most 4
+  levels of 255 (mean 0.5);
+- guidance's renormalisation: CUDA autocast, the reference's platform, takes a norm in
+  float32, as we do; the CPU autocast the reference runs under here keeps it in bf16.
+Everything else is bit for bit: the text and ViT contexts' keys and values, and with
+guidance off, the whole flow's final latent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import os
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import torch
+import yaml
+from bagel_reference.harness import reference_dir, run_reference
+from PIL import Image
+from serving import CLI, served_base_url, wait_until
+
+from omni_runtime.modeling.bagel.generation import BagelGenerator, GuidanceParams, default_guidance
+from omni_runtime.tiny_models import BAGEL_SUBDIR
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+SIZE = 64
+STEPS = 6
+SEED = 42
+# The seed's request text, special tokens and all.
+EDIT_PROMPT = "<|im_start|>Turn the main subject into a polished gold sculpture.<|im_end|>"
+T2I_PROMPT = "a red cat on a city street"
+# The image tokens' keys and values differ by the VAE's precision (see the docstring):
+# measured at most 0.031 (one bf16 step at their magnitude, up to 4.5).
+VAE_TOKENS_ATOL = 0.1
+# Final latents (magnitude up to ~4): measured 0.028 (text-to-image) and 0.051 (edit).
+LATENT_ATOL = 0.15
+# Pixels: measured at most 8 levels (mean 0.84) through the whole pipeline.
+PIXELS_MAX, PIXELS_MEAN = 12, 1.5
+
+
+def input_image(seed: int = 3) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (SIZE, SIZE, 3), dtype=np.uint8)
+
+
+def png(image: np.ndarray) -> bytes:
+    buffer = io.BytesIO()
+    Image.fromarray(image).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def decoded(b64: str | None) -> np.ndarray:
+    assert b64 is not None
+    return np.asarray(Image.open(io.BytesIO(base64.b64decode(b64))).convert("RGB"))
+
+
+def assert_close_image(ours: np.ndarray, reference: np.ndarray) -> None:
+    assert ours.shape == reference.shape
+    difference = np.abs(ours.astype(np.int16) - reference.astype(np.int16))
+    assert difference.max() <= PIXELS_MAX, difference.max()
+    assert difference.mean() <= PIXELS_MEAN, difference.mean()
+
+
+# --- the reference ---------------------------------------------------------------------
+
+
+CASES: dict[str, tuple[str, bool, GuidanceParams]] = {
+    # name: (prompt, edit, guidance)
+    "t2i": (T2I_PROMPT, False, replace(default_guidance(False), num_timesteps=STEPS)),
+    "t2i-unguided": (
+        T2I_PROMPT,
+        False,
+        replace(default_guidance(False), num_timesteps=STEPS, cfg_text_scale=1.0),
+    ),
+    "edit": (EDIT_PROMPT, True, replace(default_guidance(True), num_timesteps=STEPS)),
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tiny_models: Path) -> Path:
+    return tiny_models / BAGEL_SUBDIR
+
+
+@pytest.fixture(scope="module")
+def reference(
+    checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, dict[str, np.ndarray]]:
+    """What BAGEL's own code computes for each case, on the tiny checkpoint."""
+    if reference_dir() is None:
+        if os.environ.get("OMNI_REQUIRE_BAGEL_REFERENCE") == "1":
+            pytest.fail("OMNI_REQUIRE_BAGEL_REFERENCE=1 but no BAGEL reference code was found")
+        pytest.skip("BAGEL's reference code is not here (set OMNI_BAGEL_REFERENCE)")
+    workdir = tmp_path_factory.mktemp("bagel-reference")
+    image_path = workdir / "input.png"
+    image_path.write_bytes(png(input_image()))
+    results = {}
+    for name, (prompt, edit, guidance) in CASES.items():
+        spec = {
+            "checkpoint": str(checkpoint),
+            "prompt": prompt,
+            "image": str(image_path) if edit else None,
+            "seed": SEED,
+            "num_timesteps": guidance.num_timesteps,
+            "timestep_shift": guidance.timestep_shift,
+            "cfg_text_scale": guidance.cfg_text_scale,
+            "cfg_img_scale": guidance.cfg_img_scale,
+            "cfg_interval": list(guidance.cfg_interval),
+            "cfg_renorm_type": guidance.cfg_renorm_type,
+            "cfg_renorm_min": guidance.cfg_renorm_min,
+            "height": SIZE,
+            "width": SIZE,
+            "out": str(workdir / f"{name}.npz"),
+        }
+        results[name] = run_reference(spec, workdir)
+    return results
+
+
+@pytest.fixture(scope="module")
+def generator(checkpoint: Path) -> BagelGenerator:
+    return BagelGenerator.load(checkpoint)
+
+
+def ours(generator: BagelGenerator, case: str) -> tuple[Any, np.ndarray, np.ndarray]:
+    """(contexts, final latent, image) of our generator for ``case``."""
+    prompt, edit, guidance = CASES[case]
+    rng = torch.Generator().manual_seed(SEED)
+    picture = generator.prepare_image(Image.fromarray(input_image())) if edit else None
+    contexts = generator.contexts(prompt, picture, SIZE, SIZE, rng)
+    with torch.inference_mode():
+        latent = generator.denoise(contexts, guidance, rng)
+        image = generator.decode(latent, contexts.image_size)
+    return contexts, latent.numpy(), image
+
+
+# --- equality with the reference, in this process -------------------------------------
+
+
+@pytest.mark.parametrize("case", ["t2i", "edit"])
+def test_contexts_are_the_references(
+    generator: BagelGenerator, reference: dict[str, dict[str, np.ndarray]], case: str
+) -> None:
+    """The three contexts' keys and values, per layer. Without an input image, bit for bit.
+    With one, its VAE tokens carry the VAE's precision, and so does every later token from
+    the second layer on (it attends to them); the first layer of the ViT and text tokens,
+    and the image-dropped context, are still bit for bit."""
+    ref = reference[case]
+    contexts, _, _ = ours(generator, case)
+    _, edit, _ = CASES[case]
+    # (ours, the reference's name, whether it holds the input image's VAE tokens)
+    pairs = [
+        (contexts.full, "gen", edit),
+        (contexts.no_text, "cfg_text", edit),
+        (contexts.no_image, "cfg_img", False),
+    ]
+    vae = (SIZE // 16) ** 2 + 2  # the VAE tokens and their two frame tokens
+    for context, name, with_vae in pairs:
+        assert context.rope == int(ref[f"{name}_rope"])
+        for kind, tensor in (("keys", context.keys), ("values", context.values)):
+            mine, theirs = tensor.float().numpy(), ref[f"{name}_{kind}"]
+            assert mine.shape == theirs.shape, (name, kind)
+            what = f"{case} {name} {kind}"
+            if not with_vae:
+                np.testing.assert_array_equal(mine, theirs, err_msg=what)
+                continue
+            np.testing.assert_array_equal(mine[0, vae:], theirs[0, vae:], err_msg=what)
+            np.testing.assert_allclose(mine, theirs, rtol=0, atol=VAE_TOKENS_ATOL, err_msg=what)
+    if edit:
+        # The text-dropped context is a prefix of the full one.
+        prefix = contexts.no_text.length
+        assert torch.equal(contexts.full.keys[:, :prefix], contexts.no_text.keys)
+
+
+def test_the_flow_without_guidance_is_the_references_bit_for_bit(
+    generator: BagelGenerator, reference: dict[str, dict[str, np.ndarray]]
+) -> None:
+    _, latent, image = ours(generator, "t2i-unguided")
+    np.testing.assert_array_equal(latent, reference["t2i-unguided"]["latent"])
+    assert_close_image(image, reference["t2i-unguided"]["image"])
+
+
+@pytest.mark.parametrize("case", ["t2i", "edit"])
+def test_guided_latents_and_images_are_the_references(
+    generator: BagelGenerator, reference: dict[str, dict[str, np.ndarray]], case: str
+) -> None:
+    _, latent, image = ours(generator, case)
+    np.testing.assert_allclose(latent, reference[case]["latent"], rtol=0, atol=LATENT_ATOL)
+    assert_close_image(image, reference[case]["image"])
+
+
+# --- served: the thinker and the DiT as processes, behind the router -------------------
+
+
+@pytest.fixture(scope="module")
+def served(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """``omni-runtime serve -f examples/tiny-bagel.yaml`` on the tiny checkpoint; its base URL."""
+    workdir = tmp_path_factory.mktemp("serve-bagel")
+    data = yaml.safe_load((ROOT / "examples" / "tiny-bagel.yaml").read_text())
+    data["model"] = str(checkpoint)
+    config = workdir / "pipeline.yaml"
+    config.write_text(yaml.safe_dump(data))
+    log_path = workdir / "serve.log"
+    log = open(log_path, "wb")  # noqa: SIM115 - closed in the finally
+    proc = subprocess.Popen(
+        [*CLI, "serve", "-f", str(config), "--port", "0"],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
+    )
+    try:
+        yield served_base_url(proc, log_path, 300)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+        log.close()
+
+
+def seed_request(image: np.ndarray, seed: int = SEED, steps: int = STEPS) -> dict[str, Any]:
+    """The seed's TI2I request body, at the tiny model's size."""
+    url = "data:image/png;base64," + base64.b64encode(png(image)).decode()
+    return {
+        "model": "tiny-bagel",
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": EDIT_PROMPT},
+                    {"type": "image_url", "image_url": {"url": url}},
+                ],
+            }
+        ],
+        "modalities": ["image"],
+        "height": SIZE,
+        "width": SIZE,
+        "num_inference_steps": steps,
+        "seed": seed,
+    }
+
+
+def chat_image(response: Any) -> np.ndarray:
+    parts = response.choices[0].message.content
+    assert isinstance(parts, list)
+    return decoded(parts[0]["image_url"]["url"].split(",", 1)[1])
+
+
+def test_the_seeds_request_through_the_openai_client_is_the_references_edit(
+    served: str, reference: dict[str, dict[str, np.ndarray]]
+) -> None:
+    client = openai.OpenAI(base_url=served, api_key="unused", timeout=120)
+    body = seed_request(input_image())
+    response = client.chat.completions.create(
+        model=body.pop("model"), messages=body.pop("messages"), extra_body=body
+    )
+    assert_close_image(chat_image(response), reference["edit"]["image"])
+
+
+def test_text_to_image_and_edits_on_the_images_endpoints(
+    served: str, reference: dict[str, dict[str, np.ndarray]]
+) -> None:
+    client = openai.OpenAI(base_url=served, api_key="unused", timeout=120)
+    extra = {"num_inference_steps": STEPS, "seed": SEED}
+    generated = client.images.generate(
+        model="tiny-bagel",
+        prompt=T2I_PROMPT,
+        size=f"{SIZE}x{SIZE}",  # type: ignore[arg-type]
+        extra_body=extra,
+    )
+    assert generated.data is not None
+    assert_close_image(decoded(generated.data[0].b64_json), reference["t2i"]["image"])
+    edited = client.images.edit(
+        model="tiny-bagel",
+        image=("in.png", png(input_image()), "image/png"),
+        prompt=EDIT_PROMPT,
+        extra_body=extra,
+    )
+    assert edited.data is not None
+    # The input's size: an edit keeps it.
+    assert_close_image(decoded(edited.data[0].b64_json), reference["edit"]["image"])
+
+
+def test_ten_jobs_in_a_row_as_the_seeds_curl_sends_them(served: str) -> None:
+    """The seed's test plan: its curl request (raw JSON), 10 jobs in a row, all succeed."""
+    times = []
+    images = []
+    with httpx.Client(base_url=served, timeout=120) as http:
+        for job in range(10):
+            start = time.perf_counter()
+            response = http.post("/chat/completions", json=seed_request(input_image(job), job))
+            times.append(time.perf_counter() - start)
+            assert response.status_code == 200, response.text
+            parts = response.json()["choices"][0]["message"]["content"]
+            image = decoded(parts[0]["image_url"]["url"].split(",", 1)[1])
+            assert image.shape == (SIZE, SIZE, 3)
+            images.append(image)
+    # Each job its own image (inputs and seeds differ).
+    assert len({image.tobytes() for image in images}) == 10
+    print(f"10 jobs: {', '.join(f'{t:.2f}' for t in times)} s")
+
+
+def _dit_in_flight(http: httpx.Client) -> float:
+    metrics = http.get("/metrics").text
+    for line in metrics.splitlines():
+        if line.startswith('omni_stage_in_flight{stage="dit"}'):
+            return float(line.split()[-1])
+    return 0.0
+
+
+async def test_a_client_that_goes_away_mid_generation_frees_the_dit(served: str) -> None:
+    root = served.removesuffix("/v1")
+    # About 6 s of generation alone here (200 steps, three velocities each); aborted, the
+    # DiT is free within a step.
+    long_body = seed_request(input_image(), steps=200)
+    async with httpx.AsyncClient(base_url=served, timeout=120) as http:
+        request = asyncio.create_task(http.post("/chat/completions", json=long_body))
+        with httpx.Client(base_url=root, timeout=10) as metrics:
+            await asyncio.to_thread(
+                wait_until, lambda: _dit_in_flight(metrics) == 1, 60, "the DiT generating"
+            )
+            request.cancel()  # the connection closes with it
+            await asyncio.gather(request, return_exceptions=True)
+            await asyncio.to_thread(
+                wait_until, lambda: _dit_in_flight(metrics) == 0, 2, "the DiT aborting"
+            )
+    with httpx.Client(base_url=served, timeout=60) as http:
+        response = http.post("/chat/completions", json=seed_request(input_image(), steps=2))
+        assert response.status_code == 200, response.text
+
+
+@pytest.mark.parametrize(
+    ("change", "param", "says"),
+    [
+        ({"height": 60, "width": 60}, "height", "multiple of 16"),
+        ({"height": 256, "width": 256}, "height", "at most 128"),
+        ({"cfg_interval": [0.9, 0.1]}, "cfg_interval", "low < high"),
+        ({"true_cfg_scale": 3.0}, "true_cfg_scale", "unknown parameter"),
+        ({"guidance_scale": 3.0, "cfg_text_scale": 2.0}, "guidance_scale", "not both"),
+    ],
+)
+def test_bad_parameters_are_refused_by_name(
+    served: str, change: dict[str, Any], param: str, says: str
+) -> None:
+    body = {**seed_request(input_image(), steps=2), **change}
+    with httpx.Client(base_url=served, timeout=60) as http:
+        response = http.post("/chat/completions", json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param
+    assert says in error["message"]
