@@ -154,9 +154,9 @@ async def measure_vllm(
 ) -> tuple[list[float], list[float]]:
     """Seconds per round from the first add to the last handle (the put done), and of
     them the adds' (request building: tokenizing, image processing, sending to the core)."""
+    from omni_runtime.connectors import StageConnectors
     from omni_runtime.engine.stage.stage_core_types import StageServerOutput, StageServerRequest
     from omni_runtime.engine.stage.stage_llm_core_client import start_stage_llm_client
-    from omni_runtime.stage_server.frontend import StageConnectors
     from omni_runtime.stage_server.llm_frontend import StageLLMFrontend
 
     pipeline = example(family, root)

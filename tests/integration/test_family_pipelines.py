@@ -34,9 +34,9 @@ from serving import CLI, served_base_url
 
 from omni_runtime.config import PipelineConfig, load_pipeline
 from omni_runtime.config.families import FAMILIES, prompt_image_size
+from omni_runtime.connectors import StageConnectors
 from omni_runtime.engine.stage.stage_core_types import StageServerOutput, StageServerRequest
 from omni_runtime.engine.stage.stage_llm_core_client import start_stage_llm_client
-from omni_runtime.stage_server.frontend import StageConnectors
 from omni_runtime.stage_server.llm_frontend import StageLLMFrontend
 from omni_runtime.tiny_models import QWEN_IMAGE_EDIT_SUBDIR, QWEN_IMAGE_SUBDIR, Z_IMAGE_SUBDIR
 

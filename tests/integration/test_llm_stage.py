@@ -32,6 +32,7 @@ from vllm.v1.engine import FinishReason
 from vllm.v1.engine.core_client import AsyncMPClient
 
 from omni_runtime.config import PipelineConfig, StageConfig
+from omni_runtime.connectors import StageConnectors
 from omni_runtime.diffusion.engine import DiffusionEngineConfig
 from omni_runtime.diffusion.stage.generate import generate
 from omni_runtime.diffusion.stage.inline_stage_diffusion_client import InlineStageDiffusionClient
@@ -51,7 +52,6 @@ from omni_runtime.engine.stage.stage_llm_core_client import (
     start_stage_llm_client,
 )
 from omni_runtime.engine.stage.stage_llm_engine_config import StageLLMConfigError
-from omni_runtime.stage_server.frontend import StageConnectors
 from omni_runtime.stage_server.llm_frontend import StageLLMFrontend
 from omni_runtime.tiny_models import DIFFUSION_SUBDIR, HIDDEN_SIZE, LLM_SUBDIR
 

@@ -1,10 +1,16 @@
 """BagelEngine: BAGEL's DiT stage, request by request.
 
 BAGEL generates with the same model its thinker runs: the generation expert denoises
-latent tokens against the request's context KV (``omni_runtime.modeling.bagel``). In this
-step of the hand-off the stage builds the three contexts itself from what the thinker stage
-passes on, the prompt text and the input image; the thinker's own KV cache takes their
-place when it crosses over a connector.
+latent tokens against the request's context KV (``omni_runtime.modeling.bagel``). The
+contexts come one of two ways:
+
+- as KV caches in a connector (``context_kv``: the full context, whose prefix is the
+  text-dropped one; ``no_image_context_kv``: the image-dropped one), fetched here, in the
+  core process: from shared memory the KV is read in place, bf16 as it was put, never
+  copied. A request that ends before it runs (refused, aborted) fetches and drops them, so
+  the producer's copy goes at once, not at its expiry;
+- or built here from the prompt text and the input image, as the thinker passes them on
+  until its KV hand-off is in place.
 
 Parameters (``params``): height, width (text-to-image; an edit makes its input image's
 size, after a resize to height x width where given), num_inference_steps (BAGEL's
@@ -17,6 +23,7 @@ text-to-image.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
@@ -24,6 +31,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 import numpy as np
 
+from omni_runtime.config import ConnectorConfig
+from omni_runtime.connectors import ConnectorError, StageConnectors
 from omni_runtime.diffusion.engine import (
     MAX_IMAGES,
     MAX_SIDE,
@@ -31,11 +40,12 @@ from omni_runtime.diffusion.engine import (
     DiffusionEngineConfig,
     InvalidRequestError,
     RequestAbortedError,
+    UpstreamInputError,
     choose_device,
     parse_params,
     torch_dtype,
 )
-from omni_runtime.engine.stage.stage_core_types import StageDiffusionCoreRequest
+from omni_runtime.engine.stage.stage_core_types import ContextKVRef, StageDiffusionCoreRequest
 
 Fraction = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
 
@@ -75,12 +85,15 @@ class BagelEngine(DiffusionEngineBase):
         parse_params(config.default_params, "defaultSamplingParams", BagelParams)
         self.device = choose_device(config.device)
         try:
-            self.generator = BagelGenerator.load(
-                config.model, dtype=torch_dtype(config.dtype), device=self.device
-            )
+            # auto: bf16, as the released weights are and the reference's attention runs.
+            dtype = torch_dtype("bfloat16" if config.dtype == "auto" else config.dtype)
+            self.generator = BagelGenerator.load(config.model, dtype=dtype, device=self.device)
         except BagelCheckpointError as e:
             raise InvalidRequestError(f"model: {e}", "model") from None
         self.shape = self.generator.shape
+        self._connectors = StageConnectors(
+            {name: ConnectorConfig.model_validate(c) for name, c in config.connectors.items()}
+        )
         self.size_multiple = self.shape.latent_downsample
         self.max_side = self.generator.max_side()
         transform = self.shape.vae_transform
@@ -103,7 +116,15 @@ class BagelEngine(DiffusionEngineBase):
         params = parse_params(
             {**self.config.default_params, **request.params}, "params", BagelParams
         )
-        if request.prompt is None:
+        if request.context_kv is not None:
+            self._check_context(request.context_kv, "context_kv")
+            if request.no_image_context_kv is not None:
+                self._check_context(request.no_image_context_kv, "no_image_context_kv")
+        elif request.no_image_context_kv is not None:
+            raise InvalidRequestError(
+                "no_image_context_kv: given without context_kv", "no_image_context_kv"
+            )
+        elif request.prompt is None:
             raise InvalidRequestError("prompt: required (the text BAGEL generates from)", "prompt")
         for name in ("prompt_embeds", "negative_prompt_embeds"):
             if getattr(request, name) is not None:
@@ -160,7 +181,59 @@ class BagelEngine(DiffusionEngineBase):
                     )
         elif params.height is None:
             params.height, params.width = self.default_size
+        if (
+            request.context_kv is not None
+            and request.image is not None
+            and request.no_image_context_kv is None
+        ):
+            raise InvalidRequestError(
+                "no_image_context_kv: required with context_kv for an edit (the image-dropped "
+                "context its image guidance runs against)",
+                "no_image_context_kv",
+            )
         return params
+
+    def _check_context(self, ref: ContextKVRef, name: str) -> None:
+        llm = self.shape.llm
+        expected = [2, llm.num_layers, -1, llm.num_kv_heads, llm.head_dim]
+        shape = list(ref.kv.shape)
+        fits = len(shape) == 5 and all(
+            e in (-1, got) for e, got in zip(expected, shape, strict=True)
+        )
+        if not fits or shape[2] < 1:
+            raise InvalidRequestError(
+                f"{name}: expected keys and values of shape [2, {llm.num_layers}, tokens, "
+                f"{llm.num_kv_heads}, {llm.head_dim}], got {shape}",
+                name,
+            )
+        if ref.kv.dtype not in ("bfloat16", "float16", "float32"):
+            raise InvalidRequestError(f"{name}: a {ref.kv.dtype} KV cache is not supported", name)
+        if not 0 <= ref.prefix_length <= shape[2] or ref.rope < 0 or ref.prefix_rope < 0:
+            raise InvalidRequestError(
+                f"{name}: prefix_length {ref.prefix_length}, rope {ref.rope} and prefix_rope "
+                f"{ref.prefix_rope} do not fit a context of {shape[2]} tokens",
+                name,
+            )
+
+    def _fetch(self, ref: ContextKVRef) -> Any:
+        """The context ``ref`` names, fetched through its connector."""
+        from omni_runtime.modeling.bagel.model import ContextKV
+
+        connector = self._connectors.get(ref.kv.connector)
+        kv = connector.get(ref.kv, self.device).to(self.generator.model.dtype)
+        return ContextKV(kv[0], kv[1], ref.rope)
+
+    def _discard(self, request: StageDiffusionCoreRequest) -> None:
+        # A get releases the producer's copy; what was fetched goes with this frame.
+        for ref in (request.context_kv, request.no_image_context_kv):
+            if ref is None:
+                continue
+            # Gone already, or never reachable: nothing left to free here.
+            with contextlib.suppress(ConnectorError, KeyError, ValueError):
+                self._fetch(ref)
+
+    def close(self) -> None:
+        self._connectors.close()
 
     def _run(
         self,
@@ -202,13 +275,40 @@ class BagelEngine(DiffusionEngineBase):
             assert request.image is not None
             picture = Image.fromarray(np.asarray(request.image), mode="RGB")
             image = self.generator.prepare_image(picture, size)
-        assert request.prompt is not None
-        contexts = self.generator.contexts(
-            request.prompt, image, params.height or 0, params.width or 0, generator
-        )
+        if request.context_kv is not None:
+            contexts = self._fetched_contexts(request, image, params)
+            if image is not None:
+                # The thinker drew the VAE's sample of the image with this seed; the
+                # initial noise is the draw after it.
+                self.generator.skip_vae_sample(image, generator)
+        else:
+            assert request.prompt is not None
+            contexts = self.generator.contexts(
+                request.prompt, image, params.height or 0, params.width or 0, generator
+            )
         return np.stack(
             [
                 self.generator.generate(contexts, guidance, generator, on_step)
                 for _ in range(params.num_images)
             ]
         )
+
+    def _fetched_contexts(
+        self, request: StageDiffusionCoreRequest, image: Any, params: BagelParams
+    ) -> Any:
+        from omni_runtime.modeling.bagel.generation import Contexts
+
+        assert request.context_kv is not None
+        ref = request.context_kv
+        try:
+            full = self._fetch(ref)
+            no_image = full
+            if request.no_image_context_kv is not None:
+                no_image = self._fetch(request.no_image_context_kv)
+        except (ConnectorError, KeyError) as e:
+            self._discard(request)
+            raise UpstreamInputError(f"context_kv: {e}") from None
+        size = (params.height or 0, params.width or 0)
+        if image is not None:
+            size = (image.height, image.width)
+        return Contexts(full, full.prefix(ref.prefix_length, ref.prefix_rope), no_image, size)

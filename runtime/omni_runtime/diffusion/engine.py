@@ -58,7 +58,8 @@ class DiffusionEngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=
     """What a diffusion engine is built from (sent to a core proc as JSON)."""
 
     model: str
-    dtype: str = "float32"
+    # auto: the engine's choice (float32 for a diffusers pipeline, bf16 for BAGEL).
+    dtype: str = "auto"
     # Merged under each request's own params (the pipeline's defaultSamplingParams).
     default_params: dict[str, Any] = {}
     # torch intra-op threads; None keeps torch's default.
@@ -72,6 +73,9 @@ class DiffusionEngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=
     # Whether an encoder stage upstream computes the text embeddings: a family's
     # checkpoint is then loaded without its text components (the encoder stage has them).
     text_from_upstream: bool = False
+    # The pipeline's connectors (name -> {"name": class, "extra": {...}}), for an engine
+    # that fetches its inputs itself (BAGEL's context KV caches).
+    connectors: dict[str, dict[str, Any]] = {}
 
 
 class DiffusionParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -99,6 +103,11 @@ _CALL_PARAMS = ("num_inference_steps", "guidance_scale", "true_cfg_scale", "stre
 
 class InvalidRequestError(InvalidStageRequestError):
     """A request the diffusion engine refuses."""
+
+
+class UpstreamInputError(Exception):
+    """An input an upstream stage left for a request is gone or unreachable: not the
+    caller's fault, and not one a resend to this stage fixes."""
 
 
 class RequestAbortedError(Exception):
@@ -135,6 +144,12 @@ class DiffusionEngineBase(abc.ABC):
         self, request: StageDiffusionCoreRequest, params: Any, should_abort: Callable[[], bool]
     ) -> np.ndarray:
         """The request's images, uint8 [num_images, height, width, 3]."""
+
+    def _discard(self, request: StageDiffusionCoreRequest) -> None:  # noqa: B027 - optional
+        """Free what ``request`` holds upstream: it ends refused or aborted before it ran."""
+
+    def close(self) -> None:  # noqa: B027 - optional
+        """Release what the engine holds beyond its model (connections)."""
 
     def admit(self, request_id: str) -> StageDiffusionCoreOutput | None:
         """Take ``request_id`` as in flight until :meth:`execute` answers it; or, if an
@@ -176,14 +191,19 @@ class DiffusionEngineBase(abc.ABC):
         try:
             params = self.validate(request)
         except InvalidRequestError as e:
+            self._discard(request)
             return StageDiffusionCoreOutput(request_id=request_id, error=e.error)
         if should_abort():
+            self._discard(request)
             return StageDiffusionCoreOutput(request_id=request_id, aborted=True)
         start = time.perf_counter()
         try:
             images = self._run(request, params, should_abort)
         except RequestAbortedError:
             return StageDiffusionCoreOutput(request_id=request_id, aborted=True)
+        except UpstreamInputError as e:
+            failed = StageError(StageErrorCode.STAGE_FAILED, str(e))
+            return StageDiffusionCoreOutput(request_id=request_id, error=failed)
         except ValueError as e:
             # diffusers' own input checks (check_inputs) raise ValueError.
             return StageDiffusionCoreOutput(

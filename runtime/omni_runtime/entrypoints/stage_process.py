@@ -37,14 +37,10 @@ from typing import Any
 
 from omni_runtime.config import PipelineConfig, StageConfig, dump_pipeline, stage_port
 from omni_runtime.config.families import EncoderRecipe
-from omni_runtime.connectors import ConnectorError
+from omni_runtime.connectors import ConnectorError, StageConnectors
 from omni_runtime.engine.stage.stage_core_client import StageCoreClientBase, StageCoreStartupError
 from omni_runtime.router.revisions import REVISION_ENV, local_revision
-from omni_runtime.stage_server.frontend import (
-    StageConnectors,
-    StageFrontend,
-    stage_connector_names,
-)
+from omni_runtime.stage_server.frontend import StageFrontend, stage_connector_names
 from omni_runtime.stage_server.probes import start_probe_server
 from omni_runtime.stage_server.server import StageServer
 
@@ -175,11 +171,15 @@ def start_frontend(
             )
         config = DiffusionEngineConfig(
             model=model,
-            dtype=stage.dtype or "float32",
+            dtype=stage.dtype or "auto",
             default_params=dict(stage.default_sampling_params),
             device="cpu" if stage.devices == "cpu" else "auto",
             family=pipeline.family,
             text_from_upstream=bool(stage.input_connectors),
+            connectors={
+                name: connector.model_dump(mode="json")
+                for name, connector in pipeline.connectors.items()
+            },
         )
         client = StageDiffusionCoreClient(config, startup_timeout=startup_timeout)
         return StageDiffusionFrontend(pipeline, stage, client, connectors)

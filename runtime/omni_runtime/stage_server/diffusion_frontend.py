@@ -13,7 +13,7 @@ import asyncio
 import numpy as np
 
 from omni_runtime.config import PipelineConfig, StageConfig
-from omni_runtime.connectors import ConnectorError, ConnectorHandle
+from omni_runtime.connectors import ConnectorError, ConnectorHandle, StageConnectors
 from omni_runtime.engine.stage.stage_core_client import StageCoreClientBase
 from omni_runtime.engine.stage.stage_core_types import (
     StageDiffusionCoreOutput,
@@ -24,7 +24,7 @@ from omni_runtime.engine.stage.stage_core_types import (
     StageServerOutput,
     StageServerRequest,
 )
-from omni_runtime.stage_server.frontend import StageConnectors, StageFrontend, refusal
+from omni_runtime.stage_server.frontend import StageFrontend, refusal
 
 
 class StageDiffusionFrontend(StageFrontend):
@@ -75,6 +75,9 @@ class StageDiffusionFrontend(StageFrontend):
                     image=request.image,
                     prompt_embeds=fetched["prompt_embeds"],
                     negative_prompt_embeds=fetched["negative_prompt_embeds"],
+                    # Fetched by the core itself: from shared memory it reads in place.
+                    context_kv=request.context_kv,
+                    no_image_context_kv=request.no_image_context_kv,
                 )
             )
         except BaseException:

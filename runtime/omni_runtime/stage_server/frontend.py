@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
 
-from omni_runtime.config import ConnectorConfig, PipelineConfig, StageConfig
-from omni_runtime.connectors import OmniConnector, make_connector
+from omni_runtime.config import PipelineConfig, StageConfig
+from omni_runtime.connectors import StageConnectors
 from omni_runtime.engine.stage.stage_core_client import StageCoreClientBase
 from omni_runtime.engine.stage.stage_core_types import (
     StageError,
@@ -24,11 +23,6 @@ from omni_runtime.engine.stage.stage_core_types import (
 )
 
 logger = logging.getLogger(__name__)
-
-# The connector a hidden-states handoff uses when the pipeline declares none for its edge:
-# pull over TCP works between any two stages, on one host or across pods.
-DEFAULT_HANDOFF_CONNECTOR = "default-tcp"
-_DEFAULT_HANDOFF_CONFIG = ConnectorConfig(name="TCPConnector")
 
 
 def refusal(request_id: str, error: StageError) -> StageServerOutput:
@@ -47,35 +41,6 @@ def stage_connector_names(pipeline: PipelineConfig, stage: StageConfig) -> set[s
         if connector is not None:
             names.add(connector)
     return names
-
-
-class StageConnectors:
-    """The pipeline's connectors as one stage process uses them, each made on first use."""
-
-    def __init__(self, configs: Mapping[str, ConnectorConfig]) -> None:
-        self._configs = dict(configs)
-        self._connectors: dict[str, OmniConnector] = {}
-
-    def get(self, name: str) -> OmniConnector:
-        """The connector ``name``; KeyError naming the defined ones if there is none."""
-        connector = self._connectors.get(name)
-        if connector is None:
-            config = self._configs.get(name)
-            if config is None and name == DEFAULT_HANDOFF_CONNECTOR:
-                config = _DEFAULT_HANDOFF_CONFIG
-            if config is None:
-                defined = ", ".join(self._configs) or "none"
-                raise KeyError(f"unknown connector {name!r} (defined: {defined})")
-            connector = self._connectors[name] = make_connector(name, config)
-        return connector
-
-    def close(self) -> None:
-        for connector in self._connectors.values():
-            try:
-                connector.close()
-            except Exception:  # closing the others matters more than this one's failure
-                logger.exception("closing connector %s failed", connector.name)
-        self._connectors.clear()
 
 
 class StageFrontend(ABC):

@@ -20,7 +20,7 @@ from vllm.v1.engine import FinishReason
 from vllm.v1.engine.detokenizer import IncrementalDetokenizer
 
 from omni_runtime.config import PipelineConfig, StageConfig
-from omni_runtime.connectors import ConnectorHandle
+from omni_runtime.connectors import DEFAULT_HANDOFF_CONNECTOR, ConnectorHandle, StageConnectors
 from omni_runtime.engine.stage.stage_core_types import (
     StageError,
     StageErrorCode,
@@ -31,12 +31,7 @@ from omni_runtime.engine.stage.stage_core_types import (
 )
 from omni_runtime.engine.stage.stage_llm_core_client import StageLLMCoreClientBase
 from omni_runtime.engine.stage.stage_llm_request_builder import InvalidLLMRequestError
-from omni_runtime.stage_server.frontend import (
-    DEFAULT_HANDOFF_CONNECTOR,
-    StageConnectors,
-    StageFrontend,
-    refusal,
-)
+from omni_runtime.stage_server.frontend import StageFrontend, refusal
 
 # vLLM's REPETITION (a repetition detector's stop) is a stop to an OpenAI client.
 _FINISH_REASONS = {
@@ -94,7 +89,12 @@ class StageLLMFrontend(StageFrontend):
 
     async def add(self, request: StageServerRequest) -> list[StageServerOutput]:
         request_id = request.request_id
-        for name in ("prompt_embeds", "negative_prompt_embeds"):
+        for name in (
+            "prompt_embeds",
+            "negative_prompt_embeds",
+            "context_kv",
+            "no_image_context_kv",
+        ):
             if getattr(request, name) is not None:
                 message = f"{name}: an LLM stage takes text (prompt or messages)"
                 return [refusal(request_id, StageError.bad_request(message, name))]

@@ -9,7 +9,8 @@ vit_config.json, ema.safetensors, ae.safetensors, tokenizer files), reference_di
 unmodified reference: inferencer.py, modeling/, data/), out (the .npz to write), prompt,
 image (a PNG path for an edit, or null for text-to-image), seed, num_timesteps,
 timestep_shift, cfg_text_scale, cfg_img_scale, cfg_interval ([lo, hi]), cfg_renorm_type,
-cfg_renorm_min, height, width (the text-to-image size; an edit takes its input's size).
+cfg_renorm_min, height, width (the text-to-image size; an edit takes its input's size),
+and optionally repeat (run the job that many times; job_seconds times each).
 
 The model is loaded as BAGEL's app.py loads it, scaled to the checkpoint's config, and
 InterleaveInferencer.interleave_inference runs unchanged; a subclass records the three KV
@@ -215,32 +216,38 @@ def main(spec_path: str) -> None:
         input_list.append(Image.open(spec["image"]))
     input_list.append(spec["prompt"])
 
-    torch.manual_seed(int(spec["seed"]))
-    # interleave_inference wraps its work in torch.autocast(device_type="cuda",
-    # dtype=bfloat16), which does nothing on a CPU-only machine (torch warns and disables
-    # it). On a GPU that autocast is what lets the bf16 weights meet float32 inputs: vae2llm
-    # on the float32 noise and VAE latents, the time embedder on float32 frequencies, and it
-    # runs the float32 VAE's convolutions in bf16. Without it those linears fail with a
-    # dtype mismatch here, so CPU autocast to bf16 stands in for it: linears, matmuls,
-    # convolutions and SDPA run in bf16 as under CUDA autocast. One difference remains:
-    # CUDA autocast runs layer_norm, group_norm, norm and softmax in float32 and CPU
-    # autocast leaves them in their input's dtype (bf16 here), which touches SigLIP's
-    # LayerNorm outputs, the VAE's GroupNorms and the CFG renorm's norms (bf16 rounding,
-    # below the bf16 noise the next linear adds). RMSNorm, RoPE and the flow update cast
-    # explicitly and are the same on both.
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        outputs = inferencer.interleave_inference(
-            input_list,
-            think=False,
-            cfg_text_scale=float(spec["cfg_text_scale"]),
-            cfg_img_scale=float(spec["cfg_img_scale"]),
-            cfg_interval=[float(x) for x in spec["cfg_interval"]],
-            timestep_shift=float(spec["timestep_shift"]),
-            num_timesteps=int(spec["num_timesteps"]),
-            cfg_renorm_min=float(spec["cfg_renorm_min"]),
-            cfg_renorm_type=str(spec["cfg_renorm_type"]),
-            image_shapes=(int(spec["height"]), int(spec["width"])),
-        )
+    # bench/bagel_serve.py times several jobs of one process: "repeat" runs the same job
+    # that many times (the same seed, so the same arrays), timing each.
+    job_seconds = []
+    for _ in range(int(spec.get("repeat", 1))):
+        job_started = time.perf_counter()
+        torch.manual_seed(int(spec["seed"]))
+        # interleave_inference wraps its work in torch.autocast(device_type="cuda",
+        # dtype=bfloat16), which does nothing on a CPU-only machine (torch warns and disables
+        # it). On a GPU that autocast is what lets the bf16 weights meet float32 inputs: vae2llm
+        # on the float32 noise and VAE latents, the time embedder on float32 frequencies, and it
+        # runs the float32 VAE's convolutions in bf16. Without it those linears fail with a
+        # dtype mismatch here, so CPU autocast to bf16 stands in for it: linears, matmuls,
+        # convolutions and SDPA run in bf16 as under CUDA autocast. One difference remains:
+        # CUDA autocast runs layer_norm, group_norm, norm and softmax in float32 and CPU
+        # autocast leaves them in their input's dtype (bf16 here), which touches SigLIP's
+        # LayerNorm outputs, the VAE's GroupNorms and the CFG renorm's norms (bf16 rounding,
+        # below the bf16 noise the next linear adds). RMSNorm, RoPE and the flow update cast
+        # explicitly and are the same on both.
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            outputs = inferencer.interleave_inference(
+                input_list,
+                think=False,
+                cfg_text_scale=float(spec["cfg_text_scale"]),
+                cfg_img_scale=float(spec["cfg_img_scale"]),
+                cfg_interval=[float(x) for x in spec["cfg_interval"]],
+                timestep_shift=float(spec["timestep_shift"]),
+                num_timesteps=int(spec["num_timesteps"]),
+                cfg_renorm_min=float(spec["cfg_renorm_min"]),
+                cfg_renorm_type=str(spec["cfg_renorm_type"]),
+                image_shapes=(int(spec["height"]), int(spec["width"])),
+            )
+        job_seconds.append(time.perf_counter() - job_started)
     done = time.perf_counter()
     if not any(isinstance(o, Image.Image) for o in outputs) or "image" not in captured:
         raise RuntimeError(f"the reference produced no image: {outputs!r}")
@@ -258,6 +265,7 @@ def main(spec_path: str) -> None:
     )
     captured["timings"] = np.asarray([loaded - started, done - loaded], dtype=np.float64)
     captured["timing_names"] = np.asarray(["load", "inference"])
+    captured["job_seconds"] = np.asarray(job_seconds, dtype=np.float64)
     out = Path(spec["out"])
     out.parent.mkdir(parents=True, exist_ok=True)
     np.savez(out, **captured)

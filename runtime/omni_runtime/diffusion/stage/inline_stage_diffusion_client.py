@@ -88,6 +88,7 @@ class InlineStageDiffusionClient(StageCoreClientBase):
         self._closed = True
         if self._worker is not None:
             self._worker.cancel()
+        self.engine.close()
 
     async def _run_pending(self) -> None:
         while self._pending:

@@ -150,6 +150,7 @@ class StageDiffusionCoreProc:
         self._output_queue.put(None)
         self._output_thread.join(timeout=_LINGER_MS / 1000)
         self._ctx.term()
+        self.engine.close()
 
     def _execute(self, request: StageDiffusionCoreRequest) -> None:
         output = self.engine.execute(request)

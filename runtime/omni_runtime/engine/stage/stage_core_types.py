@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     )
 
 __all__ = [
+    "ContextKVRef",
     "InvalidStageRequestError",
     "StageCoreOutput",
     "StageCoreOutputs",
@@ -137,6 +138,19 @@ class StageCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     """Marker: one message of outputs from a stage core of any kind."""
 
 
+class ContextKVRef(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Where a BAGEL DiT finds one context's KV cache: a connector handle of its keys and
+    values, bf16 ``[2, layers, tokens, kv_heads, head_dim]`` (keys first), and the RoPE
+    position the next token takes. A context whose first ``prefix_length`` tokens are a
+    context of their own (the text-dropped context inside the full one) says where that
+    one ends: ``prefix_length`` tokens, ``prefix_rope``."""
+
+    kv: ConnectorHandle
+    rope: int
+    prefix_length: int = 0
+    prefix_rope: int = 0
+
+
 class StageDiffusionCoreRequest(StageCoreRequest):
     """A generation request to a diffusion stage.
 
@@ -157,6 +171,12 @@ class StageDiffusionCoreRequest(StageCoreRequest):
     # The negative prompt's, for guidance (from the same upstream stage), [tokens, width].
     negative_prompt_embeds: np.ndarray | None = None
     arrival_time: float = 0.0
+    # BAGEL: the thinker's context KV cache (the full context, with the text-dropped one
+    # as its prefix) and the image-dropped context's, fetched by the core itself (shared
+    # memory: read in place, no copy). Last, as every field added to an array-like struct
+    # is: a peer of an older revision reads the fields it knows and ignores the rest.
+    context_kv: ContextKVRef | None = None
+    no_image_context_kv: ContextKVRef | None = None
 
 
 class StageDiffusionCoreOutput(StageCoreOutput):
@@ -237,6 +257,9 @@ class StageServerRequest(StageCoreRequest):
     # one output when the request finishes, with all of its text and token ids (a stage
     # that feeds another, or a caller that does not stream, needs no more).
     stream: bool = True
+    # BAGEL's DiT: the thinker's context KV caches (StageDiffusionCoreRequest's fields).
+    context_kv: ContextKVRef | None = None
+    no_image_context_kv: ContextKVRef | None = None
 
 
 class StageServerOutput(StageCoreOutput):

@@ -160,6 +160,14 @@ class BagelGenerator:
             image = image.resize(target, Image.Resampling.BICUBIC)
         return image
 
+    def skip_vae_sample(self, image: Any, generator: torch.Generator) -> None:
+        """Draw from ``generator`` what encoding ``image`` (prepared) draws, the VAE's sample,
+        for a request whose contexts were built elsewhere (the thinker): its next draw is
+        then the initial noise, as in the reference."""
+        d = self.shape.vae.downsample
+        size = (1, self.shape.vae.z_channels, image.height // d, image.width // d)
+        torch.randn(size, generator=generator, dtype=self.vae.dtype)
+
     def _pixels(self, image: Any, size: tuple[int, int]) -> Tensor:
         """[3, H, W] in [-1, 1] of ``image`` resized to ``size`` (width, height)."""
         from PIL import Image
