@@ -32,6 +32,14 @@ def choose_advertised_host(hostname_addresses: Sequence[str], default_route: str
     return "127.0.0.1"
 
 
+def address_host(address: str) -> str:
+    """The host part of a ``host:port`` address (``[v6]:port`` too); "" for none."""
+    host, _, port = address.rpartition(":")
+    if not port.isdigit():
+        return address.strip("[]")
+    return host.strip("[]")
+
+
 def _hostname_addresses() -> list[str]:
     try:
         infos = socket.getaddrinfo(socket.gethostname(), None, socket.AF_INET, socket.SOCK_STREAM)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import ipaddress
 
+import pytest
+
 from omni_runtime.connectors.tcp import TCPConnector
-from omni_runtime.net import advertised_host, choose_advertised_host
+from omni_runtime.net import address_host, advertised_host, choose_advertised_host
 
 
 def test_the_hostname_address_wins_when_it_is_not_loopback() -> None:
@@ -30,3 +32,17 @@ def test_this_machine_gets_a_dialable_address_and_connectors_use_it() -> None:
         assert connector.advertise_host == advertised_host()
     finally:
         connector.close()
+
+
+@pytest.mark.parametrize(
+    ("address", "host"),
+    [
+        ("10.0.0.1:52000", "10.0.0.1"),
+        ("[fd00::1]:52000", "fd00::1"),
+        ("localhost:8000", "localhost"),
+        ("10.0.0.1", "10.0.0.1"),
+        ("", ""),
+    ],
+)
+def test_the_host_of_an_address(address: str, host: str) -> None:
+    assert address_host(address) == host

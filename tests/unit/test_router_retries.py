@@ -9,7 +9,12 @@ import pytest
 from test_stage_replica_pool import FakeReplica
 
 from omni_runtime.config import PipelineConfig
-from omni_runtime.engine.stage.stage_core_types import StageError, StageErrorCode
+from omni_runtime.connectors import ConnectorHandle
+from omni_runtime.engine.stage.stage_core_types import (
+    StageError,
+    StageErrorCode,
+    StageServerOutput,
+)
 from omni_runtime.engine.stage.stage_replica_pool import StageReplicaPool
 from omni_runtime.router.orchestrator import (
     HANDBACK_RETRIES,
@@ -150,4 +155,68 @@ async def test_a_terminating_replica_serves_only_where_no_revision_is_complete_w
         assert failed.value.status == 503
     finally:
         await thinker.close()
+        await dit.close()
+
+
+class EncodingReplica(FakeReplica):
+    """An encoder replica: answers each request with a hidden-states handle of its own."""
+
+    async def add_request_async(self, request: object) -> None:
+        await super().add_request_async(request)  # type: ignore[arg-type]
+        request_id = self.received[-1]
+        handle = ConnectorHandle("shm", request_id, "float32", [1, 4], 16)
+        self.pending.discard(request_id)
+        self.emit(StageServerOutput(request_id, finished=True, prompt_embeds=handle))
+
+
+def shared_memory_family(replicas: int) -> PipelineConfig:
+    return PipelineConfig.model_validate(
+        {
+            "model": "m",
+            "family": "qwen-image",
+            "stages": [
+                {"stageId": 0, "name": "encoder", "type": "llm", "output": "hidden_states"},
+                {
+                    "stageId": 1,
+                    "name": "dit",
+                    "type": "diffusion",
+                    "inputConnectors": {"from_stage_0": "shm"},
+                    # Guidance, so that every request has a negative-prompt companion.
+                    "defaultSamplingParams": {"true_cfg_scale": 4.0, "negative_prompt": "dark"},
+                },
+            ],
+            "connectors": {"shm": {"name": "SharedMemoryConnector"}},
+            "router": {"policy": "round-robin"},
+        }
+    )
+
+
+async def test_a_stage_reading_shared_memory_runs_in_the_pod_of_its_input() -> None:
+    """Two pods, each an encoder and a DiT: a request's encoder output, its negative
+    prompt's (a companion) and its DiT all land in one pod, whatever round-robin picks."""
+    encoder, dit = StageReplicaPool("encoder"), StageReplicaPool("dit")
+    encoders, dits = {}, {}
+    for pod in ("10.0.0.1", "10.0.0.2"):
+        encoders[pod], dits[pod] = EncodingReplica(pod), AnsweringReplica(pod)
+        encoder.add_replica(encoders[pod], f"{pod}:52000")
+        dit.add_replica(dits[pod], f"{pod}:52001")
+    run = PipelineOrchestrator(shared_memory_family(2), {0: encoder, 1: dit})
+    try:
+        for n in range(6):
+            await asyncio.wait_for(run.complete(PipelineRequest(f"r{n}", prompt="p")), 5)
+        for pod in encoders:
+            served = {r for r in encoders[pod].received if not r.endswith("-negative")}
+            assert {f"{r}-negative" for r in served} <= set(encoders[pod].received)
+            assert set(dits[pod].received) == served
+        assert all(dits[pod].received for pod in dits)  # both pods served
+        # With no DiT in the encoder's pod, the request cannot run: a 503 that says why.
+        dit_ids = {s.address: s.replica_id for s in dit.stats()}
+        await dit.remove_replica(dit_ids["10.0.0.2:52001"])
+        encoder_ids = {s.address: s.replica_id for s in encoder.stats()}
+        await encoder.remove_replica(encoder_ids["10.0.0.1:52000"])
+        with pytest.raises(PipelineError, match=r"at 10\.0\.0\.2 \(its input is in") as failed:
+            await asyncio.wait_for(run.complete(PipelineRequest("s", prompt="p")), 5)
+        assert failed.value.status == 503
+    finally:
+        await encoder.close()
         await dit.close()

@@ -13,7 +13,9 @@ thinker passes them on unchanged for now.
 
 Every stage request of one caller's request (companions included) goes to replicas of one
 pipeline revision: the newest that every stage has a replica of (``router.revisions``);
-none complete is a 503 that says so.
+none complete is a 503 that says so. A stage that reads its input from shared memory runs
+in the pod of the replica that wrote it, and so do the companions that feed it: shared
+memory does not cross pods.
 
 A failure in any stage fails this request only, as a PipelineError that carries the HTTP
 status the router answers with. Retries are invisible to the caller and bounded:
@@ -56,6 +58,7 @@ from omni_runtime.engine.stage.stage_replica_pool import (
     ReplicaLostError,
     StageReplicaPool,
 )
+from omni_runtime.net import address_host
 from omni_runtime.router.revisions import NoCompleteRevisionError, choose_revision
 
 logger = logging.getLogger(__name__)
@@ -186,6 +189,16 @@ class PipelineOrchestrator:
         self.on_served = on_served
         # Called with the revision of each request that completed.
         self.on_revision = on_revision
+        # Stages whose input comes through shared memory: each runs in its producer's pod.
+        self._pod_local = {
+            stage.stage_id
+            for stage in self.stages
+            if any(
+                (connector := pipeline.connectors.get(name)) is not None
+                and connector.name == "SharedMemoryConnector"
+                for name in stage.input_stages.values()
+            )
+        }
         last = self.stages[-1]
         self.output_kind: OutputKind = "image" if last.type == "diffusion" else "text"
         if last.type == "llm" and last.output == "hidden_states":
@@ -255,6 +268,8 @@ class PipelineOrchestrator:
         negative: ConnectorHandle | None = None
         revision = attempt.revision = self.choose_revision()
         sticky = request.sticky_key
+        # The host of the replica whose output the next stage reads.
+        host: str | None = None
         for index, stage in enumerate(self.stages):
             if self.pipeline.family == BAGEL_FAMILY and stage.type == "llm":
                 # BAGEL's thinker passes the prompt and the input image on as they are, and
@@ -264,16 +279,25 @@ class PipelineOrchestrator:
             stage_request = self._stage_request(
                 request, attempt.number, index, upstream, upstream_text, negative
             )
+            pin = host if stage.stage_id in self._pod_local else None
             if index == len(self.stages) - 1:
-                async for output in self._run_stage(stage, stage_request, sticky, revision):
+                async for output in self._run_stage(stage, stage_request, sticky, revision, pin):
                     yield output
                 return
             companion = self._negative_request(request, index, stage_request)
-            runs = [self._final_output(stage, stage_request, sticky, revision)]
+            placed: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+            runs = [self._final_output(stage, stage_request, sticky, revision, pin, placed)]
             if companion is not None:
-                runs.append(self._final_output(stage, companion, sticky, revision))
+                # Where the next stage reads both from shared memory, the companion's
+                # output must lie in the pod of the request's.
+                local = self.stages[index + 1].stage_id in self._pod_local
+                runs.append(
+                    self._final_output(
+                        stage, companion, sticky, revision, pin, follow=placed if local else None
+                    )
+                )
             results = await _all_or_none(runs)
-            upstream, upstream_text = results[0]
+            upstream, upstream_text, host = results[0]
             negative = results[1][0].prompt_embeds if companion is not None else None
 
     async def _final_output(
@@ -282,16 +306,26 @@ class PipelineOrchestrator:
         stage_request: StageServerRequest,
         sticky_key: str | None,
         revision: str,
-    ) -> tuple[StageServerOutput, str]:
-        """The final output of a stage that feeds another, and all of its text."""
+        host: str | None,
+        placed: asyncio.Future[str] | None = None,
+        follow: asyncio.Future[str] | None = None,
+    ) -> tuple[StageServerOutput, str, str]:
+        """The final output of a stage that feeds another, all of its text, and the host of
+        the replica that made it. ``placed`` learns that host as soon as the request is
+        placed; ``follow`` (another request's ``placed``) says where this one must go."""
+        if follow is not None:
+            host = await follow
         text_parts: list[str] = []
         final: StageServerOutput | None = None
-        async for output in self._run_stage(stage, stage_request, sticky_key, revision):
+        where: list[str] = []
+        async for output in self._run_stage(
+            stage, stage_request, sticky_key, revision, host, placed, where
+        ):
             text_parts.append(output.text)
             if output.finished:
                 final = output
         assert final is not None
-        return final, "".join(text_parts)
+        return final, "".join(text_parts), where[-1]
 
     def _negative_request(
         self, request: PipelineRequest, index: int, stage_request: StageServerRequest
@@ -364,12 +398,18 @@ class PipelineOrchestrator:
         stage_request: StageServerRequest,
         sticky_key: str | None,
         revision: str,
+        host: str | None = None,
+        placed: asyncio.Future[str] | None = None,
+        where: list[str] | None = None,
     ) -> AsyncIterator[StageServerOutput]:
+        """The stage's outputs for ``stage_request``, run on a replica of ``revision`` (at
+        ``host`` where given). ``placed`` gets the host of the first replica it goes to;
+        ``where`` the host of each replica it goes to, in order."""
         pool = self.pools[stage.stage_id]
         for handback in range(HANDBACK_RETRIES + 1):
             try:
                 pending = await pool.add_request(
-                    stage_request, sticky_key=sticky_key, revision=revision
+                    stage_request, sticky_key=sticky_key, revision=revision, host=host
                 )
             except NoLiveReplicaError as e:
                 # The revision was complete when chosen: its replicas went away since.
@@ -378,6 +418,11 @@ class PipelineOrchestrator:
                 raise PipelineError(
                     429, str(e), kind="rate_limit_exceeded", retry_after=1.0
                 ) from None
+            replica_host = address_host(pending.address)
+            if placed is not None and not placed.done():
+                placed.set_result(replica_host)
+            if where is not None:
+                where.append(replica_host)
             finished = False
             handed_back = False
             try:

@@ -41,6 +41,7 @@ from omni_runtime.engine.stage.replica_policies import (
 )
 from omni_runtime.engine.stage.stage_core_client import StageCoreClientBase, StageCoreDeadError
 from omni_runtime.engine.stage.stage_core_types import StageCoreOutput, StageCoreRequest
+from omni_runtime.net import address_host
 
 __all__ = [
     "DEFAULT_DRAIN_TIMEOUT_S",
@@ -155,9 +156,13 @@ class PoolRequest:
     one; it raises :class:`ReplicaLostError` instead if the replica is lost first.
     """
 
-    def __init__(self, pool: StageReplicaPool, request_id: str, replica_id: int) -> None:
+    def __init__(
+        self, pool: StageReplicaPool, request_id: str, replica_id: int, address: str = ""
+    ) -> None:
         self.request_id = request_id
         self.replica_id = replica_id
+        # The replica's address (host:port): where its pod is.
+        self.address = address
         self._pool = pool
         self._items: asyncio.Queue[StageCoreOutput | _End] = asyncio.Queue()
         self._closed = False
@@ -355,13 +360,15 @@ class StageReplicaPool:
         *,
         sticky_key: str | None = None,
         revision: str | None = None,
+        host: str | None = None,
     ) -> PoolRequest:
         """Send ``request`` to a replica chosen by the pool's policy.
 
         ``sticky_key`` (the sticky policy's; else the request id) keeps related requests
         on one replica; ``revision`` (None: any) limits the choice to that revision's
-        replicas. Raises NoLiveReplicaError or PoolSaturatedError rather than wait, and
-        ValueError for a request id that is in flight in the pool.
+        replicas, and ``host`` (None: any) to the replicas at that address (one pod: what
+        shared memory reaches). Raises NoLiveReplicaError or PoolSaturatedError rather
+        than wait, and ValueError for a request id that is in flight in the pool.
         """
         self._claim_loop()
         request_id = getattr(request, "request_id", None)
@@ -372,13 +379,15 @@ class StageReplicaPool:
             if self._closed:
                 raise RuntimeError(f"stage {self.stage_name!r}: the replica pool is closed")
             self._check_id_free(request_id)
-            replica = self._pick(sticky_key if sticky_key is not None else request_id, revision)
+            replica = self._pick(
+                sticky_key if sticky_key is not None else request_id, revision, host
+            )
             try:
                 replica.client.check_health()
             except Exception as e:
                 self._evict(replica, f"health check failed: {_describe(e)}")
                 continue
-            pool_request = PoolRequest(self, request_id, replica.replica_id)
+            pool_request = PoolRequest(self, request_id, replica.replica_id, replica.address)
             # Bound before sending: the first output may arrive before the send returns.
             replica.requests[request_id] = pool_request
             self._requests[request_id] = pool_request
@@ -451,17 +460,20 @@ class StageReplicaPool:
                     f"aborted on replica {replica.replica_id}"
                 )
 
-    def _pick(self, sticky_key: str, revision: str | None) -> _Replica:
+    def _pick(self, sticky_key: str, revision: str | None, host: str | None) -> _Replica:
         live = [
             replica
             for replica in self._replicas.values()
-            if replica.accepting and (revision is None or replica.revision == revision)
+            if replica.accepting
+            and (revision is None or replica.revision == revision)
+            and (host is None or address_host(replica.address) == host)
         ]
         if not live:
             draining = sum(not r.accepting for r in self._replicas.values())
             of = f" of revision {revision!r}" if revision is not None else ""
+            on = f" at {host} (its input is in that pod's shared memory)" if host else ""
             raise NoLiveReplicaError(
-                f"stage {self.stage_name!r} has no live replica{of}"
+                f"stage {self.stage_name!r} has no live replica{of}{on}"
                 + (f" ({draining} draining)" if draining else "")
             )
         live = [replica for replica in live if not replica.terminating] or live
