@@ -41,6 +41,7 @@ from omni_runtime.diffusion.engine import (
     InvalidRequestError,
     RequestAbortedError,
     UpstreamInputError,
+    check_sizes,
     choose_device,
     parse_params,
     torch_dtype,
@@ -147,16 +148,7 @@ class BagelEngine(DiffusionEngineBase):
                 f"{list(params.cfg_interval)}",
                 "cfg_interval",
             )
-        for name in ("height", "width"):
-            value = getattr(params, name)
-            if value is None:
-                continue
-            if value % self.size_multiple or value > self.max_side:
-                raise InvalidRequestError(
-                    f"{name}: must be a multiple of {self.size_multiple} and at most "
-                    f"{self.max_side} for this model (got {value})",
-                    name,
-                )
+        check_sizes(params, self.size_multiple, self.max_side)
         if (params.height is None) != (params.width is None):
             raise InvalidRequestError("height: give height and width together", "height")
         if request.image is not None:

@@ -368,14 +368,7 @@ class DiffusionEngine(DiffusionEngineBase):
                 params.height = self.default_size[0]
             if params.width is None:
                 params.width = self.default_size[1]
-        for name in ("height", "width"):
-            value = getattr(params, name)
-            if value is not None and value % self.size_multiple:
-                raise InvalidRequestError(
-                    f"{name}: must be a multiple of {self.size_multiple} for this pipeline "
-                    f"(got {value})",
-                    name,
-                )
+        check_sizes(params, self.size_multiple)
         return params
 
     def _check_call_params(self, params: DiffusionParams) -> None:
@@ -504,6 +497,20 @@ def _check_family(pipeline_class: str, family: Family | None) -> None:
             f"family: the checkpoint holds a {pipeline_class}: set family: {found.name} "
             "in the pipeline",
             "family",
+        )
+
+
+def check_sizes(params: Any, multiple: int, max_side: int | None = None) -> None:
+    """InvalidRequestError naming ``params``' height or width if it is no multiple of
+    ``multiple`` or over ``max_side``."""
+    for name in ("height", "width"):
+        value = getattr(params, name)
+        if value is None or (value % multiple == 0 and (max_side is None or value <= max_side)):
+            continue
+        at_most = f" and at most {max_side}" if max_side is not None else ""
+        raise InvalidRequestError(
+            f"{name}: must be a multiple of {multiple}{at_most} for this model (got {value})",
+            name,
         )
 
 
