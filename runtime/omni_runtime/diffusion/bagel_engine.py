@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 from collections.abc import Callable
 from typing import Annotated, Any, Literal
 
@@ -85,10 +86,12 @@ class BagelEngine(DiffusionEngineBase):
         self.config = config
         parse_params(config.default_params, "defaultSamplingParams", BagelParams)
         self.device = choose_device(config.device)
+        # auto: bf16, as the released weights are and the reference's attention runs.
+        dtype = torch_dtype("bfloat16" if config.dtype == "auto" else config.dtype)
         try:
-            # auto: bf16, as the released weights are and the reference's attention runs.
-            dtype = torch_dtype("bfloat16" if config.dtype == "auto" else config.dtype)
-            self.generator = BagelGenerator.load(config.model, dtype=dtype, device=self.device)
+            self.generator = BagelGenerator.load(
+                _local_checkpoint(config.model), dtype=dtype, device=self.device
+            )
         except BagelCheckpointError as e:
             raise InvalidRequestError(f"model: {e}", "model") from None
         self.shape = self.generator.shape
@@ -304,3 +307,14 @@ class BagelEngine(DiffusionEngineBase):
         if image is not None:
             size = (image.height, image.width)
         return Contexts(full, full.prefix(ref.prefix_length, ref.prefix_rope), no_image, size)
+
+
+def _local_checkpoint(model: str) -> str:
+    """``model`` if it is a directory; else the hub id's snapshot, fetched into HF_HOME
+    if not there (the thinker beside this stage fetches the same files)."""
+    if os.path.isdir(model):
+        return model
+    from huggingface_hub import snapshot_download
+
+    path: str = snapshot_download(model)
+    return path
