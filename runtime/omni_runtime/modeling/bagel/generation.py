@@ -137,9 +137,16 @@ class BagelGenerator:
 
         root = Path(path)
         shape = read_bagel_shape(root)
-        model = BagelModel(shape)
-        model.load_state_dict(load_file(str(root / MODEL_WEIGHTS)), strict=True)
-        model.to(device=device, dtype=dtype).eval()
+        # Built without memory, then given the checkpoint's tensors, on the device and in
+        # the dtype asked: the released model (~29 GB bf16) never sits in host memory in
+        # float32, nor twice.
+        with torch.device("meta"):
+            model = BagelModel(shape)
+        weights = load_file(str(root / MODEL_WEIGHTS), device=device)
+        state = {name: tensor.to(dtype) for name, tensor in weights.items()}
+        del weights
+        model.load_state_dict(state, strict=True, assign=True)
+        model.eval()
         vae = FluxVAE.load(root / VAE_WEIGHTS, shape.vae, vae_dtype, device)
         tokenizer = Qwen2Tokenizer.from_pretrained(str(root), local_files_only=True)
         return cls(model, vae, tokenizer, special_tokens(tokenizer))

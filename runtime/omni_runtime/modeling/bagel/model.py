@@ -233,8 +233,9 @@ class RotaryEmbedding(nn.Module):  # type: ignore[misc]
     def __init__(self, shape: LLMShape) -> None:
         super().__init__()
         dim = shape.head_dim
-        exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
-        # Not a parameter: stays float32 whatever dtype the model is cast to.
+        exponents = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
+        # Not a parameter: stays float32 whatever dtype the model is cast to, and real
+        # when the model is built on the meta device to be loaded.
         self.inv_freq = 1.0 / (shape.rope_theta**exponents)
 
     def forward(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
