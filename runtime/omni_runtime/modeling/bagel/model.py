@@ -105,15 +105,19 @@ _Fn = Callable[[Tensor], Tensor]
 
 
 def _by_expert(
-    x: Tensor, gen: Tensor | None, und_fn: _Fn, gen_fn: _Fn, out_dim: int | None = None
+    x: Tensor, gen: slice | None, und_fn: _Fn, gen_fn: _Fn, out_dim: int | None = None
 ) -> Tensor:
-    """``und_fn`` on the understanding tokens and ``gen_fn`` on the generation ones (``gen``
-    marks them); all tokens through ``und_fn`` when ``gen`` is None."""
+    """``und_fn`` on the understanding tokens and ``gen_fn`` on the generation ones: the
+    rows ``gen`` spans (an image's latent tokens, between its two framing tokens); all
+    tokens through ``und_fn`` when ``gen`` is None."""
     if gen is None:
         return und_fn(x)
     out = x.new_zeros((*x.shape[:-1], out_dim or x.shape[-1]))
-    und = ~gen
-    out[und] = und_fn(x[und]).to(out.dtype)
+    # The understanding rows gathered into one batch, as the reference runs them.
+    und = torch.cat([x[: gen.start], x[gen.stop :]])
+    done = und_fn(und).to(out.dtype)
+    out[: gen.start] = done[: gen.start]
+    out[gen.stop :] = done[gen.start :]
     out[gen] = gen_fn(x[gen]).to(out.dtype)
     return out
 
@@ -166,7 +170,7 @@ class MoTAttention(nn.Module):  # type: ignore[misc]
         self,
         x: Tensor,
         cos_sin: tuple[Tensor, Tensor],
-        gen: Tensor | None,
+        gen: slice | None,
         past: tuple[Tensor, Tensor] | None,
         causal: bool,
     ) -> tuple[Tensor, Tensor, Tensor]:
@@ -210,7 +214,7 @@ class MoTDecoderLayer(nn.Module):  # type: ignore[misc]
         self,
         x: Tensor,
         cos_sin: tuple[Tensor, Tensor],
-        gen: Tensor | None,
+        gen: slice | None,
         past: tuple[Tensor, Tensor] | None,
         causal: bool,
     ) -> tuple[Tensor, Tensor, Tensor]:
@@ -257,7 +261,7 @@ class MoTBackbone(nn.Module):  # type: ignore[misc]
         self,
         x: Tensor,
         positions: Tensor,
-        gen: Tensor | None,
+        gen: slice | None,
         context: ContextKV | None,
         causal: bool,
     ) -> tuple[Tensor, Tensor, Tensor]:
@@ -440,7 +444,7 @@ class BagelModel(nn.Module):  # type: ignore[misc]
         )
 
     def _run(
-        self, x: Tensor, rope: int, gen: Tensor | None, context: ContextKV, causal: bool
+        self, x: Tensor, rope: int, gen: slice | None, context: ContextKV, causal: bool
     ) -> tuple[Tensor, Tensor, Tensor]:
         """One image's tokens (all at position ``rope``) or one text (from ``rope`` on)."""
         n = x.shape[0]
@@ -488,10 +492,10 @@ class BagelModel(nn.Module):  # type: ignore[misc]
             + self.latent_pos_embed(positions)
         )
 
-    def _gen_mask(self, n_latent: int) -> Tensor:
-        gen = torch.ones(n_latent + 2, dtype=torch.bool, device=self.device)
-        gen[0] = gen[-1] = False
-        return gen
+    @staticmethod
+    def _gen_rows(n_latent: int) -> slice:
+        """The latent tokens of a framed image: all but its two framing tokens."""
+        return slice(1, n_latent + 1)
 
     def extend_with_vae(
         self, context: ContextKV, latent: Tensor, tokens: SpecialTokens
@@ -504,7 +508,7 @@ class BagelModel(nn.Module):  # type: ignore[misc]
         x = self._latent_tokens(
             patchify(latent.to(self.device), p), torch.zeros(1, device=self.device), rows, cols
         )
-        gen = self._gen_mask(rows * cols)
+        gen = self._gen_rows(rows * cols)
         _, k, v = self._run(self._framed_image(x, tokens), context.rope, gen, context, causal=False)
         return context.extended(k, v, context.rope + 1)
 
@@ -522,6 +526,6 @@ class BagelModel(nn.Module):  # type: ignore[misc]
         n = rows * cols
         x = self._latent_tokens(x_t, torch.full((n,), t, device=self.device), rows, cols)
         out, _, _ = self._run(
-            self._framed_image(x, tokens), context.rope, self._gen_mask(n), context, causal=False
+            self._framed_image(x, tokens), context.rope, self._gen_rows(n), context, causal=False
         )
         return self.llm2vae(out[1:-1])
