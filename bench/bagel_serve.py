@@ -115,7 +115,7 @@ def in_process_jobs(checkpoint: Path, args: argparse.Namespace) -> list[float]:
 
 def reference_jobs(checkpoint: Path, args: argparse.Namespace, workdir: Path) -> list[float]:
     sys.path.insert(0, str(ROOT / "tests" / "integration"))
-    from bagel_reference.harness import reference_dir, run_reference
+    from bagel_reference.harness import guidance_spec, reference_dir, run_reference
 
     if reference_dir() is None:
         raise SystemExit("no BAGEL reference code (set OMNI_BAGEL_REFERENCE)")
@@ -127,13 +127,7 @@ def reference_jobs(checkpoint: Path, args: argparse.Namespace, workdir: Path) ->
         "prompt": PROMPT,
         "image": str(image),
         "seed": SEED,
-        "num_timesteps": guidance.num_timesteps,
-        "timestep_shift": guidance.timestep_shift,
-        "cfg_text_scale": guidance.cfg_text_scale,
-        "cfg_img_scale": guidance.cfg_img_scale,
-        "cfg_interval": list(guidance.cfg_interval),
-        "cfg_renorm_type": guidance.cfg_renorm_type,
-        "cfg_renorm_min": guidance.cfg_renorm_min,
+        **guidance_spec(guidance),
         "height": args.size,
         "width": args.size,
         "out": str(workdir / "reference.npz"),

@@ -34,7 +34,7 @@ import openai
 import pytest
 import torch
 import yaml
-from bagel_reference.harness import reference_dir, run_reference
+from bagel_reference.harness import guidance_spec, reference_dir, run_reference
 from PIL import Image
 from serving import CLI, served_base_url, wait_until
 
@@ -120,13 +120,7 @@ def reference(
             "prompt": prompt,
             "image": str(image_path) if edit else None,
             "seed": SEED,
-            "num_timesteps": guidance.num_timesteps,
-            "timestep_shift": guidance.timestep_shift,
-            "cfg_text_scale": guidance.cfg_text_scale,
-            "cfg_img_scale": guidance.cfg_img_scale,
-            "cfg_interval": list(guidance.cfg_interval),
-            "cfg_renorm_type": guidance.cfg_renorm_type,
-            "cfg_renorm_min": guidance.cfg_renorm_min,
+            **guidance_spec(guidance),
             "height": SIZE,
             "width": SIZE,
             "out": str(workdir / f"{name}.npz"),

@@ -141,3 +141,17 @@ def run_reference(
         )
     with np.load(out, allow_pickle=False) as data:
         return {name: data[name] for name in data.files}
+
+
+def guidance_spec(guidance: Any) -> dict[str, Any]:
+    """The spec keys of a flow and its guidance, from a GuidanceParams (or anything with
+    its fields: this module imports no torch)."""
+    return {
+        "num_timesteps": guidance.num_timesteps,
+        "timestep_shift": guidance.timestep_shift,
+        "cfg_text_scale": guidance.cfg_text_scale,
+        "cfg_img_scale": guidance.cfg_img_scale,
+        "cfg_interval": list(guidance.cfg_interval),
+        "cfg_renorm_type": guidance.cfg_renorm_type,
+        "cfg_renorm_min": guidance.cfg_renorm_min,
+    }
