@@ -103,7 +103,19 @@ UnitFloat = Annotated[float, Field(ge=0, le=1)]
 Seed = Annotated[StrictInt, Field(ge=0, le=2**63 - 1)]
 
 
-class ChatCompletionRequest(_Body):
+class _BagelGuidance(_Body):
+    """BAGEL's guidance fields, on every body that makes images (a bagel pipeline's DiT
+    takes them; any other refuses them by name)."""
+
+    cfg_text_scale: NonNegativeFloat | None = None
+    cfg_img_scale: NonNegativeFloat | None = None
+    cfg_interval: tuple[UnitFloat, UnitFloat] | None = None
+    cfg_renorm_type: Literal["global", "channel", "text_channel"] | None = None
+    cfg_renorm_min: UnitFloat | None = None
+    timestep_shift: Annotated[float, Field(gt=0, le=100)] | None = None
+
+
+class ChatCompletionRequest(_BagelGuidance):
     """POST /v1/chat/completions."""
 
     model: str
@@ -131,13 +143,6 @@ class ChatCompletionRequest(_Body):
     true_cfg_scale: NonNegativeFloat | None = None
     negative_prompt: str | None = None
     strength: Strength | None = None
-    # BAGEL's guidance (a bagel pipeline's DiT; others refuse them by name).
-    cfg_text_scale: NonNegativeFloat | None = None
-    cfg_img_scale: NonNegativeFloat | None = None
-    cfg_interval: tuple[UnitFloat, UnitFloat] | None = None
-    cfg_renorm_type: Literal["global", "channel", "text_channel"] | None = None
-    cfg_renorm_min: UnitFloat | None = None
-    timestep_shift: Annotated[float, Field(gt=0, le=100)] | None = None
 
     def has_input_image(self) -> bool:
         """Whether converting this request decodes an image (worth a thread of its own)."""
@@ -225,7 +230,7 @@ _LLM_PARAMS = (
 )
 
 
-class _ImageRequest(_Body):
+class _ImageRequest(_BagelGuidance):
     """What /v1/images/generations and /v1/images/edits share: the prompt, how many images
     of what size, and the diffusion stage's params; one place checks them all."""
 
@@ -241,13 +246,6 @@ class _ImageRequest(_Body):
     # Qwen-Image's classifier-free guidance scale (with a negative prompt).
     true_cfg_scale: NonNegativeFloat | None = None
     negative_prompt: str | None = None
-    # BAGEL's guidance (a bagel pipeline's DiT; others refuse them by name).
-    cfg_text_scale: NonNegativeFloat | None = None
-    cfg_img_scale: NonNegativeFloat | None = None
-    cfg_interval: tuple[UnitFloat, UnitFloat] | None = None
-    cfg_renorm_type: Literal["global", "channel", "text_channel"] | None = None
-    cfg_renorm_min: UnitFloat | None = None
-    timestep_shift: Annotated[float, Field(gt=0, le=100)] | None = None
     user: str | None = None
 
     def _diffusion_params(
