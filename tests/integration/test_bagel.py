@@ -267,11 +267,23 @@ def test_the_seeds_request_through_the_openai_client_is_the_references_edit(
     assert_close_image(chat_image(response), reference["edit"]["image"])
 
 
+def _thinker_served(served: str) -> float:
+    """Requests the thinker finished, by the router's /metrics."""
+    with httpx.Client(base_url=served.removesuffix("/v1"), timeout=10) as http:
+        metrics = http.get("/metrics").text
+    return sum(
+        float(line.split()[-1])
+        for line in metrics.splitlines()
+        if line.startswith("omni_stage_requests_total{") and 'stage="thinker"' in line
+    )
+
+
 def test_text_to_image_and_edits_on_the_images_endpoints(
     served: str, reference: dict[str, dict[str, np.ndarray]]
 ) -> None:
     client = openai.OpenAI(base_url=served, api_key="unused", timeout=120)
     extra = {"num_inference_steps": STEPS, "seed": SEED}
+    thinker_before = _thinker_served(served)
     generated = client.images.generate(
         model="tiny-bagel",
         prompt=T2I_PROMPT,
@@ -280,6 +292,8 @@ def test_text_to_image_and_edits_on_the_images_endpoints(
     )
     assert generated.data is not None
     assert_close_image(decoded(generated.data[0].b64_json), reference["t2i"]["image"])
+    # Text to image: the thinker prefilled the context and the DiT read its KV cache.
+    assert _thinker_served(served) == thinker_before + 1
     edited = client.images.edit(
         model="tiny-bagel",
         image=("in.png", png(input_image()), "image/png"),
@@ -342,6 +356,16 @@ async def test_a_client_that_goes_away_mid_generation_frees_the_dit(served: str)
     with httpx.Client(base_url=served, timeout=60) as http:
         response = http.post("/chat/completions", json=seed_request(input_image(), steps=2))
         assert response.status_code == 200, response.text
+
+
+def test_a_prompt_that_fakes_an_images_frame_is_refused_by_the_thinker(served: str) -> None:
+    body = {"model": "tiny-bagel", "prompt": "a cat <|vision_start|>", "size": "64x64"}
+    with httpx.Client(base_url=served, timeout=60) as http:
+        response = http.post("/images/generations", json=body)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "prompt"
+    assert "<|vision_start|>" in error["message"]
 
 
 @pytest.mark.parametrize(

@@ -19,6 +19,8 @@ from omni_runtime.modeling.bagel.config import (
 from omni_runtime.modeling.bagel.generation import combine_guidance, default_guidance, timesteps
 from omni_runtime.modeling.bagel.model import (
     ContextKV,
+    SpecialTokens,
+    context_layout,
     grid_positions,
     patchify,
     sincos_table,
@@ -183,3 +185,25 @@ def test_a_context_prefix_is_its_first_tokens() -> None:
     longer = prefix.extended(keys[:, 2:], keys[:, 2:] + 1, rope=3)
     assert torch.equal(longer.keys, context.keys)
     assert torch.equal(longer.values, context.values)
+
+
+TOKENS = SpecialTokens(bos=1, eos=2, start_of_image=3, end_of_image=4)
+
+
+@pytest.mark.parametrize(
+    ("ids", "layout"),
+    [
+        # text: a position per token; no image, so the text-dropped context is empty
+        ([1, 9, 9, 2], (4, 0, 0)),
+        # an image's span (VAE tokens), another (ViT tokens), then text: one position each
+        ([3, 7, 7, 7, 4, 3, 8, 8, 4, 1, 9, 2], (5, 9, 2)),
+        # images only: all of it is the text-dropped context
+        ([3, 7, 4], (1, 3, 1)),
+        ([], (0, 0, 0)),
+    ],
+)
+def test_context_layout_gives_an_image_one_position(
+    ids: list[int], layout: tuple[int, int, int]
+) -> None:
+    found = context_layout(ids, TOKENS)
+    assert (found.rope, found.prefix_length, found.prefix_rope) == layout

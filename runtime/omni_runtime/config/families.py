@@ -67,10 +67,24 @@ class EncoderRecipe:
     # Whether the text encoder is a vision-language model (Qwen2.5-VL): one that reads no
     # image is then loaded without its vision tower.
     vision_language: bool = False
+    # The rows are each prompt token's keys and values in every layer (BAGEL's thinker:
+    # ``omni_runtime.engine.models.bagel_thinker``), handed on as the DiT's context KV; every
+    # prompt is then prefilled whole, in one step.
+    context_kv: bool = False
 
     @property
     def takes_image(self) -> bool:
         return self.image_area is not None
+
+
+# BAGEL's thinker: a prompt is framed as BAGEL frames a text in its context.
+BAGEL_THINKER = EncoderRecipe(
+    template="<|im_start|>{}<|im_end|>",
+    drop_prefix=0,
+    max_length=None,
+    architecture="OmniBagelThinker",
+    context_kv=True,
+)
 
 
 @dataclass(frozen=True)

@@ -26,8 +26,10 @@ from pydantic.alias_generators import to_camel
 from .errors import PipelineConfigError
 from .families import (
     BAGEL_FAMILY,
+    BAGEL_THINKER,
     FAMILIES,
     FAMILY_NAMES,
+    EncoderRecipe,
     Family,
     FamilyName,
     family_of_model_name,
@@ -518,6 +520,17 @@ class PipelineConfig(_Model):
     def family_recipe(self) -> Family | None:
         """The recipe of the pipeline's model family, if it has one (BAGEL has none)."""
         return FAMILIES.get(self.family) if self.family is not None else None
+
+    def encoder_recipe(self, stage: StageConfig) -> EncoderRecipe | None:
+        """How ``stage`` encodes for the DiT after it, if it does: a model family's encoder
+        stage (an LLM stage that outputs hidden states) by its family's recipe; a BAGEL
+        pipeline's thinker by BAGEL's (its context's KV cache)."""
+        if stage.type != "llm":
+            return None
+        if self.family == BAGEL_FAMILY:
+            return BAGEL_THINKER
+        family = self.family_recipe
+        return family.encoder if family is not None and stage.output == "hidden_states" else None
 
     def output_connector(self, stage_id: int) -> str | None:
         """The connector stage ``stage_id`` hands its output to the next stage with: what

@@ -113,8 +113,13 @@ def fetch_encoder_files(hub_id: str, encoder: EncoderRecipe) -> str:
     (the text encoder and its tokenizer or processor), fetched into HF_HOME if not there."""
     from huggingface_hub import snapshot_download
 
-    folders = (encoder.text_encoder_subfolder, encoder.tokenizer_subfolder)
-    patterns = ["model_index.json", *(f"{folder}/*" for folder in folders)]
+    if encoder.context_kv:
+        # BAGEL's thinker reads the whole checkpoint's layout (its configs and weights);
+        # the DiT beside it fetches the same files.
+        patterns = None
+    else:
+        folders = (encoder.text_encoder_subfolder, encoder.tokenizer_subfolder)
+        patterns = ["model_index.json", *(f"{folder}/*" for folder in folders)]
     path: str = snapshot_download(hub_id, allow_patterns=patterns)
     return path
 
@@ -148,8 +153,7 @@ def start_frontend(
             from omni_runtime.stage_server.llm_frontend import StageLLMFrontend
 
             try:
-                family = pipeline.family_recipe
-                encoder = family.encoder if family and stage.output == "hidden_states" else None
+                encoder = pipeline.encoder_recipe(stage)
                 if encoder is not None and stage.model is None and _is_hub_id(model):
                     model = fetch_encoder_files(model, encoder)
                 llm_client = start_stage_llm_client(

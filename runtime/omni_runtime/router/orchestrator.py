@@ -8,8 +8,9 @@ the input image, which the DiT gets too), and where the DiT will run guidance a 
 request of the same stage encodes the negative prompt, whose handle goes to the DiT as
 ``negative_prompt_embeds``. The last stage's outputs
 are what the caller receives (streamed text, or images). Each stage's replica comes from
-its StageReplicaPool. A BAGEL pipeline's DiT takes the caller's prompt and image: its
-thinker passes them on unchanged for now.
+its StageReplicaPool. A BAGEL pipeline's thinker prefills the prompt's context and hands
+the DiT its KV cache (``context_kv``); an edit's DiT still builds its contexts from the
+caller's prompt and image, as the thinker does not read images yet.
 
 Every stage request of one caller's request (companions included) goes to replicas of one
 pipeline revision: the newest that every stage has a replica of (``router.revisions``);
@@ -271,10 +272,13 @@ class PipelineOrchestrator:
         # The host of the replica whose output the next stage reads.
         host: str | None = None
         for index, stage in enumerate(self.stages):
-            if self.pipeline.family == BAGEL_FAMILY and stage.type == "llm":
-                # BAGEL's thinker passes the prompt and the input image on as they are, and
-                # the DiT builds the contexts from them (the first step of the thinker's KV
-                # hand-off); the DiT's request then takes them from the caller's.
+            if (
+                self.pipeline.family == BAGEL_FAMILY
+                and stage.type == "llm"
+                and request.image is not None
+            ):
+                # An edit's context holds the input image, which BAGEL's thinker does not
+                # read yet: the DiT builds the contexts from the caller's prompt and image.
                 continue
             stage_request = self._stage_request(
                 request, attempt.number, index, upstream, upstream_text, negative
@@ -359,24 +363,24 @@ class PipelineOrchestrator:
         negative: ConnectorHandle | None,
     ) -> StageServerRequest:
         stage = self.stages[index]
-        family = self.pipeline.family_recipe
+        encoder = self.pipeline.encoder_recipe(stage)
         # Ids are unique per stage and attempt: a retried request must not collide with
         # what a replica may still hold of the first attempt.
         request_id = f"{request.request_id}-{attempt}" if attempt else request.request_id
         result = StageServerRequest(request_id=request_id)
         if stage.type == "llm":
-            if stage.output == "text":
+            if encoder is None:
                 result.params = dict(request.llm_params)
                 # Only a streaming caller reads the last stage's text in steps.
                 result.stream = request.stream and index == len(self.stages) - 1
-            # A hidden-states stage's hand-off connector is left to the stage: its own
-            # config, of the revision that serves the request, names it.
+            # An encoder stage's hand-off connector is left to the stage: its own config,
+            # of the revision that serves the request, names it.
             if upstream is not None:
                 result.prompt = upstream_text
-            elif family is not None and stage.output == "hidden_states":
-                # A family's encoder applies the family's own template to the prompt text.
+            elif encoder is not None:
+                # An encoder applies its model's own template to the prompt text.
                 result.prompt = _prompt_text(request)
-                if family.encoder.takes_image:
+                if encoder.takes_image:
                     result.image = request.image
             else:
                 result.prompt, result.messages = request.prompt, request.messages
@@ -385,6 +389,8 @@ class PipelineOrchestrator:
         result.image = request.image
         if upstream is None:
             result.prompt = _prompt_text(request)
+        elif upstream.context_kv is not None:
+            result.context_kv = upstream.context_kv
         elif upstream.prompt_embeds is not None:
             result.prompt_embeds = upstream.prompt_embeds
             result.negative_prompt_embeds = negative

@@ -15,6 +15,7 @@ import asyncio
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Any
 
 from vllm.v1.engine import FinishReason
 from vllm.v1.engine.detokenizer import IncrementalDetokenizer
@@ -22,6 +23,7 @@ from vllm.v1.engine.detokenizer import IncrementalDetokenizer
 from omni_runtime.config import PipelineConfig, StageConfig
 from omni_runtime.connectors import DEFAULT_HANDOFF_CONNECTOR, ConnectorHandle, StageConnectors
 from omni_runtime.engine.stage.stage_core_types import (
+    ContextKVRef,
     StageError,
     StageErrorCode,
     StageLLMCoreOutput,
@@ -31,6 +33,7 @@ from omni_runtime.engine.stage.stage_core_types import (
 )
 from omni_runtime.engine.stage.stage_llm_core_client import StageLLMCoreClientBase
 from omni_runtime.engine.stage.stage_llm_request_builder import InvalidLLMRequestError
+from omni_runtime.modeling.bagel.model import context_layout
 from omni_runtime.stage_server.frontend import StageFrontend, refusal
 
 # vLLM's REPETITION (a repetition detector's stop) is a stop to an OpenAI client.
@@ -50,6 +53,8 @@ class _Request:
     detokenizer: IncrementalDetokenizer
     prompt_tokens: int
     output_connector: str | None
+    # A BAGEL thinker's: the context's token ids, which say where its images end.
+    prompt_token_ids: list[int] | None = None
     stream: bool = True
     # What a request that does not stream has generated so far (sent when it finishes).
     text: list[str] = field(default_factory=list)
@@ -82,6 +87,15 @@ class StageLLMFrontend(StageFrontend):
         self._handoff_connector = (
             pipeline.output_connector(stage.stage_id) or DEFAULT_HANDOFF_CONNECTOR
         )
+        encoder = client.encoder_recipe
+        self._hands_off_context = encoder is not None and encoder.context_kv
+        if self._hands_off_context:
+            from omni_runtime.modeling.bagel.config import read_bagel_shape
+            from omni_runtime.modeling.bagel.generation import special_tokens
+
+            llm = read_bagel_shape(client.vllm_config.model_config.model).llm
+            self._kv_shape = (llm.num_layers, llm.num_kv_heads, llm.head_dim)
+            self._bagel_tokens = special_tokens(client.request_builder.tokenizer)
 
     @property
     def in_flight(self) -> int:
@@ -113,6 +127,9 @@ class StageLLMFrontend(StageFrontend):
             self._detokenizer(core_request),
             prompt_tokens=len(core_request.prompt_token_ids or ()),
             output_connector=request.output_connector or self._handoff_connector,
+            prompt_token_ids=(
+                list(core_request.prompt_token_ids or ()) if self._hands_off_context else None
+            ),
             stream=request.stream,
         )
         try:
@@ -178,13 +195,17 @@ class StageLLMFrontend(StageFrontend):
         result.completion_tokens = state.detokenizer.num_output_tokens()
         if output.pooling_output is not None:
             try:
-                result.prompt_embeds = await self._hand_off(request_id, state, output)
+                if state.prompt_token_ids is not None:
+                    result.context_kv = await self._hand_off_context(request_id, state, output)
+                else:
+                    result.prompt_embeds = await self._hand_off(request_id, state, output)
             except Exception as e:
                 finished = True
                 output.finish_reason = FinishReason.ERROR
+                what = "the context KV" if state.prompt_token_ids is not None else "hidden states"
                 output.error = StageError(
                     StageErrorCode.STAGE_FAILED,
-                    f"handing hidden states to connector {state.output_connector!r} failed: {e}",
+                    f"handing {what} to connector {state.output_connector!r} failed: {e}",
                 )
         if finished:
             del self._requests[request_id]
@@ -200,17 +221,34 @@ class StageLLMFrontend(StageFrontend):
                 )
         return result
 
+    async def _hand_off_context(
+        self, request_id: str, state: _Request, output: StageLLMCoreOutput
+    ) -> ContextKVRef:
+        """A BAGEL thinker's rows (a token's keys and values per row) to the DiT, as the
+        context KV ``[2, layers, tokens, kv_heads, head_dim]`` its ContextKVRef names."""
+        assert state.prompt_token_ids is not None
+        rows = output.pooling_output
+        layout = context_layout(state.prompt_token_ids, self._bagel_tokens)
+        shape = self._kv_shape
+        # Reordered as the connector copies it in (one copy, no intermediate array).
+        kv = rows.view(rows.shape[0], 2, shape[0], *shape[1:]).permute(1, 2, 0, 3, 4)
+        handle = await self._put(request_id, state, kv)
+        return ContextKVRef(handle, layout.rope, layout.prefix_length, layout.prefix_rope)
+
     async def _hand_off(
         self, request_id: str, state: _Request, output: StageLLMCoreOutput
     ) -> ConnectorHandle:
-        assert state.output_connector is not None
-        connector = self.connectors.get(state.output_connector)
         hidden_states = output.pooling_output
         encoder = self.client.encoder_recipe
         if encoder is not None and encoder.drop_prefix:
             # The family's pipeline drops its template's rows before its DiT sees them.
             hidden_states = hidden_states[encoder.drop_prefix :]
-        handle = await asyncio.to_thread(connector.put, request_id, hidden_states)
+        return await self._put(request_id, state, hidden_states)
+
+    async def _put(self, request_id: str, state: _Request, array: Any) -> ConnectorHandle:
+        assert state.output_connector is not None
+        connector = self.connectors.get(state.output_connector)
+        handle = await asyncio.to_thread(connector.put, request_id, array)
         now = time.monotonic()
         self._handoffs[request_id] = (connector.name, request_id, now)
         # Forget records older than the connector keeps their arrays anyway.

@@ -14,6 +14,7 @@ ARCHITECTURES = {
     "OmniQwen3PenultimateModel": (
         "omni_runtime.engine.models.qwen3_penultimate:OmniQwen3PenultimateModel"
     ),
+    "OmniBagelThinker": "omni_runtime.engine.models.bagel_thinker:OmniBagelThinker",
 }
 
 

@@ -282,6 +282,8 @@ class StageServerOutput(StageCoreOutput):
     completion_tokens: int = 0
     # Seconds the stage spent on the request (0 for refused requests).
     execute_time: float = 0.0
+    # BAGEL thinker stages: where the DiT fetches the prompt's context KV.
+    context_kv: ContextKVRef | None = None
 
 
 class StageLoad(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -174,6 +174,10 @@ class StageLLMCoreClientBase(StageCoreClientBase):
     def request_builder(self) -> StageLLMRequestBuilder:
         """Builds this stage's requests (with the stage's default sampling params)."""
         defaults = self.stage.default_sampling_params if self.stage is not None else None
+        if self.encoder_recipe is not None and self.encoder_recipe.context_kv:
+            # A BAGEL thinker's sampling params are its think mode's, which it does not run
+            # (it prefills the context only).
+            defaults = None
         return StageLLMRequestBuilder(self.vllm_config, defaults, self.encoder_recipe)
 
     async def add_prompt_async(

@@ -53,10 +53,14 @@ def make_stage_llm_engine_args(
     args: dict[str, Any] = {
         name: value for name in ENGINE_ARG_FIELDS if (value := getattr(stage, name)) is not None
     }
-    if stage.output == "hidden_states":
+    if stage.output == "hidden_states" or encoder is not None:
         args.update(runner="pooling", convert="embed")
     else:
         args.update(runner="generate")
+    if encoder is not None and encoder.context_kv:
+        # The thinker prefills each prompt whole (its attention spans the whole context)
+        # and keeps no cache to share between prompts.
+        args.update(enable_chunked_prefill=False, enable_prefix_caching=False)
     extra = dict(stage.engine_args)
     if encoder is not None:
         if encoder.architecture is not None:

@@ -63,6 +63,9 @@ SAMPLING_PARAM_NAMES = (
 HIDDEN_STATES_POOLING = PoolingParams(task="token_embed", use_activation=False)
 
 
+_BAGEL_IMAGE_MARKERS = ("<|vision_start|>", "<|vision_end|>")
+
+
 class InvalidLLMRequestError(InvalidStageRequestError):
     """A request the LLM stage refuses before it reaches the core."""
 
@@ -235,6 +238,8 @@ class StageLLMRequestBuilder:
                 f"{encoder.drop_prefix} it drops (a tokenizer that does not fit the family)",
                 "prompt",
             )
+        if encoder.context_kv:
+            self._refuse_image_markers(token_ids)
         engine_prompt: dict[str, Any] = {"prompt_token_ids": token_ids}
         if encoder.image_area is not None:
             if image is None:
@@ -250,6 +255,17 @@ class StageLLMRequestBuilder:
         except (VLLMValidationError, ValueError) as e:
             raise InvalidLLMRequestError(f"prompt: {e}", "prompt") from None
         return engine_input, "prompt"
+
+    def _refuse_image_markers(self, token_ids: Sequence[int]) -> None:
+        # In BAGEL's context these tokens frame an image's tokens, which a prompt's text
+        # cannot stand for.
+        for marker in _BAGEL_IMAGE_MARKERS:
+            if self.tokenizer.convert_tokens_to_ids(marker) in token_ids:
+                raise InvalidLLMRequestError(
+                    f"prompt: contains {marker}, which frames an image in BAGEL's context "
+                    "(send the image as an image)",
+                    "prompt",
+                )
 
     def _params(self, params: dict[str, Any]) -> SamplingParams | PoolingParams:
         if self.encodes:

@@ -44,6 +44,36 @@ class SpecialTokens:
 
 
 @dataclass(frozen=True)
+class ContextLayout:
+    """Where a context's RoPE positions stand: after it (``rope``), and after its leading
+    images (``prefix_length`` tokens, ``prefix_rope``): the text-dropped context."""
+
+    rope: int
+    prefix_length: int
+    prefix_rope: int
+
+
+def context_layout(ids: Sequence[int], tokens: SpecialTokens) -> ContextLayout:
+    """The layout of a context made of ``ids``: each image span (<|vision_start|> through
+    <|vision_end|>) takes one position, each other token one of its own."""
+    rope = 0
+    prefix: tuple[int, int] | None = None
+    inside = False
+    for index, token in enumerate(ids):
+        if token == tokens.start_of_image:
+            inside = True
+        elif not inside:
+            if prefix is None:
+                prefix = (index, rope)
+            rope += 1
+        if inside and token == tokens.end_of_image:
+            inside = False
+            rope += 1
+    prefix_length, prefix_rope = prefix if prefix is not None else (len(ids), rope)
+    return ContextLayout(rope, prefix_length, prefix_rope)
+
+
+@dataclass(frozen=True)
 class ContextKV:
     """The key/value cache of a request's context: per layer, every context token's key
     (after its q/k norm and RoPE) and value, ``[layers, tokens, kv_heads, head_dim]``, and
@@ -457,9 +487,13 @@ class BagelModel(nn.Module):  # type: ignore[misc]
     ) -> ContextKV:
         """The context followed by a text: <|im_start|> ids <|im_end|>, causal, through
         the understanding expert, one RoPE position per token."""
-        framed = [tokens.bos, *ids, tokens.eos]
-        _, k, v = self._run(self._embed(framed), context.rope, None, context, causal=True)
-        return context.extended(k, v, context.rope + len(framed))
+        return self.extend_with_token_ids(context, [tokens.bos, *ids, tokens.eos])
+
+    def extend_with_token_ids(self, context: ContextKV, ids: Sequence[int]) -> ContextKV:
+        """The context followed by ``ids`` as they are (framing included), causal, through
+        the understanding expert, one RoPE position per token."""
+        _, k, v = self._run(self._embed(ids), context.rope, None, context, causal=True)
+        return context.extended(k, v, context.rope + len(ids))
 
     def _framed_image(self, inner: Tensor, tokens: SpecialTokens) -> Tensor:
         ends = self._embed([tokens.start_of_image, tokens.end_of_image])
