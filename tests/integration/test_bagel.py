@@ -303,6 +303,8 @@ def test_text_to_image_and_edits_on_the_images_endpoints(
     assert edited.data is not None
     # The input's size: an edit keeps it.
     assert_close_image(decoded(edited.data[0].b64_json), reference["edit"]["image"])
+    # An edit: the thinker prefilled its context and, a companion, its image-dropped one.
+    assert _thinker_served(served) == thinker_before + 3
 
 
 def test_ten_jobs_in_a_row_as_the_seeds_curl_sends_them(served: str) -> None:

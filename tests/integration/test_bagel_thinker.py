@@ -2,10 +2,12 @@
 
 vLLM runs the thinker as the stage configures it (``make_stage_llm_engine_args`` with
 BAGEL's recipe: the pooling runner, chunked prefill and prefix caching off), in a child
-process; the prompts go in one batch, so that one forward holds several of them. Each
-prompt's rows, reordered as the stage hands them on, must be the context that
-``BagelGenerator`` builds bit for bit: that one is equal to the reference's own
-(test_bagel.py), and so the thinker is too.
+process, and takes its prompts as the stage's request builder makes them (an edit's input
+image through the thinker's multimodal processor, its VAE sample from the seed); the
+prompts go in one batch, so that one forward holds several of them. Each prompt's rows,
+reordered as the stage hands them on, must be the context that ``BagelGenerator`` builds,
+bit for bit, input image included: that one is equal to the reference's own (test_bagel.py),
+and so the thinker is too.
 """
 
 from __future__ import annotations
@@ -17,12 +19,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import yaml
+from PIL import Image
 
 from omni_runtime.config import load_pipeline
-from omni_runtime.config.families import BAGEL_THINKER
 from omni_runtime.modeling.bagel.generation import BagelGenerator
 from omni_runtime.modeling.bagel.model import context_layout
 from omni_runtime.tiny_models import BAGEL_SUBDIR
@@ -30,12 +33,16 @@ from omni_runtime.tiny_models import BAGEL_SUBDIR
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
-PROMPTS = [
-    "a red cat on a city street",
+EDIT_PROMPT = "<|im_start|>Turn the main subject into a polished gold sculpture.<|im_end|>"
+# (prompt, input image's seed or None, edit size or None)
+CASES: list[tuple[str, int | None, tuple[int, int] | None]] = [
+    ("a red cat on a city street", None, None),
     # The seed's edit prompt: its own framing tokens, framed once more, as BAGEL does.
-    "<|im_start|>Turn the main subject into a polished gold sculpture.<|im_end|>",
-    "x",
+    (EDIT_PROMPT, None, None),
+    (EDIT_PROMPT, 3, None),
+    ("x", 4, (48, 32)),
 ]
+SEED = 42
 
 
 def _run_thinker(spec_path: str, out_path: str) -> None:
@@ -45,11 +52,13 @@ def _run_thinker(spec_path: str, out_path: str) -> None:
     from vllm.engine.arg_utils import EngineArgs
 
     from omni_runtime.engine.stage.stage_llm_engine_config import make_stage_llm_engine_args
+    from omni_runtime.engine.stage.stage_llm_request_builder import StageLLMRequestBuilder
 
     spec = json.loads(Path(spec_path).read_text())
     pipeline = load_pipeline(spec["pipeline"])
     thinker = pipeline.stages[0]
-    args = make_stage_llm_engine_args(thinker, spec["model"], pipeline.encoder_recipe(thinker))
+    recipe = pipeline.encoder_recipe(thinker)
+    args = make_stage_llm_engine_args(thinker, spec["model"], recipe)
     defaults = EngineArgs(model=args.model)
     changed = {
         name: value
@@ -57,7 +66,29 @@ def _run_thinker(spec_path: str, out_path: str) -> None:
         if name != "model" and value != getattr(defaults, name)
     }
     llm = LLM(model=args.model, pooler_config=PoolerConfig(task="token_embed"), **changed)
-    prompts = [{"prompt_token_ids": ids} for ids in spec["token_ids"]]
+    builder = StageLLMRequestBuilder(llm.llm_engine.vllm_config, None, recipe)
+    prompts, token_ids = [], []
+    for prompt, image_seed, size in spec["cases"]:
+        params: dict[str, Any] = {"seed": SEED}
+        if size is not None:
+            params["width"], params["height"] = size
+        image = None if image_seed is None else input_image(image_seed)
+        request = builder.build("r", prompt=prompt, image=image, params=params)
+        token_ids.append(list(request.prompt_token_ids or ()))
+        # The same prompt before vLLM's processing: the image's placeholder, then the text.
+        assert recipe is not None
+        assert recipe.template is not None
+        text = builder.tokenizer.encode(recipe.template.format(prompt), add_special_tokens=False)
+        placeholder = builder.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+        engine_prompt: dict[str, Any] = {
+            "prompt_token_ids": text if image is None else [placeholder, *text]
+        }
+        if image is not None:
+            engine_prompt["multi_modal_data"] = {"image": Image.fromarray(image)}
+            engine_prompt["mm_processor_kwargs"] = {"seed": SEED}
+            if size is not None:
+                engine_prompt["mm_processor_kwargs"]["size"] = list(size)
+        prompts.append(engine_prompt)
     outputs = llm.encode(
         prompts,
         pooling_params=PoolingParams(task="token_embed"),
@@ -65,7 +96,21 @@ def _run_thinker(spec_path: str, out_path: str) -> None:
         use_tqdm=False,
     )
     rows = [output.outputs.data for output in outputs]
-    torch.save({"rows": rows, "runner": llm.llm_engine.model_config.runner_type}, out_path)
+    # The prompts as vLLM ran them.
+    seen = [list(output.prompt_token_ids) for output in outputs]
+    torch.save(
+        {
+            "rows": rows,
+            "token_ids": seen,
+            "built": token_ids,
+            "runner": llm.llm_engine.model_config.runner_type,
+        },
+        out_path,
+    )
+
+
+def input_image(seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (64, 64, 3), dtype=np.uint8)
 
 
 @pytest.fixture(scope="module")
@@ -77,19 +122,13 @@ def test_the_thinkers_rows_are_the_contexts_keys_and_values(
     checkpoint: Path, tmp_path: Path
 ) -> None:
     generator = BagelGenerator.load(checkpoint)
-    template = BAGEL_THINKER.template
-    assert template is not None
-    token_ids = [
-        generator.tokenizer.encode(template.format(prompt), add_special_tokens=False)
-        for prompt in PROMPTS
-    ]
     data = yaml.safe_load((ROOT / "examples" / "tiny-bagel.yaml").read_text())
     data["model"] = str(checkpoint)
     pipeline = tmp_path / "pipeline.yaml"
     pipeline.write_text(yaml.safe_dump(data))
     spec, out = tmp_path / "spec.json", tmp_path / "rows.pt"
     spec.write_text(
-        json.dumps({"pipeline": str(pipeline), "model": str(checkpoint), "token_ids": token_ids})
+        json.dumps({"pipeline": str(pipeline), "model": str(checkpoint), "cases": CASES})
     )
     env = {
         **os.environ,
@@ -109,16 +148,32 @@ def test_the_thinkers_rows_are_the_contexts_keys_and_values(
     result: dict[str, Any] = torch.load(out, weights_only=True)
     assert result["runner"] == "pooling"
     llm = generator.shape.llm
-    for prompt, ids, rows in zip(PROMPTS, token_ids, result["rows"], strict=True):
+    for case, built, ids, rows in zip(
+        CASES, result["built"], result["token_ids"], result["rows"], strict=True
+    ):
+        prompt, image_seed, size = case
+        # The stage's request is what vLLM ran: the image's placeholder already replaced
+        # with its spans, first, then the framed text.
+        assert built == ids
+        assert (ids[0] == generator.tokens.start_of_image) == (image_seed is not None), case
         # bf16 as the model made them: vLLM's float32 head is not in the way.
         assert rows.dtype == torch.bfloat16
-        context = generator.contexts(prompt, None, 64, 64, torch.Generator()).full
+        picture = None
+        if image_seed is not None:
+            picture = generator.prepare_image(Image.fromarray(input_image(image_seed)), size)
+        contexts = generator.contexts(prompt, picture, 64, 64, torch.Generator().manual_seed(SEED))
+        context = contexts.full
         kv = rows.view(len(ids), 2, llm.num_layers, llm.num_kv_heads, llm.head_dim)
         kv = kv.permute(1, 2, 0, 3, 4)
-        assert torch.equal(kv[0], context.keys), prompt
-        assert torch.equal(kv[1], context.values), prompt
+        assert torch.equal(kv[0], context.keys), case
+        assert torch.equal(kv[1], context.values), case
         layout = context_layout(ids, generator.tokens)
-        assert (layout.rope, layout.prefix_length, layout.prefix_rope) == (context.rope, 0, 0)
+        assert layout.rope == context.rope
+        # The text-dropped context is the full one's prefix: the image's two spans.
+        assert (layout.prefix_length, layout.prefix_rope) == (
+            contexts.no_text.length,
+            contexts.no_text.rope,
+        )
 
 
 if __name__ == "__main__":

@@ -5,15 +5,18 @@ from __future__ import annotations
 
 import asyncio
 
+import numpy as np
 import pytest
 from test_stage_replica_pool import FakeReplica
 
 from omni_runtime.config import PipelineConfig
 from omni_runtime.connectors import ConnectorHandle
 from omni_runtime.engine.stage.stage_core_types import (
+    ContextKVRef,
     StageError,
     StageErrorCode,
     StageServerOutput,
+    StageServerRequest,
 )
 from omni_runtime.engine.stage.stage_replica_pool import StageReplicaPool
 from omni_runtime.router.orchestrator import (
@@ -219,4 +222,93 @@ async def test_a_stage_reading_shared_memory_runs_in_the_pod_of_its_input() -> N
         assert failed.value.status == 503
     finally:
         await encoder.close()
+        await dit.close()
+
+
+class ThinkerReplica(FakeReplica):
+    """A BAGEL thinker replica: answers each request with a context KV of its own, and
+    keeps what it was asked."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.requests: list[StageServerRequest] = []
+
+    async def add_request_async(self, request: object) -> None:
+        await super().add_request_async(request)  # type: ignore[arg-type]
+        assert isinstance(request, StageServerRequest)
+        self.requests.append(request)
+        request_id = request.request_id
+        handle = ConnectorHandle("shm", request_id, "bfloat16", [2, 1, 3, 1, 2], 24)
+        self.pending.discard(request_id)
+        self.emit(StageServerOutput(request_id, finished=True, context_kv=ContextKVRef(handle, 3)))
+
+
+class RecordingDiT(AnsweringReplica):
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.requests: list[StageServerRequest] = []
+
+    async def add_request_async(self, request: object) -> None:
+        assert isinstance(request, StageServerRequest)
+        self.requests.append(request)
+        await super().add_request_async(request)
+
+
+BAGEL_PODS = PipelineConfig.model_validate(
+    {
+        "model": "ByteDance-Seed/BAGEL-7B-MoT",
+        "stages": [
+            {"stageId": 0, "name": "thinker", "type": "llm"},
+            {
+                "stageId": 1,
+                "name": "dit",
+                "type": "diffusion",
+                "inputConnectors": {"from_stage_0": "shm"},
+                "defaultSamplingParams": {"seed": 52},
+            },
+        ],
+        "connectors": {"shm": {"name": "SharedMemoryConnector"}},
+        "router": {"policy": "round-robin"},
+    }
+)
+
+
+async def test_a_bagel_edits_companion_and_its_parent_feed_one_dit_in_their_pod() -> None:
+    """Two pods, each a thinker and a DiT: an edit's context and its image-dropped
+    companion's are prefilled in one pod, and the DiT there gets both; text to image needs
+    no companion. The thinker gets what its VAE sample needs: the seed and the size."""
+    thinker, dit = StageReplicaPool("thinker"), StageReplicaPool("dit")
+    thinkers, dits = {}, {}
+    for pod in ("10.0.0.1", "10.0.0.2"):
+        thinkers[pod], dits[pod] = ThinkerReplica(pod), RecordingDiT(pod)
+        thinker.add_replica(thinkers[pod], f"{pod}:52000")
+        dit.add_replica(dits[pod], f"{pod}:52001")
+    run = PipelineOrchestrator(BAGEL_PODS, {0: thinker, 1: dit})
+    image = np.zeros((4, 4, 3), np.uint8)
+    try:
+        for n in range(6):
+            request = PipelineRequest(
+                f"r{n}", prompt="p", image=image, diffusion_params={"height": 32, "width": 32}
+            )
+            await asyncio.wait_for(run.complete(request), 5)
+        await asyncio.wait_for(run.complete(PipelineRequest("t2i", prompt="p")), 5)
+        for pod in thinkers:
+            by_id = {r.request_id: r for r in thinkers[pod].requests}
+            for request in dits[pod].requests:
+                assert request.context_kv is not None
+                parent = request.context_kv.kv.key
+                if parent == "t2i":
+                    assert by_id[parent].image is None
+                    assert request.no_image_context_kv is None
+                    continue
+                assert by_id[parent].image is not None
+                assert by_id[parent].params == {"seed": 52, "height": 32, "width": 32}
+                assert request.no_image_context_kv is not None
+                companion = request.no_image_context_kv.kv.key
+                assert companion == f"{parent}-no-image"
+                assert by_id[companion].image is None
+                assert by_id[companion].prompt == by_id[parent].prompt
+        assert all(dits[pod].requests for pod in dits)  # both pods served
+    finally:
+        await thinker.close()
         await dit.close()

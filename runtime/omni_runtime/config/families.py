@@ -74,7 +74,8 @@ class EncoderRecipe:
 
     @property
     def takes_image(self) -> bool:
-        return self.image_area is not None
+        # BAGEL's thinker reads an edit's input image as its own processor prepares it.
+        return self.image_area is not None or self.context_kv
 
 
 # BAGEL's thinker: a prompt is framed as BAGEL frames a text in its context.

@@ -5,12 +5,12 @@ latent tokens against the request's context KV (``omni_runtime.modeling.bagel``)
 contexts come one of two ways:
 
 - as KV caches in a connector (``context_kv``: the full context, whose prefix is the
-  text-dropped one; ``no_image_context_kv``: the image-dropped one), fetched here, in the
-  core process: from shared memory the KV is read in place, bf16 as it was put, never
-  copied. A request that ends before it runs (refused, aborted) fetches and drops them, so
-  the producer's copy goes at once, not at its expiry;
-- or built here from the prompt text and the input image, as the thinker passes them on
-  until its KV hand-off is in place.
+  text-dropped one; ``no_image_context_kv``: the image-dropped one), as the thinker stage
+  hands them on, fetched here, in the core process: from shared memory the KV is read in
+  place, bf16 as it was put, never copied. A request that ends before it runs (refused,
+  aborted) fetches and drops them, so the producer's copy goes at once, not at its expiry;
+- or built here from the prompt text and the input image, for a request that comes with
+  those alone (a DiT stage used by itself).
 
 Parameters (``params``): height, width (text-to-image; an edit makes its input image's
 size, after a resize to height x width where given), num_inference_steps (BAGEL's

@@ -8,9 +8,10 @@ the input image, which the DiT gets too), and where the DiT will run guidance a 
 request of the same stage encodes the negative prompt, whose handle goes to the DiT as
 ``negative_prompt_embeds``. The last stage's outputs
 are what the caller receives (streamed text, or images). Each stage's replica comes from
-its StageReplicaPool. A BAGEL pipeline's thinker prefills the prompt's context and hands
-the DiT its KV cache (``context_kv``); an edit's DiT still builds its contexts from the
-caller's prompt and image, as the thinker does not read images yet.
+its StageReplicaPool. A BAGEL pipeline's thinker prefills the request's context (the input
+image, then the text) and hands the DiT its KV cache (``context_kv``); for an edit a
+companion request prefills the image-dropped context (``no_image_context_kv``); the
+text-dropped one is a prefix of the full one.
 
 Every stage request of one caller's request (companions included) goes to replicas of one
 pipeline revision: the newest that every stage has a replica of (``router.revisions``);
@@ -45,8 +46,6 @@ from typing import Any, Literal, TypeVar
 import numpy as np
 
 from omni_runtime.config import PipelineConfig, StageConfig
-from omni_runtime.config.families import BAGEL_FAMILY
-from omni_runtime.connectors.base import ConnectorHandle
 from omni_runtime.engine.stage.stage_core_types import (
     StageError,
     StageErrorCode,
@@ -266,29 +265,21 @@ class PipelineOrchestrator:
     ) -> AsyncIterator[StageServerOutput]:
         upstream: StageServerOutput | None = None
         upstream_text = ""
-        negative: ConnectorHandle | None = None
+        companion_output: StageServerOutput | None = None
         revision = attempt.revision = self.choose_revision()
         sticky = request.sticky_key
         # The host of the replica whose output the next stage reads.
         host: str | None = None
         for index, stage in enumerate(self.stages):
-            if (
-                self.pipeline.family == BAGEL_FAMILY
-                and stage.type == "llm"
-                and request.image is not None
-            ):
-                # An edit's context holds the input image, which BAGEL's thinker does not
-                # read yet: the DiT builds the contexts from the caller's prompt and image.
-                continue
             stage_request = self._stage_request(
-                request, attempt.number, index, upstream, upstream_text, negative
+                request, attempt.number, index, upstream, upstream_text, companion_output
             )
             pin = host if stage.stage_id in self._pod_local else None
             if index == len(self.stages) - 1:
                 async for output in self._run_stage(stage, stage_request, sticky, revision, pin):
                     yield output
                 return
-            companion = self._negative_request(request, index, stage_request)
+            companion = self._companion_request(request, index, stage_request)
             placed: asyncio.Future[str] = asyncio.get_running_loop().create_future()
             runs = [self._final_output(stage, stage_request, sticky, revision, pin, placed)]
             if companion is not None:
@@ -302,7 +293,7 @@ class PipelineOrchestrator:
                 )
             results = await _all_or_none(runs)
             upstream, upstream_text, host = results[0]
-            negative = results[1][0].prompt_embeds if companion is not None else None
+            companion_output = results[1][0] if companion is not None else None
 
     async def _final_output(
         self,
@@ -331,19 +322,29 @@ class PipelineOrchestrator:
         assert final is not None
         return final, "".join(text_parts), where[-1]
 
-    def _negative_request(
+    def _companion_request(
         self, request: PipelineRequest, index: int, stage_request: StageServerRequest
     ) -> StageServerRequest | None:
-        """The companion request that encodes the negative prompt, where the stage at
-        ``index`` is a family's encoder and the DiT it feeds will run guidance."""
-        family = self.pipeline.family_recipe
+        """The companion request of ``stage_request`` that the DiT's guidance needs, where
+        the stage at ``index`` encodes for the DiT: a family's encoder encodes the negative
+        prompt (where the DiT will run guidance); BAGEL's thinker prefills an edit's
+        image-dropped context (the text alone)."""
         stage = self.stages[index]
-        if family is None or stage.type != "llm" or stage.output != "hidden_states":
+        encoder = self.pipeline.encoder_recipe(stage)
+        if encoder is None:
             return None
-        dit = self.stages[-1]
-        negative = family.negative_prompt(
-            {**dit.default_sampling_params, **request.diffusion_params}
-        )
+        if encoder.context_kv:
+            if stage_request.image is None:
+                return None  # text to image: the image-dropped context is the full one
+            return StageServerRequest(
+                request_id=f"{stage_request.request_id}-no-image",
+                prompt=stage_request.prompt,
+                output_connector=stage_request.output_connector,
+            )
+        family = self.pipeline.family_recipe
+        if family is None:
+            return None
+        negative = family.negative_prompt(self._dit_params(request))
         if negative is None:
             return None
         return StageServerRequest(
@@ -353,6 +354,10 @@ class PipelineOrchestrator:
             output_connector=stage_request.output_connector,
         )
 
+    def _dit_params(self, request: PipelineRequest) -> dict[str, Any]:
+        """The DiT's params for ``request``: its defaults, then the caller's."""
+        return {**self.stages[-1].default_sampling_params, **request.diffusion_params}
+
     def _stage_request(
         self,
         request: PipelineRequest,
@@ -360,8 +365,10 @@ class PipelineOrchestrator:
         index: int,
         upstream: StageServerOutput | None,
         upstream_text: str,
-        negative: ConnectorHandle | None,
+        companion: StageServerOutput | None,
     ) -> StageServerRequest:
+        """The request to the stage at ``index``, given its upstream's final output and text
+        and the output of that one's companion request, if it had one."""
         stage = self.stages[index]
         encoder = self.pipeline.encoder_recipe(stage)
         # Ids are unique per stage and attempt: a retried request must not collide with
@@ -382,6 +389,13 @@ class PipelineOrchestrator:
                 result.prompt = _prompt_text(request)
                 if encoder.takes_image:
                     result.image = request.image
+                if encoder.context_kv and request.image is not None:
+                    # BAGEL's thinker samples the input image's VAE latent with the seed's
+                    # first draw, at the edit's size: the DiT's, as the reference does both.
+                    dit = self._dit_params(request)
+                    result.params = {
+                        name: dit[name] for name in ("seed", "height", "width") if name in dit
+                    }
             else:
                 result.prompt, result.messages = request.prompt, request.messages
             return result
@@ -391,9 +405,10 @@ class PipelineOrchestrator:
             result.prompt = _prompt_text(request)
         elif upstream.context_kv is not None:
             result.context_kv = upstream.context_kv
+            result.no_image_context_kv = companion.context_kv if companion else None
         elif upstream.prompt_embeds is not None:
             result.prompt_embeds = upstream.prompt_embeds
-            result.negative_prompt_embeds = negative
+            result.negative_prompt_embeds = companion.prompt_embeds if companion else None
         else:
             result.prompt = upstream_text
         return result

@@ -16,27 +16,61 @@ prefilled whole in one step (the stage's engine configuration turns chunked pref
 prefix caching off), and the prompts of one step are told apart by their positions, which
 restart at 0 for each.
 
-A prompt is the context's token ids as :func:`context_token_ids` frames them; everything
-outside an image span is text, causal, one RoPE position per token.
+A prompt is the text as BAGEL frames it (``<|im_start|>text<|im_end|>``), after
+``<|image_pad|>`` where an input image comes first. vLLM's multimodal processing
+(:class:`BagelThinkerProcessor`) replaces that placeholder with the image's two spans, its
+VAE tokens and then its ViT tokens, each framed by ``<|vision_start|>`` ``<|vision_end|>``;
+:meth:`OmniBagelThinker.embed_multimodal` embeds both (the VAE's sample drawn with noise
+from the request's seed, as the reference's first draw), and the forward runs each span as
+BAGEL does: an image's tokens at one position, full attention among them, VAE tokens through
+the generation expert; text causal, one position per token.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
+from transformers import BatchFeature
 from vllm.config import VllmConfig
+from vllm.config.multimodal import MultiModalDummyOptions
+from vllm.inputs import MultiModalDataDict
 from vllm.model_executor.layers.pooler import DispatchPooler
 from vllm.model_executor.layers.pooler.tokwise.methods import AllPool
 from vllm.model_executor.layers.pooler.tokwise.poolers import TokenPooler
+from vllm.model_executor.models.interfaces import SupportsMultiModal
 from vllm.model_executor.models.interfaces_base import VllmModelForPooling
+from vllm.multimodal import MULTIMODAL_REGISTRY
+from vllm.multimodal.inputs import MultiModalFieldConfig, MultiModalKwargsItems
+from vllm.multimodal.parse import MultiModalDataItems
+from vllm.multimodal.processing import (
+    BaseDummyInputsBuilder,
+    BaseMultiModalProcessor,
+    BaseProcessingInfo,
+    PromptReplacement,
+    PromptUpdateDetails,
+)
+from vllm.utils.torch_utils import set_default_torch_dtype
 
 from omni_runtime.modeling.bagel.config import BagelShape, read_bagel_shape
-from omni_runtime.modeling.bagel.model import BagelModel, ContextKV
+from omni_runtime.modeling.bagel.generation import (
+    image_pixels,
+    prepare_image,
+    special_tokens,
+    vae_noise,
+)
+from omni_runtime.modeling.bagel.model import BagelModel, ContextKV, SpecialTokens
+from omni_runtime.modeling.bagel.vae import FluxVAE, build_autoencoder, diffusers_state_dict
+
+# The prompt's one token per input image, which processing replaces with the image's spans.
+IMAGE_PLACEHOLDER = "<|image_pad|>"
+# Inside an image's first span: its VAE tokens (ViT tokens take IMAGE_PLACEHOLDER's id).
+VAE_TOKEN = "<|vision_pad|>"
 
 
 def kv_row_width(shape: BagelShape) -> int:
@@ -61,26 +95,206 @@ def _checkpoint_dir(model: str) -> str:
     return str(snapshot_download(model, local_files_only=True))
 
 
-class OmniBagelThinker(nn.Module, VllmModelForPooling):  # type: ignore[misc]
+@functools.lru_cache(maxsize=4)
+def _shape(model: str) -> BagelShape:
+    return read_bagel_shape(_checkpoint_dir(model))
+
+
+def image_token_counts(shape: BagelShape, width: int, height: int) -> tuple[int, int]:
+    """(VAE tokens, ViT tokens) of an input image of this size, after BAGEL's transforms."""
+    vae_w, vae_h = shape.vae_transform.size_for(width, height)
+    d = shape.latent_downsample
+    vit_w, vit_h = shape.vit_transform.size_for(vae_w, vae_h)
+    p = shape.vit.patch_size
+    return (vae_h // d) * (vae_w // d), (vit_h // p) * (vit_w // p)
+
+
+class BagelThinkerProcessingInfo(BaseProcessingInfo):  # type: ignore[misc]
+    @property
+    def shape(self) -> BagelShape:
+        return _shape(self.ctx.model_config.model)
+
+    @functools.cached_property
+    def tokens(self) -> SpecialTokens:
+        return special_tokens(self.get_tokenizer())
+
+    def token_id(self, token: str) -> int:
+        found: int = self.get_tokenizer().convert_tokens_to_ids(token)
+        return found
+
+    def get_supported_mm_limits(self) -> Mapping[str, int | None]:
+        # BAGEL's edit reads one input image.
+        return {"image": 1}
+
+    def largest_image(self) -> tuple[int, int]:
+        side = self.shape.vae_transform.max_size
+        return side, side
+
+    def get_mm_max_tokens_per_item(
+        self, seq_len: int, mm_counts: Mapping[str, int]
+    ) -> Mapping[str, int]:
+        vae, vit = image_token_counts(self.shape, *self.largest_image())
+        return {"image": vae + vit + 4}
+
+
+class BagelThinkerDummyInputs(BaseDummyInputsBuilder[BagelThinkerProcessingInfo]):  # type: ignore[misc]
+    def get_dummy_text(self, mm_counts: Mapping[str, int]) -> str:
+        return IMAGE_PLACEHOLDER * mm_counts.get("image", 0)
+
+    def get_dummy_mm_data(
+        self,
+        seq_len: int,
+        mm_counts: Mapping[str, int],
+        mm_options: MultiModalDummyOptions,
+    ) -> MultiModalDataDict:
+        width, height = self.info.largest_image()
+        images = self._get_dummy_images(
+            width=width,
+            height=height,
+            num_images=mm_counts.get("image", 0),
+            overrides=mm_options.get("image"),
+        )
+        return {"image": images}
+
+
+class BagelThinkerProcessor(BaseMultiModalProcessor[BagelThinkerProcessingInfo]):  # type: ignore[misc]
+    """An input image's pixels for both towers and its VAE sample's noise.
+
+    ``mm_processor_kwargs``: ``seed`` (the request's: the noise is its first draw, as the
+    reference draws the VAE's sample first) and ``size`` ([width, height], an edit's
+    requested size, which the image is resized to before BAGEL's transforms)."""
+
+    def _hf_processor_applies_updates(self, *args: Any, **kwargs: Any) -> bool:
+        return False
+
+    def _call_hf_processor(
+        self, hf_data: Mapping[str, object], hf_kwargs: Mapping[str, object]
+    ) -> BatchFeature:
+        shape = self.info.shape
+        seed = hf_kwargs.get("seed")
+        size = hf_kwargs.get("size")
+        generator = torch.Generator()
+        if isinstance(seed, int):
+            generator.manual_seed(seed)
+        else:
+            generator.seed()
+        vae_pixels, vit_pixels, noises = [], [], []
+        images = hf_data.get("images") or []
+        assert isinstance(images, Sequence)
+        for picture in images:
+            wanted = tuple(size) if isinstance(size, list | tuple) else None
+            image = prepare_image(picture.convert("RGB"), shape, wanted)
+            vae_pixels.append(image_pixels(image, image.size))
+            vit_pixels.append(image_pixels(image, shape.vit_transform.size_for(*image.size)))
+            noises.append(vae_noise(image, shape, generator))
+        return BatchFeature(
+            {"vae_pixels": vae_pixels, "vit_pixels": vit_pixels, "vae_noise": noises}
+        )
+
+    def _get_mm_fields_config(
+        self, hf_inputs: Any, hf_processor_mm_kwargs: Mapping[str, object]
+    ) -> Mapping[str, MultiModalFieldConfig]:
+        return {
+            name: MultiModalFieldConfig.batched("image")
+            for name in ("vae_pixels", "vit_pixels", "vae_noise")
+        }
+
+    def _get_prompt_updates(
+        self,
+        mm_items: MultiModalDataItems,
+        hf_processor_mm_kwargs: Mapping[str, object],
+        out_mm_kwargs: MultiModalKwargsItems,
+    ) -> Sequence[PromptReplacement]:
+        info = self.info
+        tokens = info.tokens
+        placeholder, vae_token = info.token_id(IMAGE_PLACEHOLDER), info.token_id(VAE_TOKEN)
+
+        def spans(index: int) -> PromptUpdateDetails:
+            item = out_mm_kwargs["image"][index]
+            vae_pixels = item["vae_pixels"].data
+            vit_pixels = item["vit_pixels"].data
+            d, p = info.shape.latent_downsample, info.shape.vit.patch_size
+            vae = (vae_pixels.shape[1] // d) * (vae_pixels.shape[2] // d)
+            vit = (vit_pixels.shape[1] // p) * (vit_pixels.shape[2] // p)
+            start, end = tokens.start_of_image, tokens.end_of_image
+            ids = [start, *[vae_token] * vae, end, start, *[placeholder] * vit, end]
+            return PromptUpdateDetails.select_token_ids(ids, [vae_token, placeholder])
+
+        return [PromptReplacement(modality="image", target=[placeholder], replacement=spans)]
+
+
+@MULTIMODAL_REGISTRY.register_processor(
+    BagelThinkerProcessor,
+    info=BagelThinkerProcessingInfo,
+    dummy_inputs=BagelThinkerDummyInputs,
+)
+class OmniBagelThinker(nn.Module, VllmModelForPooling, SupportsMultiModal):  # type: ignore[misc]
     """BAGEL's context prefill as a vLLM pooling model (token_embed: one row per token)."""
 
     is_pooling_model: ClassVar[bool] = True
     is_attention_free: ClassVar[bool] = True
+    # The forward tells text from image spans by the token ids under the embeddings.
+    requires_raw_input_tokens: ClassVar[bool] = True
+
+    @classmethod
+    def get_placeholder_str(cls, modality: str, i: int) -> str | None:
+        if modality.startswith("image"):
+            return IMAGE_PLACEHOLDER
+        raise ValueError(f"BAGEL's thinker reads images, not {modality}")
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         super().__init__()
         model_config = vllm_config.model_config
         root = _checkpoint_dir(model_config.model)
-        self.shape = read_bagel_shape(root)
+        self.shape = _shape(model_config.model)
         # Built in vLLM's default dtype and device (set around this call), then loaded.
         self.bagel = BagelModel(self.shape)
+        # The VAE encodes an input image in float32, as the DiT stage's does.
+        with set_default_torch_dtype(torch.float32):
+            self.vae_model = build_autoencoder(self.shape.vae)
+        self.vae = FluxVAE(self.vae_model, self.shape.vae)
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(root, local_files_only=True)
+        self.tokens = special_tokens(tokenizer)
+        self.vae_token = int(tokenizer.convert_tokens_to_ids(VAE_TOKEN))
         # Each prompt token's row as the forward made it: no head, so neither vLLM's float32
         # cast of pooled rows nor a normalisation touches the cache.
         self.pooler = DispatchPooler({"token_embed": TokenPooler(pooling=AllPool(), head=None)})
 
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def embed_input_ids(
+        self,
+        input_ids: torch.Tensor,
+        multimodal_embeddings: Any = None,
+        *,
+        is_multimodal: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
         embeddings: torch.Tensor = self.bagel.language_model.model.embed_tokens(input_ids)
+        if (
+            multimodal_embeddings is None
+            or is_multimodal is None
+            or len(multimodal_embeddings) == 0
+        ):
+            return embeddings
+        merged = torch.cat([e.to(embeddings.dtype) for e in multimodal_embeddings])
+        embeddings[is_multimodal] = merged
         return embeddings
+
+    def embed_multimodal(self, **kwargs: object) -> list[torch.Tensor]:
+        """Per image, its VAE tokens then its ViT tokens, embedded."""
+        vae_pixels = kwargs.get("vae_pixels")
+        if vae_pixels is None:
+            return []
+        vit_pixels, noises = kwargs["vit_pixels"], kwargs["vae_noise"]
+        assert isinstance(vae_pixels, list | tuple | torch.Tensor)
+        embedded = []
+        for pixels, vit, noise in zip(vae_pixels, vit_pixels, noises, strict=True):  # type: ignore[call-overload]
+            latent = self.vae.encode(pixels.to(self.bagel.device), noise)
+            embedded.append(
+                torch.cat([self.bagel.vae_embeddings(latent), self.bagel.vit_embeddings(vit)])
+            )
+        return embedded
 
     def forward(
         self,
@@ -93,34 +307,57 @@ class OmniBagelThinker(nn.Module, VllmModelForPooling):  # type: ignore[misc]
         """Each prompt's context rows, the prompts one after another as vLLM laid them out."""
         if input_ids is None:
             raise ValueError("the BAGEL thinker reads token ids (no prompt embeddings)")
+        if inputs_embeds is None:
+            inputs_embeds = self.embed_input_ids(input_ids)
         n = int(input_ids.shape[0])
         starts = (positions == 0).nonzero().flatten().tolist()
         if not starts or starts[0] != 0:
             # Not a whole prompt: only vLLM's own warm-up passes make these.
             starts = [0, *starts]
         bounds = [*starts, n]
-        dtype, device = self.bagel.dtype, self.bagel.device
         rows = []
         for begin, end in itertools.pairwise(bounds):
-            context = ContextKV.empty(self.shape.llm, dtype, device)
-            ids = input_ids[begin:end].tolist()
-            context = self.bagel.extend_with_token_ids(context, ids)
+            context = self._context(input_ids[begin:end].tolist(), inputs_embeds[begin:end])
             rows.append(rows_from_context(context))
         return torch.cat(rows) if rows else torch.empty(0, kv_row_width(self.shape))
 
+    def _context(self, ids: list[int], x: torch.Tensor) -> ContextKV:
+        """The context of one prompt: its text runs and image spans in order."""
+        bagel, tokens = self.bagel, self.tokens
+        context = ContextKV.empty(self.shape.llm, bagel.dtype, bagel.device)
+        index = 0
+        while index < len(ids):
+            if ids[index] == tokens.start_of_image and tokens.end_of_image in ids[index:]:
+                end = ids.index(tokens.end_of_image, index) + 1
+                latent = end - index > 2 and ids[index + 1] == self.vae_token
+                context = bagel.extend_with_image(context, x[index:end], latent=latent)
+            else:
+                end = index + 1
+                while end < len(ids) and ids[end] != tokens.start_of_image:
+                    end += 1
+                context = bagel.extend_with_text_embeddings(context, x[index:end])
+            index = end
+        return context
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """The checkpoint's tensors by their own names (``ema.safetensors``); the VAE's
-        (``ae.safetensors``) are not the thinker's."""
-        params = dict(self.bagel.named_parameters())
+        """The checkpoint's tensors by their own names: BAGEL's (``ema.safetensors``) and
+        the VAE's in Black Forest Labs' names (``ae.safetensors``)."""
+        params = {f"bagel.{name}": p for name, p in self.bagel.named_parameters()}
+        params.update({f"vae_model.{name}": p for name, p in self.vae_model.named_parameters()})
+        levels = len(self.shape.vae.ch_mult)
         loaded: set[str] = set()
         for name, weight in weights:
-            target = params.get(name)
+            target_name = f"bagel.{name}"
+            if target_name not in params and "." in name:
+                ((vae_name, weight),) = diffusers_state_dict({name: weight}, levels).items()
+                target_name = f"vae_model.{vae_name}"
+            target = params.get(target_name)
             if target is None:
                 continue
             with torch.no_grad():
                 target.copy_(weight.to(target.dtype))
-            loaded.add(f"bagel.{name}")
-        missing = sorted(set(params) - {name.removeprefix("bagel.") for name in loaded})
+            loaded.add(target_name)
+        missing = sorted(set(params) - loaded)
         if missing:
             raise ValueError(
                 f"the checkpoint lacks {len(missing)} of BAGEL's weights (first: {missing[0]})"

@@ -63,7 +63,10 @@ SAMPLING_PARAM_NAMES = (
 HIDDEN_STATES_POOLING = PoolingParams(task="token_embed", use_activation=False)
 
 
-_BAGEL_IMAGE_MARKERS = ("<|vision_start|>", "<|vision_end|>")
+# BAGEL's thinker: the prompt's token for its input image, and the tokens that frame and
+# fill an image's spans in the context, which a prompt's text cannot stand for.
+_BAGEL_IMAGE_PLACEHOLDER = "<|image_pad|>"
+_BAGEL_IMAGE_MARKERS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|vision_pad|>")
 
 
 class InvalidLLMRequestError(InvalidStageRequestError):
@@ -115,9 +118,11 @@ class StageLLMRequestBuilder:
         (uint8 RGB) only to a family's encoder that takes one."""
         if not isinstance(request_id, str) or not request_id:
             raise InvalidLLMRequestError("request_id: a non-empty string is required", "request_id")
+        params = dict(params or {})
         if self.encoder is not None:
+            image_kwargs = _bagel_image_kwargs(params) if self.encoder.context_kv else {}
             engine_input, field_name = self._render_for_family(
-                self.encoder, prompt, messages, prompt_token_ids, image
+                self.encoder, prompt, messages, prompt_token_ids, image, image_kwargs
             )
         elif image is not None:
             raise InvalidLLMRequestError("image: this LLM stage takes text only", "image")
@@ -131,7 +136,7 @@ class StageLLMRequestBuilder:
                     f"additional_information: plain data only (str, numbers, lists, maps): {e}",
                     "additional_information",
                 ) from None
-        stage_params = self._params(dict(params or {}))
+        stage_params = self._params(params)
         try:
             request = self.input_processor.process_inputs(
                 request_id, engine_input, stage_params, self._tasks
@@ -212,6 +217,7 @@ class StageLLMRequestBuilder:
         messages: Sequence[Mapping[str, str]] | None,
         prompt_token_ids: Sequence[int] | None,
         image: np.ndarray | None,
+        image_kwargs: Mapping[str, Any],
     ) -> tuple[Any, str]:
         if messages is not None or prompt_token_ids is not None or not isinstance(prompt, str):
             raise InvalidLLMRequestError(
@@ -238,10 +244,17 @@ class StageLLMRequestBuilder:
                 f"{encoder.drop_prefix} it drops (a tokenizer that does not fit the family)",
                 "prompt",
             )
+        engine_prompt: dict[str, Any] = {"prompt_token_ids": token_ids}
         if encoder.context_kv:
             self._refuse_image_markers(token_ids)
-        engine_prompt: dict[str, Any] = {"prompt_token_ids": token_ids}
-        if encoder.image_area is not None:
+            if image is not None:
+                # BAGEL's context: the input image first, its spans where the placeholder is
+                # (omni_runtime.engine.models.bagel_thinker), then the text.
+                placeholder = self.tokenizer.convert_tokens_to_ids(_BAGEL_IMAGE_PLACEHOLDER)
+                engine_prompt["prompt_token_ids"] = [placeholder, *token_ids]
+                engine_prompt["multi_modal_data"] = {"image": _rgb_image(image)}
+                engine_prompt["mm_processor_kwargs"] = dict(image_kwargs)
+        elif encoder.image_area is not None:
             if image is None:
                 raise InvalidLLMRequestError(
                     "image: required: this encoder reads the input image with the prompt",
@@ -257,13 +270,11 @@ class StageLLMRequestBuilder:
         return engine_input, "prompt"
 
     def _refuse_image_markers(self, token_ids: Sequence[int]) -> None:
-        # In BAGEL's context these tokens frame an image's tokens, which a prompt's text
-        # cannot stand for.
         for marker in _BAGEL_IMAGE_MARKERS:
             if self.tokenizer.convert_tokens_to_ids(marker) in token_ids:
                 raise InvalidLLMRequestError(
-                    f"prompt: contains {marker}, which frames an image in BAGEL's context "
-                    "(send the image as an image)",
+                    f"prompt: contains {marker}, which stands for an image in BAGEL's "
+                    "context (send the image as an image)",
                     "prompt",
                 )
 
@@ -289,14 +300,46 @@ def _prompt_image(image: np.ndarray, area: int) -> Any:
     ``area`` pixels, as diffusers' VaeImageProcessor resizes (Lanczos)."""
     from PIL import Image
 
+    picture = _rgb_image(image)
+    size = prompt_image_size(picture.width, picture.height, area)
+    return picture.resize(size, resample=Image.Resampling.LANCZOS)
+
+
+def _rgb_image(image: np.ndarray) -> Any:
+    from PIL import Image
+
     if image.ndim != 3 or image.shape[2] != 3 or image.dtype != np.uint8:
         raise InvalidLLMRequestError(
             f"image: expected uint8 RGB [height, width, 3], got {image.dtype} {list(image.shape)}",
             "image",
         )
-    picture = Image.fromarray(image, mode="RGB")
-    size = prompt_image_size(picture.width, picture.height, area)
-    return picture.resize(size, resample=Image.Resampling.LANCZOS)
+    return Image.fromarray(image, mode="RGB")
+
+
+def _bagel_image_kwargs(params: dict[str, Any]) -> dict[str, Any]:
+    """What BAGEL's thinker takes of a request's generation params, taken out of
+    ``params``: ``seed`` (its input image's VAE sample is the seed's first draw, as the
+    DiT's generator expects) and ``height``/``width`` (an edit's size, which the image is
+    resized to first)."""
+    kwargs: dict[str, Any] = {}
+    seed = params.pop("seed", None)
+    if seed is not None:
+        if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**63:
+            raise InvalidLLMRequestError(
+                f"params.seed: expected an integer in [0, 2^63), got {seed!r}", "seed"
+            )
+        kwargs["seed"] = seed
+    height, width = params.pop("height", None), params.pop("width", None)
+    if height is not None or width is not None:
+        for name, value in (("height", height), ("width", width)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise InvalidLLMRequestError(
+                    f"params.{name}: expected a positive integer with "
+                    f"{'width' if name == 'height' else 'height'} ({value!r})",
+                    name,
+                )
+        kwargs["size"] = [width, height]
+    return kwargs
 
 
 def _check_names(params: Mapping[str, Any], where: str) -> None:

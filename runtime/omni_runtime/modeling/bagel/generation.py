@@ -156,33 +156,14 @@ class BagelGenerator:
         return self.shape.max_latent_size * self.shape.latent_downsample
 
     def prepare_image(self, image: Any, size: tuple[int, int] | None = None) -> Any:
-        """An input image (PIL, RGB) resized as the VAE transform resizes it, after a
-        resize to ``size`` (width, height) where the caller asked for one."""
-        from PIL import Image
-
-        if size is not None and image.size != size:
-            image = image.resize(size, Image.Resampling.BICUBIC)
-        target = self.shape.vae_transform.size_for(*image.size)
-        if image.size != target:
-            image = image.resize(target, Image.Resampling.BICUBIC)
-        return image
+        """:func:`prepare_image` for this checkpoint."""
+        return prepare_image(image, self.shape, size)
 
     def skip_vae_sample(self, image: Any, generator: torch.Generator) -> None:
         """Draw from ``generator`` what encoding ``image`` (prepared) draws, the VAE's sample,
         for a request whose contexts were built elsewhere (the thinker): its next draw is
         then the initial noise, as in the reference."""
-        d = self.shape.vae.downsample
-        size = (1, self.shape.vae.z_channels, image.height // d, image.width // d)
-        torch.randn(size, generator=generator, dtype=self.vae.dtype)
-
-    def _pixels(self, image: Any, size: tuple[int, int]) -> Tensor:
-        """[3, H, W] in [-1, 1] of ``image`` resized to ``size`` (width, height)."""
-        from PIL import Image
-
-        if image.size != size:
-            image = image.resize(size, Image.Resampling.BICUBIC)
-        array = np.asarray(image, dtype=np.float32) / 255.0
-        return torch.from_numpy(array).permute(2, 0, 1) * 2.0 - 1.0
+        vae_noise(image, self.shape, generator)
 
     def contexts(
         self,
@@ -205,12 +186,13 @@ class BagelGenerator:
         context = empty
         if image is not None:
             width, height = image.size
-            pixels = self._pixels(image, image.size).to(model.device)
-            latent = self.vae.encode(pixels, generator)
+            pixels = image_pixels(image, image.size).to(model.device)
+            noise = vae_noise(image, self.shape, generator)
+            latent = self.vae.encode(pixels, noise)
             context = model.extend_with_vae(context, latent, tokens)
             vit_size = self.shape.vit_transform.size_for(*image.size)
             context = model.extend_with_vit(
-                context, self._pixels(image, vit_size).to(model.device), tokens
+                context, image_pixels(image, vit_size).to(model.device), tokens
             )
         no_text = context
         ids = self.tokenizer.encode(prompt, add_special_tokens=False)
@@ -279,6 +261,37 @@ class BagelGenerator:
         # Truncated, not rounded, to 8 bits, as the reference converts it.
         pixels = ((image.float() * 0.5 + 0.5).clamp(0, 1) * 255).to(torch.uint8)
         return pixels.permute(1, 2, 0).cpu().numpy()  # type: ignore[no-any-return]
+
+
+def prepare_image(image: Any, shape: BagelShape, size: tuple[int, int] | None = None) -> Any:
+    """An input image (PIL, RGB) resized as BAGEL's VAE transform resizes it, after a
+    resize to ``size`` (width, height) where the caller asked for one."""
+    from PIL import Image
+
+    if size is not None and image.size != size:
+        image = image.resize(size, Image.Resampling.BICUBIC)
+    target = shape.vae_transform.size_for(*image.size)
+    if image.size != target:
+        image = image.resize(target, Image.Resampling.BICUBIC)
+    return image
+
+
+def image_pixels(image: Any, size: tuple[int, int]) -> Tensor:
+    """``image`` (PIL) at ``size`` (width, height) as [3, H, W] float32 in [-1, 1]."""
+    from PIL import Image
+
+    if image.size != size:
+        image = image.resize(size, Image.Resampling.BICUBIC)
+    array = np.asarray(image, dtype=np.float32) / 255.0
+    return torch.from_numpy(array).permute(2, 0, 1) * 2.0 - 1.0
+
+
+def vae_noise(image: Any, shape: BagelShape, generator: torch.Generator | None) -> Tensor:
+    """The noise the VAE's sample of ``image`` (prepared) takes, [1, z, H/8, W/8] float32,
+    drawn from ``generator``: the first draw of a request's seed, as in the reference."""
+    d = shape.vae.downsample
+    size = (1, shape.vae.z_channels, image.height // d, image.width // d)
+    return torch.randn(size, generator=generator, dtype=torch.float32)
 
 
 def special_tokens(tokenizer: Any) -> SpecialTokens:

@@ -490,31 +490,55 @@ class BagelModel(nn.Module):  # type: ignore[misc]
         return self.extend_with_token_ids(context, [tokens.bos, *ids, tokens.eos])
 
     def extend_with_token_ids(self, context: ContextKV, ids: Sequence[int]) -> ContextKV:
-        """The context followed by ``ids`` as they are (framing included), causal, through
-        the understanding expert, one RoPE position per token."""
-        _, k, v = self._run(self._embed(ids), context.rope, None, context, causal=True)
-        return context.extended(k, v, context.rope + len(ids))
+        """The context followed by ``ids`` as they are (framing included)."""
+        return self.extend_with_text_embeddings(context, self._embed(ids))
 
     def _framed_image(self, inner: Tensor, tokens: SpecialTokens) -> Tensor:
         ends = self._embed([tokens.start_of_image, tokens.end_of_image])
         return torch.cat([ends[:1], inner.to(ends.dtype), ends[1:]])
 
-    def extend_with_vit(
-        self, context: ContextKV, pixels: Tensor, tokens: SpecialTokens
-    ) -> ContextKV:
-        """The context followed by an image's ViT tokens: ``pixels`` [3, H, W] in [-1, 1]
-        (sides multiples of the ViT's patch) through SigLIP and the connector, framed by
-        <|vision_start|> <|vision_end|>, all at one position, understanding expert."""
+    def vit_embeddings(self, pixels: Tensor) -> Tensor:
+        """An image's ViT tokens as the language model takes them: ``pixels`` [3, H, W] in
+        [-1, 1] (sides multiples of the ViT's patch) through SigLIP and the connector, plus
+        their positions."""
         patch = self.shape.vit.patch_size
         rows, cols = pixels.shape[1] // patch, pixels.shape[2] // patch
         positions = grid_positions(rows, cols, self.shape.vit_max_num_patch_per_side, self.device)
         vit = self.vit_model.vision_model(patchify(pixels, patch).to(self.device), positions)
         h = self.connector.fc2(F.gelu(self.connector.fc1(vit), approximate="tanh"))
-        h = h + self.vit_pos_embed(positions)
-        _, k, v = self._run(
-            self._framed_image(h, tokens), context.rope, None, context, causal=False
+        embeddings: Tensor = h + self.vit_pos_embed(positions)
+        return embeddings
+
+    def vae_embeddings(self, latent: Tensor) -> Tensor:
+        """An image's clean VAE latent [z_channels, h, w] as latent tokens at timestep 0,
+        as the language model takes them."""
+        p = self.shape.latent_patch_size
+        rows, cols = latent.shape[1] // p, latent.shape[2] // p
+        return self._latent_tokens(
+            patchify(latent.to(self.device), p), torch.zeros(1, device=self.device), rows, cols
         )
+
+    def extend_with_image(self, context: ContextKV, framed: Tensor, latent: bool) -> ContextKV:
+        """The context followed by one image's tokens, embedded and framed by
+        <|vision_start|> <|vision_end|> (``framed``: [tokens + 2, hidden]), all at one
+        position, full attention among them; through the generation expert where they are
+        ``latent`` (VAE) tokens, else the understanding expert (ViT tokens)."""
+        gen = self._gen_rows(framed.shape[0] - 2) if latent else None
+        _, k, v = self._run(framed, context.rope, gen, context, causal=False)
         return context.extended(k, v, context.rope + 1)
+
+    def extend_with_text_embeddings(self, context: ContextKV, x: Tensor) -> ContextKV:
+        """The context followed by embedded text tokens ``x``, causal, understanding expert,
+        one RoPE position per token."""
+        _, k, v = self._run(x, context.rope, None, context, causal=True)
+        return context.extended(k, v, context.rope + x.shape[0])
+
+    def extend_with_vit(
+        self, context: ContextKV, pixels: Tensor, tokens: SpecialTokens
+    ) -> ContextKV:
+        """The context followed by an image's ViT tokens (:meth:`vit_embeddings`)."""
+        framed = self._framed_image(self.vit_embeddings(pixels), tokens)
+        return self.extend_with_image(context, framed, latent=False)
 
     def _latent_tokens(self, latent_tokens: Tensor, t: Tensor, rows: int, cols: int) -> Tensor:
         """vae2llm(latent) + timestep embedding + position, for rows x cols latent tokens."""
@@ -534,17 +558,9 @@ class BagelModel(nn.Module):  # type: ignore[misc]
     def extend_with_vae(
         self, context: ContextKV, latent: Tensor, tokens: SpecialTokens
     ) -> ContextKV:
-        """The context followed by an image's clean VAE latent [z_channels, h, w] as
-        latent tokens (timestep 0) through the generation expert, framed and at one
-        position like a ViT image."""
-        p = self.shape.latent_patch_size
-        rows, cols = latent.shape[1] // p, latent.shape[2] // p
-        x = self._latent_tokens(
-            patchify(latent.to(self.device), p), torch.zeros(1, device=self.device), rows, cols
-        )
-        gen = self._gen_rows(rows * cols)
-        _, k, v = self._run(self._framed_image(x, tokens), context.rope, gen, context, causal=False)
-        return context.extended(k, v, context.rope + 1)
+        """The context followed by an image's VAE latent tokens (:meth:`vae_embeddings`)."""
+        framed = self._framed_image(self.vae_embeddings(latent), tokens)
+        return self.extend_with_image(context, framed, latent=True)
 
     def velocity(
         self,

@@ -138,14 +138,17 @@ class FluxVAE:
     def dtype(self) -> torch.dtype:
         return next(self.autoencoder.parameters()).dtype
 
-    def encode(self, pixels: Tensor, generator: torch.Generator | None) -> Tensor:
+    def encode(self, pixels: Tensor, noise: Tensor) -> Tensor:
         """[3, H, W] in [-1, 1] -> a latent [z, H/8, W/8] drawn from the encoder's
-        distribution (its mean plus its deviation times noise from ``generator``), as
+        distribution (its mean plus its deviation times ``noise``, [1, z, H/8, W/8]), as
         FLUX's encoder samples it; scaled and shifted."""
         moments = self.autoencoder.encoder(pixels[None].to(self.dtype))
         mean, logvar = moments.chunk(2, dim=1)
-        noise = torch.randn(mean.shape, generator=generator, dtype=mean.dtype, device="cpu")
-        latent = mean + torch.exp(0.5 * logvar) * noise.to(mean.device)
+        if noise.shape != mean.shape:
+            raise ValueError(
+                f"VAE noise of shape {list(noise.shape)}; the sample needs {list(mean.shape)}"
+            )
+        latent = mean + torch.exp(0.5 * logvar) * noise.to(mean.device, mean.dtype)
         return ((latent - self.shape.shift_factor) * self.shape.scale_factor)[0]
 
     def decode(self, latent: Tensor) -> Tensor:
