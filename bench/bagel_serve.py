@@ -89,12 +89,34 @@ def serve_jobs(checkpoint: Path, args: argparse.Namespace, workdir: Path) -> lis
         wait_http_ok(f"http://127.0.0.1:{port}/health", 300, processes)
         client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=300)
         client.chat.completions.create(model="tiny-bagel", messages=messages, extra_body=extra)
+        before = stage_seconds(port)
         times = []
         for _ in range(args.jobs):
             start = time.perf_counter()
             client.chat.completions.create(model="tiny-bagel", messages=messages, extra_body=extra)
             times.append(time.perf_counter() - start)
+        after = stage_seconds(port)
+    for stage in sorted(after):
+        total = after[stage][0] - before.get(stage, (0.0, 0))[0]
+        count = after[stage][1] - before.get(stage, (0.0, 0))[1]
+        print(f"serve: stage {stage}: {count} requests, {1000 * total / max(count, 1):.1f} ms each")
     return times
+
+
+def stage_seconds(port: int) -> dict[str, tuple[float, int]]:
+    """(seconds, requests) each stage spent so far, as the router measured them (from a
+    request's dispatch to its last output, hand-off included)."""
+    import httpx
+
+    metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    found: dict[str, list[float]] = {}
+    for line in metrics.splitlines():
+        for suffix, slot in (("_sum", 0), ("_count", 1)):
+            name = f"omni_stage_request_duration_seconds{suffix}{{"
+            if line.startswith(name):
+                stage = line.split('stage="', 1)[1].split('"', 1)[0]
+                found.setdefault(stage, [0.0, 0.0])[slot] += float(line.split()[-1])
+    return {stage: (seconds, int(count)) for stage, (seconds, count) in found.items()}
 
 
 def in_process_jobs(checkpoint: Path, args: argparse.Namespace) -> list[float]:

@@ -206,10 +206,12 @@ def test_guided_latents_and_images_are_the_references(
 
 @pytest.fixture(scope="module")
 def served(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """``omni-runtime serve -f examples/tiny-bagel.yaml`` on the tiny checkpoint; its base URL."""
+    """``omni-runtime serve -f examples/tiny-bagel.yaml`` on the tiny checkpoint, with two
+    DiT replicas; its base URL."""
     workdir = tmp_path_factory.mktemp("serve-bagel")
     data = yaml.safe_load((ROOT / "examples" / "tiny-bagel.yaml").read_text())
     data["model"] = str(checkpoint)
+    data["stages"][1]["replicas"] = 2
     config = workdir / "pipeline.yaml"
     config.write_text(yaml.safe_dump(data))
     log_path = workdir / "serve.log"
@@ -267,15 +269,20 @@ def test_the_seeds_request_through_the_openai_client_is_the_references_edit(
     assert_close_image(chat_image(response), reference["edit"]["image"])
 
 
-def _thinker_served(served: str) -> float:
-    """Requests the thinker finished, by the router's /metrics."""
+def _served_by(served: str, stage: str) -> dict[str, float]:
+    """Requests each replica of ``stage`` finished, by the router's /metrics."""
     with httpx.Client(base_url=served.removesuffix("/v1"), timeout=10) as http:
         metrics = http.get("/metrics").text
-    return sum(
-        float(line.split()[-1])
-        for line in metrics.splitlines()
-        if line.startswith("omni_stage_requests_total{") and 'stage="thinker"' in line
-    )
+    counts: dict[str, float] = {}
+    for line in metrics.splitlines():
+        if line.startswith("omni_stage_requests_total{") and f'stage="{stage}"' in line:
+            replica = line.split('replica="', 1)[1].split('"', 1)[0]
+            counts[replica] = counts.get(replica, 0.0) + float(line.split()[-1])
+    return counts
+
+
+def _thinker_served(served: str) -> float:
+    return sum(_served_by(served, "thinker").values())
 
 
 def test_text_to_image_and_edits_on_the_images_endpoints(
@@ -308,7 +315,10 @@ def test_text_to_image_and_edits_on_the_images_endpoints(
 
 
 def test_ten_jobs_in_a_row_as_the_seeds_curl_sends_them(served: str) -> None:
-    """The seed's test plan: its curl request (raw JSON), 10 jobs in a row, all succeed."""
+    """The seed's test plan: its curl request (raw JSON), 10 jobs in a row, all succeed,
+    over both DiT replicas: each job's contexts (its own and its companion's) feed one DiT
+    request."""
+    dits_before = _served_by(served, "dit")
     times = []
     images = []
     with httpx.Client(base_url=served, timeout=120) as http:
@@ -323,6 +333,10 @@ def test_ten_jobs_in_a_row_as_the_seeds_curl_sends_them(served: str) -> None:
             images.append(image)
     # Each job its own image (inputs and seeds differ).
     assert len({image.tobytes() for image in images}) == 10
+    dits = _served_by(served, "dit")
+    jobs = {replica: count - dits_before.get(replica, 0.0) for replica, count in dits.items()}
+    assert sum(jobs.values()) == 10
+    assert len([count for count in jobs.values() if count > 0]) == 2, jobs
     print(f"10 jobs: {', '.join(f'{t:.2f}' for t in times)} s")
 
 

@@ -18,6 +18,7 @@ from vllm.v1.engine.utils import CoreEngineProcManager
 from vllm.v1.serial_utils import CUSTOM_TYPE_RAW_VIEW, MsgpackDecoder, MsgpackEncoder
 
 from omni_runtime.config import StageConfig
+from omni_runtime.config.families import BAGEL_THINKER
 from omni_runtime.diffusion.stage.inline_stage_diffusion_client import InlineStageDiffusionClient
 from omni_runtime.diffusion.stage.stage_diffusion_core_client import StageDiffusionCoreClient
 from omni_runtime.engine.stage.stage_core_client import StageCoreClientBase
@@ -38,6 +39,10 @@ from omni_runtime.engine.stage.stage_llm_core_proc_manager import StageLLMCorePr
 from omni_runtime.engine.stage.stage_llm_engine_config import (
     StageLLMConfigError,
     make_stage_llm_engine_args,
+)
+from omni_runtime.engine.stage.stage_llm_request_builder import (
+    InvalidLLMRequestError,
+    _bagel_image_kwargs,
 )
 from omni_runtime.engine.stage.zmq_stage_client import ZmqStageClientBase
 
@@ -245,6 +250,16 @@ def test_engine_args_follow_the_stage() -> None:
     assert passed.seed == 7
 
 
+def test_a_bagel_thinker_is_the_plugin_prefilling_whole_prompts() -> None:
+    thinker = _stage(name="thinker", maxNumBatchedTokens=32768, enforceEager=False)
+    args = make_stage_llm_engine_args(thinker, "/m", BAGEL_THINKER)
+    assert (args.runner, args.convert) == ("pooling", "embed")
+    assert args.hf_overrides == {"architectures": ["OmniBagelThinker"]}
+    assert (args.enable_chunked_prefill, args.enable_prefix_caching) == (False, False)
+    assert args.enforce_eager is True  # its forward is Python over each prompt's spans
+    assert args.max_num_batched_tokens == 32768
+
+
 def test_engine_args_errors_name_the_field() -> None:
     with pytest.raises(StageLLMConfigError, match=r"engineArgs\.sharpness: not an engine"):
         make_stage_llm_engine_args(_stage(engineArgs={"sharpness": 1}), "/m")
@@ -279,3 +294,37 @@ def test_default_process_core_inputs_takes_the_generated_tokens() -> None:
     encoded = _Upstream("c")  # an encode stage generates no tokens
     with pytest.raises(ValueError, match="upstream request c has no prompt"):
         StageLLMCoreClientBase._default_process_core_inputs([encoded])
+
+
+@pytest.mark.parametrize(
+    ("params", "taken", "left"),
+    [
+        ({"seed": 52, "height": 32, "width": 48}, {"seed": 52, "size": [48, 32]}, {}),
+        ({}, {}, {}),
+        ({"seed": 1, "max_tokens": 3}, {"seed": 1}, {"max_tokens": 3}),
+    ],
+)
+def test_a_bagel_thinker_takes_the_seed_and_size_of_its_params(
+    params: dict[str, object], taken: dict[str, object], left: dict[str, object]
+) -> None:
+    params = dict(params)
+    assert _bagel_image_kwargs(params) == taken
+    assert params == left  # the rest is checked as the stage's params
+
+
+@pytest.mark.parametrize(
+    ("params", "field"),
+    [
+        ({"seed": "52"}, "seed"),
+        ({"seed": -1}, "seed"),
+        ({"seed": True}, "seed"),
+        ({"height": 32}, "width"),
+        ({"height": 0, "width": 32}, "height"),
+    ],
+)
+def test_a_bagel_thinkers_bad_seed_or_size_is_refused_by_name(
+    params: dict[str, object], field: str
+) -> None:
+    with pytest.raises(InvalidLLMRequestError, match=rf"params\.{field}: expected") as refused:
+        _bagel_image_kwargs(dict(params))
+    assert refused.value.error.param == field

@@ -59,8 +59,9 @@ def make_stage_llm_engine_args(
         args.update(runner="generate")
     if encoder is not None and encoder.context_kv:
         # The thinker prefills each prompt whole (its attention spans the whole context)
-        # and keeps no cache to share between prompts.
-        args.update(enable_chunked_prefill=False, enable_prefix_caching=False)
+        # and keeps no cache to share between prompts; its forward walks each prompt's
+        # spans in Python, which a captured graph cannot replay.
+        args.update(enable_chunked_prefill=False, enable_prefix_caching=False, enforce_eager=True)
     extra = dict(stage.engine_args)
     if encoder is not None:
         if encoder.architecture is not None:
