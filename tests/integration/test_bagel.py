@@ -38,7 +38,14 @@ from bagel_reference.harness import guidance_spec, reference_dir, run_reference
 from PIL import Image
 from serving import CLI, served_base_url, wait_until
 
-from omni_runtime.modeling.bagel.generation import BagelGenerator, GuidanceParams, default_guidance
+from omni_runtime.modeling.bagel.generation import (
+    THINK_SYSTEM_PROMPT,
+    BagelGenerator,
+    GuidanceParams,
+    default_guidance,
+    plan,
+)
+from omni_runtime.modeling.bagel.model import ContextKV
 from omni_runtime.tiny_models import BAGEL_SUBDIR
 
 pytestmark = pytest.mark.integration
@@ -93,7 +100,10 @@ CASES: dict[str, tuple[str, bool, GuidanceParams]] = {
         replace(default_guidance(False), num_timesteps=STEPS, cfg_text_scale=1.0),
     ),
     "edit": (EDIT_PROMPT, True, replace(default_guidance(True), num_timesteps=STEPS)),
+    # Think mode: BAGEL's planning system prompt, a greedy plan of THINK_TOKENS at most.
+    "t2i-think": (T2I_PROMPT, False, replace(default_guidance(False), num_timesteps=STEPS)),
 }
+THINK_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
@@ -125,6 +135,8 @@ def reference(
             "width": SIZE,
             "out": str(workdir / f"{name}.npz"),
         }
+        if name.endswith("-think"):
+            spec.update(think=True, think_tokens=THINK_TOKENS)
         results[name] = run_reference(spec, workdir)
     return results
 
@@ -184,6 +196,31 @@ def test_contexts_are_the_references(
         assert torch.equal(contexts.full.keys[:, :prefix], contexts.no_text.keys)
 
 
+def test_think_modes_plan_and_contexts_are_the_references(
+    generator: BagelGenerator, reference: dict[str, dict[str, np.ndarray]]
+) -> None:
+    """BAGEL's think mode, text to image: the plan written greedily after the system prompt
+    and the prompt is the reference's, and so are the three contexts, bit for bit: the full
+    one (with the plan re-tokenized in it), the text-dropped one (the system prompt) and the
+    image-dropped one (system prompt and prompt, no plan)."""
+    ref = reference["t2i-think"]
+    model, tokenizer, tokens = generator.model, generator.tokenizer, generator.tokens
+    with torch.inference_mode():
+        empty = ContextKV.empty(generator.shape.llm, model.dtype, model.device)
+        system = model.extend_with_text(
+            empty, tokenizer.encode(THINK_SYSTEM_PROMPT, add_special_tokens=False), tokens
+        )
+        prompted = model.extend_with_text(
+            system, tokenizer.encode(T2I_PROMPT, add_special_tokens=False), tokens
+        )
+        text, full = plan(model, tokenizer, tokens, prompted, THINK_TOKENS)
+    assert text == str(ref["think_text"])
+    for context, name in ((full, "gen"), (system, "cfg_text"), (prompted, "cfg_img")):
+        assert context.rope == int(ref[f"{name}_rope"])
+        np.testing.assert_array_equal(context.keys.float().numpy(), ref[f"{name}_keys"])
+        np.testing.assert_array_equal(context.values.float().numpy(), ref[f"{name}_values"])
+
+
 def test_the_flow_without_guidance_is_the_references_bit_for_bit(
     generator: BagelGenerator, reference: dict[str, dict[str, np.ndarray]]
 ) -> None:
@@ -228,6 +265,58 @@ def served(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         proc.terminate()
         proc.wait(timeout=60)
         log.close()
+
+
+@pytest.fixture(scope="module")
+def served_thinking(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The tiny BAGEL served with its thinker in think mode (plans of THINK_TOKENS at most)."""
+    workdir = tmp_path_factory.mktemp("serve-bagel-think")
+    data = yaml.safe_load((ROOT / "examples" / "tiny-bagel.yaml").read_text())
+    data["model"] = str(checkpoint)
+    thinker = data["stages"][0]
+    thinker["think"] = True
+    thinker["defaultSamplingParams"]["max_tokens"] = THINK_TOKENS
+    config = workdir / "pipeline.yaml"
+    config.write_text(yaml.safe_dump(data))
+    log_path = workdir / "serve.log"
+    log = open(log_path, "wb")  # noqa: SIM115 - closed in the finally
+    proc = subprocess.Popen(
+        [*CLI, "serve", "-f", str(config), "--port", "0"],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
+    )
+    try:
+        yield served_base_url(proc, log_path, 300)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+        log.close()
+
+
+def test_think_mode_served_makes_the_references_image(
+    served_thinking: str, reference: dict[str, dict[str, np.ndarray]]
+) -> None:
+    """Think mode through the stages: the thinker writes the plan and hands the DiT the
+    context holding it, and its companion the context without it (system prompt and
+    prompt); the image is the reference's think-mode image. An edit in think mode works."""
+    client = openai.OpenAI(base_url=served_thinking, api_key="unused", timeout=120)
+    extra = {"num_inference_steps": STEPS, "seed": SEED}
+    generated = client.images.generate(
+        model="tiny-bagel",
+        prompt=T2I_PROMPT,
+        size=f"{SIZE}x{SIZE}",  # type: ignore[arg-type]
+        extra_body=extra,
+    )
+    assert generated.data is not None
+    assert_close_image(decoded(generated.data[0].b64_json), reference["t2i-think"]["image"])
+    body = seed_request(input_image(), steps=2)
+    response = client.chat.completions.create(
+        model=body.pop("model"), messages=body.pop("messages"), extra_body=body
+    )
+    assert chat_image(response).shape == (SIZE, SIZE, 3)
+    # Each request: the context with its plan, and the companion's without.
+    assert _thinker_served(served_thinking) == 4
 
 
 def seed_request(image: np.ndarray, seed: int = SEED, steps: int = STEPS) -> dict[str, Any]:

@@ -26,28 +26,37 @@ import yaml
 from PIL import Image
 
 from omni_runtime.config import load_pipeline
-from omni_runtime.modeling.bagel.generation import BagelGenerator
-from omni_runtime.modeling.bagel.model import context_layout
+from omni_runtime.modeling.bagel.generation import (
+    THINK_SYSTEM_PROMPT,
+    BagelGenerator,
+    image_pixels,
+    plan,
+    vae_noise,
+)
+from omni_runtime.modeling.bagel.model import ContextKV, context_layout
 from omni_runtime.tiny_models import BAGEL_SUBDIR
 
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
 EDIT_PROMPT = "<|im_start|>Turn the main subject into a polished gold sculpture.<|im_end|>"
-# (prompt, input image's seed or None, edit size or None)
-CASES: list[tuple[str, int | None, tuple[int, int] | None]] = [
-    ("a red cat on a city street", None, None),
+# (prompt, input image's seed or None, edit size or None, think mode)
+CASES: list[tuple[str, int | None, tuple[int, int] | None, bool]] = [
+    ("a red cat on a city street", None, None, False),
     # The seed's edit prompt: its own framing tokens, framed once more, as BAGEL does.
-    (EDIT_PROMPT, None, None),
-    (EDIT_PROMPT, 3, None),
-    ("x", 4, (48, 32)),
+    (EDIT_PROMPT, None, None, False),
+    (EDIT_PROMPT, 3, None, False),
+    ("x", 4, (48, 32), False),
+    ("a red cat on a city street", None, None, True),
+    (EDIT_PROMPT, 3, None, True),
 ]
 SEED = 42
+THINK_TOKENS = 6
 
 
 def _run_thinker(spec_path: str, out_path: str) -> None:
     """The child: the thinker as its stage configures it; every prompt's rows."""
-    from vllm import LLM, PoolingParams
+    from vllm import LLM
     from vllm.config import PoolerConfig
     from vllm.engine.arg_utils import EngineArgs
 
@@ -66,22 +75,29 @@ def _run_thinker(spec_path: str, out_path: str) -> None:
         if name != "model" and value != getattr(defaults, name)
     }
     llm = LLM(model=args.model, pooler_config=PoolerConfig(task="token_embed"), **changed)
-    builder = StageLLMRequestBuilder(llm.llm_engine.vllm_config, None, recipe)
-    prompts, token_ids = [], []
-    for prompt, image_seed, size in spec["cases"]:
+    vllm_config = llm.llm_engine.vllm_config
+    builders = {
+        False: StageLLMRequestBuilder(vllm_config, None, recipe),
+        True: StageLLMRequestBuilder(vllm_config, None, recipe, think_tokens=THINK_TOKENS),
+    }
+    prompts, token_ids, pooling_params, prompt_lengths = [], [], [], []
+    for prompt, image_seed, size, think in spec["cases"]:
+        builder = builders[think]
         params: dict[str, Any] = {"seed": SEED}
         if size is not None:
             params["width"], params["height"] = size
         image = None if image_seed is None else input_image(image_seed)
         request = builder.build("r", prompt=prompt, image=image, params=params)
         token_ids.append(list(request.prompt_token_ids or ()))
-        # The same prompt before vLLM's processing: the image's placeholder, then the text.
-        assert recipe is not None
-        assert recipe.template is not None
-        text = builder.tokenizer.encode(recipe.template.format(prompt), add_special_tokens=False)
-        placeholder = builder.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+        pooling_params.append(request.pooling_params)
+        prompt_lengths.append(len(builder.bagel_prompt_ids(prompt)))
+        # The same prompt before vLLM's processing: think mode's system prompt, the image's
+        # placeholder, then the text.
+        context = builder.bagel_prompt_ids(THINK_SYSTEM_PROMPT) if think else []
+        if image is not None:
+            context.append(builder.tokenizer.convert_tokens_to_ids("<|image_pad|>"))
         engine_prompt: dict[str, Any] = {
-            "prompt_token_ids": text if image is None else [placeholder, *text]
+            "prompt_token_ids": [*context, *builder.bagel_prompt_ids(prompt)]
         }
         if image is not None:
             engine_prompt["multi_modal_data"] = {"image": Image.fromarray(image)}
@@ -90,10 +106,7 @@ def _run_thinker(spec_path: str, out_path: str) -> None:
                 engine_prompt["mm_processor_kwargs"]["size"] = list(size)
         prompts.append(engine_prompt)
     outputs = llm.encode(
-        prompts,
-        pooling_params=PoolingParams(task="token_embed"),
-        pooling_task="token_embed",
-        use_tqdm=False,
+        prompts, pooling_params=pooling_params, pooling_task="token_embed", use_tqdm=False
     )
     rows = [output.outputs.data for output in outputs]
     # The prompts as vLLM ran them.
@@ -103,6 +116,7 @@ def _run_thinker(spec_path: str, out_path: str) -> None:
             "rows": rows,
             "token_ids": seen,
             "built": token_ids,
+            "prompt_lengths": prompt_lengths,
             "runner": llm.llm_engine.model_config.runner_type,
         },
         out_path,
@@ -148,32 +162,67 @@ def test_the_thinkers_rows_are_the_contexts_keys_and_values(
     result: dict[str, Any] = torch.load(out, weights_only=True)
     assert result["runner"] == "pooling"
     llm = generator.shape.llm
-    for case, built, ids, rows in zip(
-        CASES, result["built"], result["token_ids"], result["rows"], strict=True
+    tokens = generator.tokens
+    for case, built, ids, rows, prompt_length in zip(
+        CASES,
+        result["built"],
+        result["token_ids"],
+        result["rows"],
+        result["prompt_lengths"],
+        strict=True,
     ):
-        prompt, image_seed, size = case
+        prompt, image_seed, size, think = case
         # The stage's request is what vLLM ran: the image's placeholder already replaced
-        # with its spans, first, then the framed text.
+        # with its spans, and think mode's system prompt before it.
         assert built == ids
-        assert (ids[0] == generator.tokens.start_of_image) == (image_seed is not None), case
         # bf16 as the model made them: vLLM's float32 head is not in the way.
         assert rows.dtype == torch.bfloat16
         picture = None
         if image_seed is not None:
             picture = generator.prepare_image(Image.fromarray(input_image(image_seed)), size)
-        contexts = generator.contexts(prompt, picture, 64, 64, torch.Generator().manual_seed(SEED))
-        context = contexts.full
-        kv = rows.view(len(ids), 2, llm.num_layers, llm.num_kv_heads, llm.head_dim)
+        rng = torch.Generator().manual_seed(SEED)
+        with torch.inference_mode():
+            if think:
+                context, kept = think_mode_context(generator, prompt, picture, rng)
+            else:
+                contexts = generator.contexts(prompt, picture, 64, 64, rng)
+                context, kept = contexts.full, contexts.no_text
+        kv = rows.view(rows.shape[0], 2, llm.num_layers, llm.num_kv_heads, llm.head_dim)
         kv = kv.permute(1, 2, 0, 3, 4)
         assert torch.equal(kv[0], context.keys), case
         assert torch.equal(kv[1], context.values), case
-        layout = context_layout(ids, generator.tokens)
-        assert layout.rope == context.rope
-        # The text-dropped context is the full one's prefix: the image's two spans.
-        assert (layout.prefix_length, layout.prefix_rope) == (
-            contexts.no_text.length,
-            contexts.no_text.rope,
+        layout = context_layout(ids, tokens, prompt_length)
+        # Rows past the prompt's are the plan (think mode), a position each.
+        assert layout.rope + rows.shape[0] - len(ids) == context.rope
+        # The text-dropped context: what comes before the prompt.
+        assert (layout.prefix_length, layout.prefix_rope) == (kept.length, kept.rope)
+        # A plan is there only in think mode.
+        assert (rows.shape[0] > len(ids)) == think, case
+
+
+def think_mode_context(
+    generator: BagelGenerator, prompt: str, picture: Any, rng: torch.Generator
+) -> tuple[ContextKV, ContextKV]:
+    """Think mode's full context (system prompt, image, prompt, plan) and its text-dropped
+    one (system prompt, image), as BAGEL builds them."""
+    model, tokenizer, tokens = generator.model, generator.tokenizer, generator.tokens
+    context = ContextKV.empty(generator.shape.llm, model.dtype, model.device)
+    context = model.extend_with_text(
+        context, tokenizer.encode(THINK_SYSTEM_PROMPT, add_special_tokens=False), tokens
+    )
+    if picture is not None:
+        latent = generator.vae.encode(
+            image_pixels(picture, picture.size), vae_noise(picture, generator.shape, rng)
         )
+        context = model.extend_with_vae(context, latent, tokens)
+        vit_size = generator.shape.vit_transform.size_for(*picture.size)
+        context = model.extend_with_vit(context, image_pixels(picture, vit_size), tokens)
+    kept = context
+    context = model.extend_with_text(
+        context, tokenizer.encode(prompt, add_special_tokens=False), tokens
+    )
+    _, context = plan(model, tokenizer, tokens, context, THINK_TOKENS)
+    return context, kept
 
 
 if __name__ == "__main__":

@@ -191,19 +191,21 @@ TOKENS = SpecialTokens(bos=1, eos=2, start_of_image=3, end_of_image=4)
 
 
 @pytest.mark.parametrize(
-    ("ids", "layout"),
+    ("ids", "prompt_length", "layout"),
     [
         # text: a position per token; no image, so the text-dropped context is empty
-        ([1, 9, 9, 2], (4, 0, 0)),
+        ([1, 9, 9, 2], 4, (4, 0, 0)),
         # an image's span (VAE tokens), another (ViT tokens), then text: one position each
-        ([3, 7, 7, 7, 4, 3, 8, 8, 4, 1, 9, 2], (5, 9, 2)),
-        # images only: all of it is the text-dropped context
-        ([3, 7, 4], (1, 3, 1)),
-        ([], (0, 0, 0)),
+        ([3, 7, 7, 7, 4, 3, 8, 8, 4, 1, 9, 2], 3, (5, 9, 2)),
+        # the seed's prompt holds framing tokens of its own: only its length says where it is
+        ([3, 7, 4, 1, 1, 9, 2, 2], 5, (6, 3, 1)),
+        # think mode: a system prompt and the image are kept, the prompt dropped
+        ([1, 5, 2, 3, 7, 7, 4, 1, 9, 2], 3, (7, 7, 4)),
+        ([], 0, (0, 0, 0)),
     ],
 )
 def test_context_layout_gives_an_image_one_position(
-    ids: list[int], layout: tuple[int, int, int]
+    ids: list[int], prompt_length: int, layout: tuple[int, int, int]
 ) -> None:
-    found = context_layout(ids, TOKENS)
+    found = context_layout(ids, TOKENS, prompt_length)
     assert (found.rope, found.prefix_length, found.prefix_rope) == layout

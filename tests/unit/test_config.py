@@ -330,6 +330,22 @@ def test_a_bagel_pipeline_is_its_thinker_then_its_dit() -> None:
     assert load_pipeline(seed_mapping(), model=BAGEL_MODEL).family == "bagel"
 
 
+def test_only_a_bagel_thinker_thinks() -> None:
+    data = seed_mapping()
+    data["stages"][0]["think"] = True
+    thinking = load_pipeline(data, model=BAGEL_MODEL)
+    assert thinking.stages[0].think is True
+    data["stages"][1]["think"] = True
+    with pytest.raises(PipelineConfigError, match=r"stages\[1\]\.think: only a BAGEL"):
+        load_pipeline(data, model=BAGEL_MODEL)
+    other = {
+        "model": "m",
+        "stages": [{"stageId": 0, "name": "llm", "type": "llm", "think": True}],
+    }
+    with pytest.raises(PipelineConfigError, match=r"stages\[0\]\.think: only a BAGEL"):
+        load_pipeline(other)
+
+
 # --- field normalisation -------------------------------------------------------------------
 
 

@@ -184,6 +184,14 @@ class StageConfig(_Model):
         description="LLM stages only: generate text, or encode hidden states for the next "
         "stage. Defaults to text.",
     )
+    # None, not False, when unset: a pipeline that does not name it keeps its revision.
+    think: bool | None = Field(
+        default=None,
+        description="A BAGEL thinker only: BAGEL's think mode. The thinker writes a plan "
+        "(greedy, at most defaultSamplingParams.max_tokens tokens, 1000 if unset) after the "
+        "prompt, under BAGEL's planning system prompt, and the image is generated from the "
+        "context that holds it.",
+    )
     model: str | None = Field(
         default=None,
         min_length=1,
@@ -478,6 +486,9 @@ class PipelineConfig(_Model):
             issues += self._bagel_issues(index_of_id)
         elif self.family is not None:
             issues += self._family_issues(index_of_id)
+        for index, stage in enumerate(self.stages):
+            if stage.think and (self.family != BAGEL_FAMILY or stage.type != "llm"):
+                issues.append((f"stages[{index}].think", "only a BAGEL pipeline's thinker thinks"))
         if issues:
             raise PipelineConfigError(issues)
         return self

@@ -328,17 +328,21 @@ class PipelineOrchestrator:
         """The companion request of ``stage_request`` that the DiT's guidance needs, where
         the stage at ``index`` encodes for the DiT: a family's encoder encodes the negative
         prompt (where the DiT will run guidance); BAGEL's thinker prefills an edit's
-        image-dropped context (the text alone)."""
+        image-dropped context (the prompt alone; in think mode also text to image's, which
+        then differs from the full one by its plan)."""
         stage = self.stages[index]
         encoder = self.pipeline.encoder_recipe(stage)
         if encoder is None:
             return None
         if encoder.context_kv:
-            if stage_request.image is None:
+            if stage_request.image is None and not stage.think:
                 return None  # text to image: the image-dropped context is the full one
+            # The prompt alone (after think mode's system prompt, if the stage thinks): no
+            # image, and no plan.
             return StageServerRequest(
                 request_id=f"{stage_request.request_id}-no-image",
                 prompt=stage_request.prompt,
+                params={"think": False},
                 output_connector=stage_request.output_connector,
             )
         family = self.pipeline.family_recipe

@@ -53,8 +53,9 @@ class _Request:
     detokenizer: IncrementalDetokenizer
     prompt_tokens: int
     output_connector: str | None
-    # A BAGEL thinker's: the context's token ids, which say where its images end.
+    # A BAGEL thinker's: the context's token ids, and how many of the last are its prompt.
     prompt_token_ids: list[int] | None = None
+    bagel_prompt_length: int = 0
     stream: bool = True
     # What a request that does not stream has generated so far (sent when it finishes).
     text: list[str] = field(default_factory=list)
@@ -129,6 +130,11 @@ class StageLLMFrontend(StageFrontend):
             output_connector=request.output_connector or self._handoff_connector,
             prompt_token_ids=(
                 list(core_request.prompt_token_ids or ()) if self._hands_off_context else None
+            ),
+            bagel_prompt_length=(
+                len(builder.bagel_prompt_ids(request.prompt or ""))
+                if self._hands_off_context
+                else 0
             ),
             stream=request.stream,
         )
@@ -228,12 +234,15 @@ class StageLLMFrontend(StageFrontend):
         context KV ``[2, layers, tokens, kv_heads, head_dim]`` its ContextKVRef names."""
         assert state.prompt_token_ids is not None
         rows = output.pooling_output
-        layout = context_layout(state.prompt_token_ids, self._bagel_tokens)
+        ids = state.prompt_token_ids
+        layout = context_layout(ids, self._bagel_tokens, state.bagel_prompt_length)
+        # Rows past the prompt's are think mode's plan: text, a position each.
+        rope = layout.rope + rows.shape[0] - len(ids)
         shape = self._kv_shape
         # Reordered as the connector copies it in (one copy, no intermediate array).
         kv = rows.view(rows.shape[0], 2, shape[0], *shape[1:]).permute(1, 2, 0, 3, 4)
         handle = await self._put(request_id, state, kv)
-        return ContextKVRef(handle, layout.rope, layout.prefix_length, layout.prefix_rope)
+        return ContextKVRef(handle, rope, layout.prefix_length, layout.prefix_rope)
 
     async def _hand_off(
         self, request_id: str, state: _Request, output: StageLLMCoreOutput

@@ -61,7 +61,7 @@ SUBDIRS = (
 )
 _MARKER = "omni-tiny-models.json"
 # Bump when what is built changes, so that old directories are rebuilt.
-_RECIPE_VERSION = 7
+_RECIPE_VERSION = 8
 
 
 def _readable_by_all(tree: Path) -> None:

@@ -132,6 +132,11 @@ def build_bagel(path: Path, tokenizer: Any) -> None:
     shape = shape_from_config(config, _VIT_LAYERS, LATENT_SIDE**2)
     model = BagelModel(shape)
     randomize_rms_norms(model, SEED)
+    with torch.no_grad():
+        # The padding rows past the tokenizer's tokens score 0, below the real tokens' best
+        # (random weights would make them likely): a greedy plan (think mode) then writes
+        # only tokens the tokenizer can decode, as a trained model's does.
+        model.language_model.lm_head.weight[len(tokenizer) :] = 0.0
     state = {k: v.to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()}
     save_file(state, str(path / MODEL_WEIGHTS))
 

@@ -10,7 +10,8 @@ unmodified reference: inferencer.py, modeling/, data/), out (the .npz to write),
 image (a PNG path for an edit, or null for text-to-image), seed, num_timesteps,
 timestep_shift, cfg_text_scale, cfg_img_scale, cfg_interval ([lo, hi]), cfg_renorm_type,
 cfg_renorm_min, height, width (the text-to-image size; an edit takes its input's size),
-and optionally repeat (run the job that many times; job_seconds times each).
+and optionally repeat (run the job that many times; job_seconds times each) and think
+(think mode, greedy, at most think_tokens tokens: think_text is the plan it wrote).
 
 The model is loaded as BAGEL's app.py loads it, scaled to the checkpoint's config, and
 InterleaveInferencer.interleave_inference runs unchanged; a subclass records the three KV
@@ -237,7 +238,9 @@ def main(spec_path: str) -> None:
         with torch.autocast("cpu", dtype=torch.bfloat16):
             outputs = inferencer.interleave_inference(
                 input_list,
-                think=False,
+                think=bool(spec.get("think", False)),
+                max_think_token_n=int(spec.get("think_tokens", 1000)),
+                do_sample=False,
                 cfg_text_scale=float(spec["cfg_text_scale"]),
                 cfg_img_scale=float(spec["cfg_img_scale"]),
                 cfg_interval=[float(x) for x in spec["cfg_interval"]],
@@ -251,6 +254,9 @@ def main(spec_path: str) -> None:
     done = time.perf_counter()
     if not any(isinstance(o, Image.Image) for o in outputs) or "image" not in captured:
         raise RuntimeError(f"the reference produced no image: {outputs!r}")
+    texts = [o for o in outputs if isinstance(o, str)]
+    if texts:
+        captured["think_text"] = np.asarray(texts[0])
 
     ids = tokenizer.encode(spec["prompt"])
     captured["prompt_ids"] = np.asarray(

@@ -40,9 +40,7 @@ from transformers import BatchFeature
 from vllm.config import VllmConfig
 from vllm.config.multimodal import MultiModalDummyOptions
 from vllm.inputs import MultiModalDataDict
-from vllm.model_executor.layers.pooler import DispatchPooler
-from vllm.model_executor.layers.pooler.tokwise.methods import AllPool
-from vllm.model_executor.layers.pooler.tokwise.poolers import TokenPooler
+from vllm.model_executor.layers.pooler import DispatchPooler, Pooler
 from vllm.model_executor.models.interfaces import SupportsMultiModal
 from vllm.model_executor.models.interfaces_base import VllmModelForPooling
 from vllm.multimodal import MULTIMODAL_REGISTRY
@@ -60,6 +58,7 @@ from vllm.utils.torch_utils import set_default_torch_dtype
 from omni_runtime.modeling.bagel.config import BagelShape, read_bagel_shape
 from omni_runtime.modeling.bagel.generation import (
     image_pixels,
+    plan,
     prepare_image,
     special_tokens,
     vae_noise,
@@ -67,6 +66,8 @@ from omni_runtime.modeling.bagel.generation import (
 from omni_runtime.modeling.bagel.model import BagelModel, ContextKV, SpecialTokens
 from omni_runtime.modeling.bagel.vae import FluxVAE, build_autoencoder, diffusers_state_dict
 
+# A request's PoolingParams.extra_kwargs key: think mode's most plan tokens.
+THINK_TOKENS = "think_tokens"
 # The prompt's one token per input image, which processing replaces with the image's spans.
 IMAGE_PLACEHOLDER = "<|image_pad|>"
 # Inside an image's first span: its VAE tokens (ViT tokens take IMAGE_PLACEHOLDER's id).
@@ -223,6 +224,28 @@ class BagelThinkerProcessor(BaseMultiModalProcessor[BagelThinkerProcessingInfo])
         return [PromptReplacement(modality="image", target=[placeholder], replacement=spans)]
 
 
+class ContextRowsPooler(Pooler):  # type: ignore[misc]
+    """Each prompt's rows as the forward made them (no head: neither vLLM's float32 cast of
+    pooled rows nor a normalisation touches the cache); a request in think mode gets the
+    rows of its context with the plan in it (:meth:`OmniBagelThinker.planned`)."""
+
+    def __init__(self, planned: Any) -> None:
+        super().__init__()
+        self._planned = planned
+
+    def get_supported_tasks(self) -> set[str]:
+        return {"token_embed"}
+
+    def forward(self, hidden_states: torch.Tensor, pooling_metadata: Any) -> list[torch.Tensor]:
+        lengths = pooling_metadata.prompt_lens.tolist()
+        rows = list(hidden_states.split(lengths))
+        for index, params in enumerate(pooling_metadata.pooling_params):
+            think = (params.extra_kwargs or {}).get(THINK_TOKENS)
+            if think:
+                rows[index] = self._planned(index, int(think))
+        return rows
+
+
 @MULTIMODAL_REGISTRY.register_processor(
     BagelThinkerProcessor,
     info=BagelThinkerProcessingInfo,
@@ -256,11 +279,12 @@ class OmniBagelThinker(nn.Module, VllmModelForPooling, SupportsMultiModal):  # t
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(root, local_files_only=True)
+        self.tokenizer = tokenizer
         self.tokens = special_tokens(tokenizer)
         self.vae_token = int(tokenizer.convert_tokens_to_ids(VAE_TOKEN))
-        # Each prompt token's row as the forward made it: no head, so neither vLLM's float32
-        # cast of pooled rows nor a normalisation touches the cache.
-        self.pooler = DispatchPooler({"token_embed": TokenPooler(pooling=AllPool(), head=None)})
+        self.pooler = DispatchPooler({"token_embed": ContextRowsPooler(self.planned)})
+        # The contexts of the step that ran last, in its order, for think mode's plans.
+        self._step_contexts: list[ContextKV] = []
 
     def embed_input_ids(
         self,
@@ -315,11 +339,21 @@ class OmniBagelThinker(nn.Module, VllmModelForPooling, SupportsMultiModal):  # t
             # Not a whole prompt: only vLLM's own warm-up passes make these.
             starts = [0, *starts]
         bounds = [*starts, n]
-        rows = []
-        for begin, end in itertools.pairwise(bounds):
-            context = self._context(input_ids[begin:end].tolist(), inputs_embeds[begin:end])
-            rows.append(rows_from_context(context))
-        return torch.cat(rows) if rows else torch.empty(0, kv_row_width(self.shape))
+        contexts = [
+            self._context(input_ids[begin:end].tolist(), inputs_embeds[begin:end])
+            for begin, end in itertools.pairwise(bounds)
+        ]
+        self._step_contexts = contexts
+        if not contexts:
+            return torch.empty(0, kv_row_width(self.shape))
+        return torch.cat([rows_from_context(context) for context in contexts])
+
+    def planned(self, index: int, max_tokens: int) -> torch.Tensor:
+        """The rows of the step's ``index``-th context followed by its plan (think mode)."""
+        _, context = plan(
+            self.bagel, self.tokenizer, self.tokens, self._step_contexts[index], max_tokens
+        )
+        return rows_from_context(context)
 
     def _context(self, ids: list[int], x: torch.Tensor) -> ContextKV:
         """The context of one prompt: its text runs and image spans in order."""

@@ -174,11 +174,14 @@ class StageLLMCoreClientBase(StageCoreClientBase):
     def request_builder(self) -> StageLLMRequestBuilder:
         """Builds this stage's requests (with the stage's default sampling params)."""
         defaults = self.stage.default_sampling_params if self.stage is not None else None
+        think_tokens = None
         if self.encoder_recipe is not None and self.encoder_recipe.context_kv:
-            # A BAGEL thinker's sampling params are its think mode's, which it does not run
-            # (it prefills the context only).
+            # A BAGEL thinker's sampling params are its think mode's: max_tokens bounds a
+            # plan, which it writes greedily, as BAGEL does (its other params go unused).
+            if self.stage is not None and self.stage.think:
+                think_tokens = int((defaults or {}).get("max_tokens") or DEFAULT_THINK_TOKENS)
             defaults = None
-        return StageLLMRequestBuilder(self.vllm_config, defaults, self.encoder_recipe)
+        return StageLLMRequestBuilder(self.vllm_config, defaults, self.encoder_recipe, think_tokens)
 
     async def add_prompt_async(
         self,
@@ -405,6 +408,10 @@ class DPLBStageLLMCoreClient(DPLBAsyncMPClient, StageLLMCoreClientBase):  # type
         return await self._until_core_dies(
             super().collective_rpc_async(method, timeout, args, kwargs)
         )
+
+
+# BAGEL's own default for a plan's length (max_think_token_n).
+DEFAULT_THINK_TOKENS = 1000
 
 
 def start_stage_llm_client(

@@ -34,10 +34,12 @@ from vllm.v1.engine import EngineCoreRequest
 from vllm.v1.engine.input_processor import InputProcessor
 
 from omni_runtime.config.families import EncoderRecipe, prompt_image_size
+from omni_runtime.engine.models.bagel_thinker import THINK_TOKENS
 from omni_runtime.engine.stage.stage_core_types import (
     InvalidStageRequestError,
     StageLLMCoreRequest,
 )
+from omni_runtime.modeling.bagel.generation import THINK_SYSTEM_PROMPT
 
 # The sampling parameters an engine core honours by itself. Others are front-end work that
 # a stage does not do (n > 1 fans out into several requests, stop strings need the
@@ -81,9 +83,12 @@ class StageLLMRequestBuilder:
         vllm_config: VllmConfig,
         default_sampling_params: Mapping[str, Any] | None = None,
         encoder: EncoderRecipe | None = None,
+        think_tokens: int | None = None,
     ) -> None:
+        """``think_tokens``: a BAGEL thinker in think mode, the most tokens of its plans."""
         self.model_config = vllm_config.model_config
         self.encoder = encoder
+        self.think_tokens = think_tokens
         self.encodes = self.model_config.runner_type == "pooling"
         self.default_sampling_params = dict(default_sampling_params or {})
         if self.encodes and self.default_sampling_params:
@@ -119,8 +124,12 @@ class StageLLMRequestBuilder:
         if not isinstance(request_id, str) or not request_id:
             raise InvalidLLMRequestError("request_id: a non-empty string is required", "request_id")
         params = dict(params or {})
+        thinks = False
         if self.encoder is not None:
-            image_kwargs = _bagel_image_kwargs(params) if self.encoder.context_kv else {}
+            image_kwargs: dict[str, Any] = {}
+            if self.encoder.context_kv:
+                image_kwargs = _bagel_image_kwargs(params)
+                thinks = self._thinks(params)
             engine_input, field_name = self._render_for_family(
                 self.encoder, prompt, messages, prompt_token_ids, image, image_kwargs
             )
@@ -137,6 +146,9 @@ class StageLLMRequestBuilder:
                     "additional_information",
                 ) from None
         stage_params = self._params(params)
+        if thinks:
+            assert isinstance(stage_params, PoolingParams)
+            stage_params.extra_kwargs = {THINK_TOKENS: self.think_tokens}
         try:
             request = self.input_processor.process_inputs(
                 request_id, engine_input, stage_params, self._tasks
@@ -247,13 +259,17 @@ class StageLLMRequestBuilder:
         engine_prompt: dict[str, Any] = {"prompt_token_ids": token_ids}
         if encoder.context_kv:
             self._refuse_image_markers(token_ids)
+            # BAGEL's context: in think mode its system prompt, then the input image (its
+            # spans where the placeholder is: omni_runtime.engine.models.bagel_thinker), then
+            # the prompt.
+            context: list[int] = []
+            if self.think_tokens is not None:
+                context += self.bagel_prompt_ids(THINK_SYSTEM_PROMPT)
             if image is not None:
-                # BAGEL's context: the input image first, its spans where the placeholder is
-                # (omni_runtime.engine.models.bagel_thinker), then the text.
-                placeholder = self.tokenizer.convert_tokens_to_ids(_BAGEL_IMAGE_PLACEHOLDER)
-                engine_prompt["prompt_token_ids"] = [placeholder, *token_ids]
+                context.append(self.tokenizer.convert_tokens_to_ids(_BAGEL_IMAGE_PLACEHOLDER))
                 engine_prompt["multi_modal_data"] = {"image": _rgb_image(image)}
                 engine_prompt["mm_processor_kwargs"] = dict(image_kwargs)
+            engine_prompt["prompt_token_ids"] = [*context, *token_ids]
         elif encoder.image_area is not None:
             if image is None:
                 raise InvalidLLMRequestError(
@@ -268,6 +284,29 @@ class StageLLMRequestBuilder:
         except (VLLMValidationError, ValueError) as e:
             raise InvalidLLMRequestError(f"prompt: {e}", "prompt") from None
         return engine_input, "prompt"
+
+    def bagel_prompt_ids(self, text: str) -> list[int]:
+        """A text as BAGEL's thinker frames it in its context (the recipe's template)."""
+        assert self.encoder is not None
+        assert self.encoder.template is not None
+        return list(self.tokenizer(self.encoder.template.format(text))["input_ids"])
+
+    def _thinks(self, params: dict[str, Any]) -> bool:
+        """Whether a BAGEL thinker's request writes a plan: in think mode, unless its params
+        say ``think: false`` (the image-dropped companion, which holds the prompt alone)."""
+        think = params.pop("think", None)
+        if think is None:
+            return self.think_tokens is not None
+        if not isinstance(think, bool):
+            raise InvalidLLMRequestError(
+                f"params.think: expected true or false, got {think!r}", "think"
+            )
+        if think and self.think_tokens is None:
+            raise InvalidLLMRequestError(
+                "params.think: this thinker's stage is not in think mode (its think option)",
+                "think",
+            )
+        return think
 
     def _refuse_image_markers(self, token_ids: Sequence[int]) -> None:
         for marker in _BAGEL_IMAGE_MARKERS:

@@ -263,6 +263,36 @@ class BagelGenerator:
         return pixels.permute(1, 2, 0).cpu().numpy()  # type: ignore[no-any-return]
 
 
+# BAGEL's think mode for image generation: the system prompt its context starts with, in
+# BAGEL's words (the model was trained on it).
+THINK_SYSTEM_PROMPT = (
+    "You should first think about the planning process in the mind and then generate the "
+    "image. \nThe planning process is enclosed within <think> </think> tags, i.e. <think> "
+    "planning process here </think> image here"
+)
+
+
+def plan(
+    model: BagelModel, tokenizer: Any, tokens: SpecialTokens, context: ContextKV, max_tokens: int
+) -> tuple[str, ContextKV]:
+    """Think mode: the plan BAGEL writes after ``context`` (greedy, from <|im_start|>, at
+    most ``max_tokens`` tokens with it, until <|im_end|>), and ``context`` followed by the
+    plan as a text of its own, re-tokenized, as BAGEL's inference appends it."""
+    generated: list[int] = []
+    token, work = tokens.bos, context
+    for _ in range(max_tokens):
+        generated.append(token)
+        logits, work = model.decode_step(work, token)
+        token = int(logits.argmax())
+        if token == tokens.eos:
+            break
+    decoded = tokenizer.decode(generated)
+    bos, eos = tokenizer.convert_ids_to_tokens([tokens.bos, tokens.eos])
+    text = decoded.split(eos)[0].split(bos)[1]
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return text, model.extend_with_text(context, ids, tokens)
+
+
 def prepare_image(image: Any, shape: BagelShape, size: tuple[int, int] | None = None) -> Any:
     """An input image (PIL, RGB) resized as BAGEL's VAE transform resizes it, after a
     resize to ``size`` (width, height) where the caller asked for one."""

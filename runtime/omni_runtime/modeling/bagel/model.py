@@ -45,32 +45,36 @@ class SpecialTokens:
 
 @dataclass(frozen=True)
 class ContextLayout:
-    """Where a context's RoPE positions stand: after it (``rope``), and after its leading
-    images (``prefix_length`` tokens, ``prefix_rope``): the text-dropped context."""
+    """Where a context's RoPE positions stand: after it (``rope``), and after what comes
+    before its prompt (``prefix_length`` tokens, ``prefix_rope``): the text-dropped context."""
 
     rope: int
     prefix_length: int
     prefix_rope: int
 
 
-def context_layout(ids: Sequence[int], tokens: SpecialTokens) -> ContextLayout:
-    """The layout of a context made of ``ids``: each image span (<|vision_start|> through
+def rope_after(ids: Sequence[int], tokens: SpecialTokens) -> int:
+    """The RoPE position after ``ids``: each image span (<|vision_start|> through
     <|vision_end|>) takes one position, each other token one of its own."""
     rope = 0
-    prefix: tuple[int, int] | None = None
     inside = False
-    for index, token in enumerate(ids):
+    for token in ids:
         if token == tokens.start_of_image:
             inside = True
         elif not inside:
-            if prefix is None:
-                prefix = (index, rope)
             rope += 1
         if inside and token == tokens.end_of_image:
             inside = False
             rope += 1
-    prefix_length, prefix_rope = prefix if prefix is not None else (len(ids), rope)
-    return ContextLayout(rope, prefix_length, prefix_rope)
+    return rope
+
+
+def context_layout(ids: Sequence[int], tokens: SpecialTokens, prompt_length: int) -> ContextLayout:
+    """The layout of a context made of ``ids`` whose last ``prompt_length`` tokens are its
+    prompt: BAGEL's text-dropped context drops the prompt alone, keeping what precedes it (a
+    system prompt, the input image)."""
+    prefix = len(ids) - prompt_length
+    return ContextLayout(rope_after(ids, tokens), prefix, rope_after(ids[:prefix], tokens))
 
 
 @dataclass(frozen=True)
@@ -526,6 +530,13 @@ class BagelModel(nn.Module):  # type: ignore[misc]
         gen = self._gen_rows(framed.shape[0] - 2) if latent else None
         _, k, v = self._run(framed, context.rope, gen, context, causal=False)
         return context.extended(k, v, context.rope + 1)
+
+    def decode_step(self, context: ContextKV, token: int) -> tuple[Tensor, ContextKV]:
+        """The next token's logits after ``token`` follows ``context`` (understanding expert,
+        causal), and the context with ``token`` in it."""
+        out, k, v = self._run(self._embed([token]), context.rope, None, context, causal=True)
+        logits: Tensor = self.language_model.lm_head(out[-1])
+        return logits, context.extended(k, v, context.rope + 1)
 
     def extend_with_text_embeddings(self, context: ContextKV, x: Tensor) -> ContextKV:
         """The context followed by embedded text tokens ``x``, causal, understanding expert,
