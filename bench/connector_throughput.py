@@ -14,6 +14,10 @@ side in one run, the median over ``--repeat`` runs after ``--warmup`` of:
   processes (they need Mooncake's libraries at process start); skipped with a note where
   the engine does not load.
 
+With ``kv``, one more shared-memory row: the put as BAGEL's thinker stage makes it, of the
+thinker's rows (a token's keys and values per row, [tokens, 2 * layers * heads * dim]) seen
+as [2, layers, tokens, heads, dim], so that the connector's one copy also reorders them.
+
 Runs of the two sides of one row alternate, so that a noisy neighbour hits both alike.
 Prints a markdown table; `--json` prints the figures as JSON.
 
@@ -125,6 +129,18 @@ def measure_shared_memory(sizes: list[str], warmup: int, repeat: int) -> list[di
             del check
             base, conn = alternate(memcpy, put_get, warmup, repeat)
             rows.append(_row("shared memory", "memcpy", payload, conn, base))
+            if payload == KV:
+                # The thinker's rows, reordered by the put (llm_frontend._hand_off_context).
+                two, layers, tokens, heads, dim = KV_SHAPE
+                thinker_rows = src.permute(2, 0, 1, 3, 4).contiguous().view(tokens, -1)
+                view = thinker_rows.view(tokens, two, layers, heads, dim).permute(1, 2, 0, 3, 4)
+                check = connector.get(connector.put("check", view))
+                assert same(check, src)
+                del check
+                base, conn = alternate(memcpy, lambda v=view: put_get(v), warmup, repeat)
+                row = _row("shared memory", "memcpy", payload, conn, base)
+                row["connector"] = "shared memory, thinker rows reordered by the put"
+                rows.append(row)
     finally:
         connector.close()
     return rows
