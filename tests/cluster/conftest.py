@@ -89,6 +89,17 @@ class Kube:
         text = manifest if isinstance(manifest, str) else json.dumps(manifest)
         self.kubectl("apply", "-f", "-", input=text, namespace=namespace)
 
+    def wait_crd_established(self, name: str, timeout: float = 60.0) -> None:
+        """Until the CRD ``name`` is Established. Polled, not ``kubectl wait``: right after
+        an apply the CRD may have no status.conditions yet, and kubectl wait then fails at
+        once ("accessor error: <nil>") instead of waiting."""
+        path = '{.status.conditions[?(@.type=="Established")].status}'
+
+        def established() -> bool:
+            return self.kubectl("get", f"crd/{name}", "-o", f"jsonpath={path}").stdout == "True"
+
+        eventually(established, timeout=timeout, what=f"CRD {name} Established")
+
     def env(self) -> dict[str, str]:
         """Environment for a subprocess (e.g. an operator) that should use this cluster."""
         return {**os.environ, "KUBECONFIG": str(self.kubeconfig)}

@@ -108,7 +108,7 @@ def test_crd_cel_rule_and_printer_columns(
     crd = widget_crd(group)
     kube.apply(crd)
     try:
-        kube.kubectl("wait", "--for=condition=Established", f"crd/widgets.{group}", "--timeout=30s")
+        kube.wait_crd_established(f"widgets.{group}", timeout=30)
         # Established is not yet "in kubectl's discovery"; wait for that too so
         # the rejection below cannot be a "no matches for kind" error.
         eventually(

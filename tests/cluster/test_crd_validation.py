@@ -273,7 +273,7 @@ def crd(kube: Kube) -> None:
     """The checked-in CRD, installed and Established. Left installed: other modules of the
     session use the same CRD, and the apply is idempotent."""
     kube.kubectl("apply", "-f", str(CRD_FILE))
-    kube.kubectl("wait", "--for=condition=Established", f"crd/{CRD_NAME}", "--timeout=30s")
+    kube.wait_crd_established(CRD_NAME, timeout=30)
 
 
 @pytest.fixture(scope="module")

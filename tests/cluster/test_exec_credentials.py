@@ -125,9 +125,7 @@ async def test_the_client_authenticates_as_the_plugins_token(
 @pytest.fixture
 def crd(kube: Kube) -> None:
     kube.kubectl("apply", "--server-side", "-f", str(CRD_FILE))
-    kube.kubectl(
-        "wait", "--for=condition=Established", "crd/omnipipelines.omni.dev", "--timeout=60s"
-    )
+    kube.wait_crd_established("omnipipelines.omni.dev")
 
 
 def test_the_operator_logs_in_and_works_through_the_plugin(

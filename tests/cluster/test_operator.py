@@ -26,9 +26,7 @@ PIPELINE_LABEL = "omni.dev/pipeline"
 @pytest.fixture(scope="module")
 def crd(kube: Kube) -> Iterator[None]:
     kube.kubectl("apply", "--server-side", "-f", str(CRD_FILE))
-    kube.kubectl(
-        "wait", "--for=condition=Established", "crd/omnipipelines.omni.dev", "--timeout=60s"
-    )
+    kube.wait_crd_established("omnipipelines.omni.dev")
     return
 
 

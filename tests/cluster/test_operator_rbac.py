@@ -28,9 +28,7 @@ def installed(kube: Kube) -> Iterator[None]:
     if not kube.local:
         pytest.skip("installs cluster-wide objects: only on the local control plane")
     kube.kubectl("apply", "--server-side", "--force-conflicts", "-k", str(REPO / "manifests/base"))
-    kube.kubectl(
-        "wait", "--for=condition=Established", "crd/omnipipelines.omni.dev", "--timeout=60s"
-    )
+    kube.wait_crd_established("omnipipelines.omni.dev")
     return
 
 
