@@ -147,6 +147,15 @@ class ZmqStageClientBase(StageCoreClientBase, Generic[OutputsT]):
         except zmq.ZMQError as e:
             self._die(f"sending failed: {e}")
             self.check_health()
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # the caller's own cancellation
+            # The socket closed under the send (the replica was found dead meanwhile and
+            # its client shut), which cancels the send's future: the replica is gone, not
+            # the caller, who may send elsewhere.
+            self._die("the connection closed while sending")
+            self.check_health()
 
     def _die(self, reason: str) -> None:
         """Declare the stage gone: every waiting and later call fails with ``reason``."""
