@@ -64,6 +64,45 @@ def served_base_url(proc: subprocess.Popen[bytes], log: Path, timeout: float) ->
     return url
 
 
+@contextmanager
+def serving(config: Path, workdir: Path, timeout: float = 300) -> Iterator[str]:
+    """``omni-runtime serve -f config --port 0`` in a child (its log in ``workdir``) until
+    the block ends; yields its OpenAI base URL."""
+    log_path = workdir / "serve.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [*CLI, "serve", "-f", str(config), "--port", "0"],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
+        )
+        try:
+            yield served_base_url(proc, log_path, timeout)
+        finally:
+            proc.terminate()
+            proc.wait(timeout=60)
+
+
+def run_vllm_child(script: str, *args: Path, timeout: float = 240) -> None:
+    """``script`` (a test module whose ``__main__`` drives vLLM's ``LLM``) in a child with
+    ``args``, its engine in that one process; AssertionError with its stderr if it fails."""
+    env = {
+        **os.environ,
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+        "VLLM_LOGGING_LEVEL": "WARNING",
+    }
+    child = subprocess.run(
+        [sys.executable, script, *map(str, args)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    assert child.returncode == 0, child.stderr[-4000:]
+
+
 def wait_until(predicate: Any, timeout: float, what: str, interval: float = 0.05) -> Any:
     """Poll ``predicate`` until it returns something truthy; AssertionError at the deadline."""
     deadline = time.monotonic() + timeout

@@ -21,7 +21,6 @@ import asyncio
 import base64
 import io
 import os
-import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import replace
@@ -36,7 +35,7 @@ import torch
 import yaml
 from bagel_reference.harness import guidance_spec, reference_dir, run_reference
 from PIL import Image
-from serving import CLI, served_base_url, wait_until
+from serving import serving, wait_until
 
 from omni_runtime.modeling.bagel.generation import (
     THINK_SYSTEM_PROMPT,
@@ -251,20 +250,8 @@ def served(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     data["stages"][1]["replicas"] = 2
     config = workdir / "pipeline.yaml"
     config.write_text(yaml.safe_dump(data))
-    log_path = workdir / "serve.log"
-    log = open(log_path, "wb")  # noqa: SIM115 - closed in the finally
-    proc = subprocess.Popen(
-        [*CLI, "serve", "-f", str(config), "--port", "0"],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
-    )
-    try:
-        yield served_base_url(proc, log_path, 300)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
-        log.close()
+    with serving(config, workdir) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
@@ -278,20 +265,8 @@ def served_thinking(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) 
     thinker["defaultSamplingParams"]["max_tokens"] = THINK_TOKENS
     config = workdir / "pipeline.yaml"
     config.write_text(yaml.safe_dump(data))
-    log_path = workdir / "serve.log"
-    log = open(log_path, "wb")  # noqa: SIM115 - closed in the finally
-    proc = subprocess.Popen(
-        [*CLI, "serve", "-f", str(config), "--port", "0"],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
-    )
-    try:
-        yield served_base_url(proc, log_path, 300)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
-        log.close()
+    with serving(config, workdir) as url:
+        yield url
 
 
 def test_think_mode_served_makes_the_references_image(

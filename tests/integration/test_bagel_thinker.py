@@ -13,8 +13,6 @@ and so the thinker is too.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -24,6 +22,7 @@ import pytest
 import torch
 import yaml
 from PIL import Image
+from serving import run_vllm_child
 
 from omni_runtime.config import load_pipeline
 from omni_runtime.modeling.bagel.generation import (
@@ -144,21 +143,7 @@ def test_the_thinkers_rows_are_the_contexts_keys_and_values(
     spec.write_text(
         json.dumps({"pipeline": str(pipeline), "model": str(checkpoint), "cases": CASES})
     )
-    env = {
-        **os.environ,
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-        "VLLM_LOGGING_LEVEL": "WARNING",
-    }
-    child = subprocess.run(
-        [sys.executable, __file__, str(spec), str(out)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=False,
-    )
-    assert child.returncode == 0, child.stderr[-4000:]
+    run_vllm_child(__file__, spec, out)
     result: dict[str, Any] = torch.load(out, weights_only=True)
     assert result["runner"] == "pooling"
     llm = generator.shape.llm

@@ -21,8 +21,6 @@ What works, per family (see the fixtures' jobs):
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -31,6 +29,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from serving import run_vllm_child
 
 from omni_runtime.tiny_models import QWEN_IMAGE_EDIT_SUBDIR, QWEN_IMAGE_SUBDIR, Z_IMAGE_SUBDIR
 
@@ -167,21 +166,7 @@ def vllm_states(
     }
     spec, out = work / "jobs.json", work / "states.pt"
     spec.write_text(json.dumps(jobs))
-    env = {
-        **os.environ,
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-        "VLLM_LOGGING_LEVEL": "WARNING",
-    }
-    child = subprocess.run(
-        [sys.executable, __file__, str(spec), str(out)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=False,
-    )
-    assert child.returncode == 0, child.stderr[-4000:]
+    run_vllm_child(__file__, spec, out)
     states: dict[str, list[dict[str, Any]]] = torch.load(out, weights_only=True)
     return states
 
