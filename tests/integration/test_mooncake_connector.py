@@ -278,6 +278,26 @@ def test_unknown_and_fetched_keys_are_errors_naming_the_key(agents: tuple[Agent,
     assert "'once'" in again["message"]
 
 
+def test_a_get_without_the_handles_token_is_refused_and_the_array_stays(
+    agents: tuple[Agent, Agent],
+) -> None:
+    producer, consumer = agents
+    spec = {"kind": "float32", "shape": [256], "seed": 11}
+    handle = producer.put("guarded", spec)
+    fields = json.loads(handle)
+    # ConnectorHandle is array-like: [connector, key, dtype, shape, nbytes, host, port,
+    # extra, token].
+    assert len(fields) == 9, fields
+    assert len(fields[8]) >= 32, fields
+    for token in ("", fields[8][::-1]):
+        forged = consumer.call("get", handle=json.dumps([*fields[:8], token]))
+        # Answered as a missing key: no slot address is given to a peer without the token.
+        assert forged.get("error") == "ConnectorError", forged
+        assert "'guarded' is not held" in forged["message"]
+    got = consumer.call("get", handle=handle)
+    assert got.get("digest") == expected(spec)[2], got
+
+
 def test_release_and_get_free_the_slot(agent_env: dict[str, str], tmp_path: Path) -> None:
     producer = _small_agent(agent_env, tmp_path / "producer.log")
     consumer = _small_agent(agent_env, tmp_path / "consumer.log")

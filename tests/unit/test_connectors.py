@@ -15,6 +15,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -424,6 +425,27 @@ def test_tcp_unknown_and_fetched_keys_name_key_and_producer(
         consumer.get(forged)
     # The connection that carried the errors still serves.
     assert consumer.get(producer.put("after", np.zeros(2, np.int8))).tolist() == [0, 0]
+
+
+def test_tcp_get_without_the_handles_token_is_refused_and_the_array_stays(
+    tcp: tuple[TCPConnector, TCPConnector],
+) -> None:
+    producer, consumer = tcp
+    array = np.arange(64, dtype=np.float32)
+    handle = producer.put("guarded", array)
+    assert len(handle.token) >= 32
+    for token in ("", handle.token[:-1] + ("A" if handle.token[-1] != "A" else "B")):
+        forged = msgspec.structs.replace(handle, token=token)
+        # Answered as an unknown key: a peer without the handle learns nothing.
+        with pytest.raises(ConnectorError, match="unknown key 'guarded'"):
+            consumer.get(forged)
+    assert_same(consumer.get(handle), array)
+    # Each hand-off has its own token: one handle's does not open another's key.
+    other = producer.put("other", array)
+    assert other.token != handle.token
+    with pytest.raises(ConnectorError, match="unknown key 'other'"):
+        consumer.get(msgspec.structs.replace(other, token=handle.token))
+    assert_same(consumer.get(other), array)
 
 
 def test_tcp_release_and_expiry_drop_the_key() -> None:

@@ -13,6 +13,8 @@ torch's spelling (``float32``, ``bfloat16``, ...).
 
 from __future__ import annotations
 
+import hmac
+import secrets
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -49,6 +51,20 @@ class ConnectorHandle(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
     port: int = 0
     # Backend-specific locators (a segment name, a remote buffer address).
     extra: dict[str, Any] = {}
+    # A secret the producer made for this hand-off alone (connectors reached over the
+    # network): it answers only a get that presents it. The handle travels from producer to
+    # router to consumer on the pipeline's authenticated stage sockets, so no one else has it.
+    token: str = ""
+
+
+def new_token() -> str:
+    """An unguessable hand-off token (192 bits)."""
+    return secrets.token_urlsafe(24)
+
+
+def token_matches(expected: str, given: str) -> bool:
+    """Whether ``given`` is ``expected``, in time independent of where they differ."""
+    return hmac.compare_digest(expected.encode(), given.encode())
 
 
 class OmniConnector(ABC):

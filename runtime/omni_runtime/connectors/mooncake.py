@@ -8,6 +8,12 @@ channel, where the key's slot is, has the engine read it into a slot of its own 
 can be reused, and tells the producer to free its slot. The side channel carries msgspec
 structs only, never pickle.
 
+The side channel asks for the handle's token: a lookup without it is answered as a missing
+key (no slot address is given out), and only the reader holding it can free the slot. The
+transfer engine's own port has no authentication of its own: a peer that reached it and
+guessed a registered address could read the pool, which is why the operator's
+NetworkPolicy admits only the pipeline's own pods to stage pods.
+
 Importing this module does not import Mooncake (nor torch): the engine is loaded when a
 connector is built, and a missing engine or missing system libraries raise
 :class:`ConnectorUnavailableError` saying what to install.
@@ -38,6 +44,8 @@ from omni_runtime.connectors.base import (
     ConnectorHandle,
     ConnectorUnavailableError,
     OmniConnector,
+    new_token,
+    token_matches,
 )
 from omni_runtime.net import advertised_host
 
@@ -260,6 +268,7 @@ class _Entry:
     offset: int | None  # None: an empty array, nothing in the pool
     nbytes: int
     expires: float
+    token: str = ""
     readers: int = 0
     gone: bool = False
 
@@ -269,11 +278,13 @@ class _Entry:
 # without dropping the key (a failed read can be retried).
 class _Lookup(msgspec.Struct, tag="lookup"):
     key: str
+    token: str
 
 
 class _Done(msgspec.Struct, tag="done"):
     entry: int
     consumed: bool
+    token: str
 
 
 class _Located(msgspec.Struct, tag="located"):
@@ -446,7 +457,7 @@ class MooncakeTransferEngineConnector(OmniConnector):
                 )
             # Reserved before the copy, so that no other put takes the slot; listed after
             # it, so that no consumer reads a half-written slot.
-            entry = _Entry(next(self._ids), key, offset, nbytes, 0.0)
+            entry = _Entry(next(self._ids), key, offset, nbytes, 0.0, new_token())
         try:
             if offset is None:
                 pass
@@ -474,6 +485,7 @@ class MooncakeTransferEngineConnector(OmniConnector):
             nbytes=nbytes,
             host=self.host,
             port=self.zmq_port,
+            token=entry.token,
         )
 
     def release(self, key: str) -> None:
@@ -514,7 +526,8 @@ class MooncakeTransferEngineConnector(OmniConnector):
             self._expire_locked(now)
             if isinstance(request, _Done):
                 entry = self._by_id.get(request.entry)
-                if entry is not None:
+                # Only the reader that located the entry (it has the token) may end it.
+                if entry is not None and token_matches(entry.token, request.token):
                     entry.readers -= 1
                     if request.consumed:
                         entry.gone = True
@@ -523,7 +536,9 @@ class MooncakeTransferEngineConnector(OmniConnector):
                     self._free_if_unread_locked(entry)
                 return _Ack()
             entry = self._entries.get(request.key)
-            if entry is None:
+            # A wrong token is answered as a missing key: a peer without the handle learns
+            # neither that the key exists nor where its bytes are.
+            if entry is None or not token_matches(entry.token, request.token):
                 return _Missing(
                     f"key {request.key!r} is not held by connector {self.name!r} at "
                     f"{self.host}:{self.zmq_port}: never put, already fetched, released, or "
@@ -580,7 +595,7 @@ class MooncakeTransferEngineConnector(OmniConnector):
         if not handle.host or not handle.port:
             raise ConnectorError(f"key {key!r}: its handle names no producer (host, port)")
         producer = (handle.host, handle.port)
-        located = self._call(producer, _Lookup(key), key)
+        located = self._call(producer, _Lookup(key, handle.token), key)
         if isinstance(located, _Missing):
             raise ConnectorError(located.reason)
         if not isinstance(located, _Located):
@@ -594,10 +609,10 @@ class MooncakeTransferEngineConnector(OmniConnector):
             data = self._read(key, located)
         except BaseException:
             # The slot stays the producer's (a retry may succeed), but no longer pinned.
-            self._done_quietly(producer, located.entry, key, consumed=False)
+            self._done_quietly(producer, located.entry, handle, consumed=False)
             raise
         # Waited for, so that the producer's pool has room again when get returns.
-        self._done_quietly(producer, located.entry, key, consumed=True)
+        self._done_quietly(producer, located.entry, handle, consumed=True)
         if data.numel():
             tensor = data.view(dtype).reshape(handle.shape)
         else:
@@ -605,12 +620,12 @@ class MooncakeTransferEngineConnector(OmniConnector):
         return tensor if device == "cpu" else tensor.to(device)
 
     def _done_quietly(
-        self, producer: tuple[str, int], entry: int, key: str, *, consumed: bool
+        self, producer: tuple[str, int], entry: int, handle: ConnectorHandle, *, consumed: bool
     ) -> None:
         # The array is fetched (or the read already failed); a producer that does not hear
         # of it frees the slot after ttl, so this is worth a warning, not an error.
         try:
-            self._call(producer, _Done(entry, consumed), key)
+            self._call(producer, _Done(entry, consumed, handle.token), handle.key)
         except ConnectorError as exc:
             logger.warning("connector %s: %s (telling it the read is done)", self.name, exc)
 

@@ -1,10 +1,12 @@
 """Pull over TCP: the producer serves its arrays, the consumer connects and asks for a key.
 
 The producer keeps each array in its own memory under its key and, from its first put on,
-runs a server thread on ``bind_host:port``. A consumer sends ``[key]`` and gets back a
+runs a server thread on ``bind_host:port``. A consumer sends ``[key, token]`` and gets back a
 small header, then the array's raw bytes sent straight from the array and received straight
 into the new tensor's memory: no pickle, and no copy on either side beyond the kernel's.
-The producer drops a key once the consumer has it all.
+The producer drops a key once the consumer has it all. The token is the handle's, made
+for this hand-off at ``put``: a get without it is answered as if the key were unknown, before
+any byte of the array is sent, and the array stays for its consumer.
 
 ``put`` keeps a contiguous CPU array by reference, not by copy (a snapshot cost 5-10% of
 the throughput here): a caller must not write into it until it is fetched, released or
@@ -41,7 +43,13 @@ import msgspec
 import numpy as np
 
 from omni_runtime.connectors import _arrays
-from omni_runtime.connectors.base import ConnectorError, ConnectorHandle, OmniConnector
+from omni_runtime.connectors.base import (
+    ConnectorError,
+    ConnectorHandle,
+    OmniConnector,
+    new_token,
+    token_matches,
+)
 from omni_runtime.net import advertised_host
 
 if TYPE_CHECKING:
@@ -55,10 +63,12 @@ _LENGTH = struct.Struct("!I")
 _MAX_MESSAGE = 1 << 16
 _WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::"})
 _ACK = b"\x01"
+_REFUSAL_LOG_INTERVAL = 10.0
 
 
 class _Request(msgspec.Struct, array_like=True):
     key: str
+    token: str = ""
 
 
 class _Reply(msgspec.Struct, array_like=True, omit_defaults=True):
@@ -79,6 +89,7 @@ class _Entry:
     shape: list[int]
     payload: memoryview  # keeps the producer's copy alive
     deadline: float
+    token: str
 
 
 class _Server:
@@ -155,9 +166,17 @@ class _Server:
                 body = _recv_message(conn)
                 if body is None:
                     return
-                key = _decode_request(body).key
+                request = _decode_request(body)
+                key = request.key
                 with self.lock:
-                    entry = self.entries.pop(key, None)
+                    entry = self.entries.get(key)
+                    # A wrong token is answered as a missing key, so that a peer without
+                    # the handle learns nothing, and the array stays for its consumer.
+                    if entry is not None and not token_matches(entry.token, request.token):
+                        _RefusalLog.note(conn, key)
+                        entry = None
+                    elif entry is not None:
+                        del self.entries[key]
                 if entry is None:
                     _send_message(conn, _Reply(error=f"unknown key {key!r} (fetched or expired)"))
                     continue
@@ -199,6 +218,34 @@ class _Server:
         for thread in [self.acceptor, *threads]:
             if thread is not threading.current_thread():
                 thread.join(timeout=5)
+
+
+class _RefusalLog:
+    """Gets refused for a wrong token, logged at most every ``_REFUSAL_LOG_INTERVAL``
+    seconds with a count, so that a peer trying keys cannot fill the log. Counts are
+    approximate under concurrent connections, which is all a log line needs."""
+
+    count = 0
+    logged_at = float("-inf")
+
+    @classmethod
+    def note(cls, conn: socket.socket, key: str) -> None:
+        cls.count += 1
+        now = time.monotonic()
+        if now - cls.logged_at < _REFUSAL_LOG_INTERVAL:
+            return
+        try:
+            peer = "{}:{}".format(*conn.getpeername()[:2])
+        except OSError:
+            peer = "a closed connection"
+        logger.warning(
+            "tcp connector: refused %d get(s) without the hand-off's token (last: key %r from %s)",
+            cls.count,
+            key,
+            peer,
+        )
+        cls.count = 0
+        cls.logged_at = now
 
 
 def _send_message(conn: socket.socket, message: msgspec.Struct) -> None:
@@ -302,7 +349,8 @@ class TCPConnector(OmniConnector):
         dtype, shape, nbytes = _arrays.describe(array)
         server = self._started_server()
         payload = _arrays.host_bytes(array)
-        server.put(key, _Entry(dtype, shape, payload, time.monotonic() + self.ttl))
+        token = new_token()
+        server.put(key, _Entry(dtype, shape, payload, time.monotonic() + self.ttl, token))
         return ConnectorHandle(
             connector=self.name,
             key=key,
@@ -311,6 +359,7 @@ class TCPConnector(OmniConnector):
             nbytes=nbytes,
             host=self.advertise_host,
             port=server.port,
+            token=token,
         )
 
     def get(self, handle: ConnectorHandle, device: str = "cpu") -> torch.Tensor:
@@ -356,7 +405,7 @@ class TCPConnector(OmniConnector):
         """Ask ``conn`` for the key; _StaleConnection if it failed before any reply."""
         try:
             conn.settimeout(self._remaining(deadline))
-            _send_message(conn, _Request(handle.key))
+            _send_message(conn, _Request(handle.key, handle.token))
             body = _recv_message(conn)
             if body is None:
                 raise ConnectionError("closed before replying")

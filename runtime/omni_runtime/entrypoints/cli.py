@@ -19,8 +19,9 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from omni_runtime.process_logging import drop_torchvision_notice
 
@@ -31,6 +32,7 @@ DEFAULT_CACHE_DIR = Path(os.environ.get("OMNI_CACHE_DIR", Path.home() / ".cache"
 DEFAULT_MODELS_DIR = DEFAULT_CACHE_DIR / "tiny-models"
 # Pipeline files may name the tiny models as $OMNI_TINY_MODELS/llm (examples/ do).
 TINY_MODELS_ENV = "OMNI_TINY_MODELS"
+_Keys = TypeVar("_Keys")
 
 
 class UsageError(Exception):
@@ -219,6 +221,9 @@ def _stage(args: argparse.Namespace) -> int:
     if args.exit_with_parent:
         _exit_with_parent()
     _configure_logging()
+    from omni_runtime.stage_keys import load_server_keys
+
+    keys = _stage_keys(load_server_keys, "the stage sockets admit any peer that reaches them")
     return run_stage_process(
         pipeline,
         stage_ids,
@@ -228,8 +233,25 @@ def _stage(args: argparse.Namespace) -> int:
             health_port=health_port,
             ready_file=args.ready_file,
             startup_timeout=args.startup_timeout,
+            keys=keys,
         ),
     )
+
+
+def _stage_keys(load: Callable[[Path], _Keys], unset: str) -> _Keys | None:
+    """This role's stage keys from OMNI_STAGE_KEYS_DIR, or None (with a warning) without."""
+    import logging
+
+    from omni_runtime.stage_keys import KEYS_DIR_ENV, StageKeysError, keys_directory
+
+    directory = keys_directory(os.environ)
+    if directory is None:
+        logging.getLogger("omni_runtime").warning("%s is not set: %s", KEYS_DIR_ENV, unset)
+        return None
+    try:
+        return load(directory)
+    except StageKeysError as e:
+        raise UsageError(str(e)) from None
 
 
 def _router(args: argparse.Namespace) -> int:
@@ -247,6 +269,11 @@ def _router(args: argparse.Namespace) -> int:
     except ValueError as e:
         raise UsageError(f"{args.file}: {e}") from None
     _configure_logging()
+    from omni_runtime.stage_keys import load_client_keys
+
+    stage_keys = _stage_keys(
+        load_client_keys, "the router connects to stages without a key (they must have none)"
+    )
     port = args.port if args.port is not None else pipeline.router.port
     try:
         return run_router(
@@ -256,6 +283,7 @@ def _router(args: argparse.Namespace) -> int:
             port=port,
             discover_namespace=args.discover_namespace,
             stage_service_args=args.stage_service,
+            stage_keys=stage_keys,
         )
     except ReplicaAddressError as e:
         raise UsageError(str(e)) from None

@@ -36,6 +36,7 @@ from omni_runtime.router.app import create_app
 from omni_runtime.router.discovery import EndpointSliceDiscovery
 from omni_runtime.router.protocol import RouterLimits
 from omni_runtime.router.replicas import ReplicaConnector
+from omni_runtime.stage_keys import StageClientKeys
 
 logger = logging.getLogger("omni_runtime.router")
 
@@ -212,12 +213,14 @@ def build_router(
     limits: RouterLimits | None = None,
     model_name: str | None = None,
     discovery: DiscoverySettings | None = None,
+    stage_keys: StageClientKeys | None = None,
 ) -> tuple[FastAPI, ReplicaConnector]:
     """The app and the connector that keeps its pools filled (started by the app), fed by
-    EndpointSlice discovery too when ``discovery`` is given."""
+    EndpointSlice discovery too when ``discovery`` is given; it connects to the stages
+    with ``stage_keys`` (the pipeline's CURVE client keys) when given."""
     policy = pipeline.router.policy
     pools = {stage.stage_id: StageReplicaPool(stage.name, policy) for stage in pipeline.stages}
-    replicas = ReplicaConnector(pools)
+    replicas = ReplicaConnector(pools, keys=stage_keys)
     for stage_id, stage_addresses in addresses.items():
         replicas.set_addresses(stage_id, stage_addresses)
 
@@ -256,6 +259,7 @@ def run_router(
     limits: RouterLimits | None = None,
     discover_namespace: str | None = None,
     stage_service_args: Sequence[str] = (),
+    stage_keys: StageClientKeys | None = None,
 ) -> int:
     """Serve until stopped. ReplicaAddressError, DiscoveryConfigError or KubeConfigError
     (omni_runtime.kube) before serving when the settings cannot be used."""
@@ -281,7 +285,9 @@ def run_router(
     ]
     if missing:
         logger.warning("no replica addresses yet for stage(s): %s", ", ".join(missing))
-    app, _ = build_router(pipeline, addresses, limits=limits, discovery=discovery)
+    app, _ = build_router(
+        pipeline, addresses, limits=limits, discovery=discovery, stage_keys=stage_keys
+    )
     config = router_server_config(app, host, port)
     logger.info(
         "router on http://%s:%d/v1 (model %s)", host, port, app.state.router.served_model_name

@@ -33,6 +33,7 @@ import uvicorn
 from omni_runtime.config import PipelineConfig, StageConfig, dump_pipeline
 from omni_runtime.entrypoints.router_process import build_router, router_server_config
 from omni_runtime.router.protocol import RouterLimits
+from omni_runtime.stage_keys import KEYS_DIR_ENV, generate_keys, load_client_keys
 
 logger = logging.getLogger("omni_runtime.serve")
 
@@ -93,6 +94,8 @@ def run_serve(
     logs.mkdir(parents=True, exist_ok=True)
     config_file = workdir / "pipeline.json"
     config_file.write_text(json.dumps(dump_pipeline(pipeline)))
+    # Ephemeral stage keys: the stages admit this router alone, not whatever else runs here.
+    keys_dir = generate_keys(workdir / "stage-keys")
     replicas: list[_Replica] = []
     failed = False
     listener: socket.socket | None = None
@@ -101,13 +104,15 @@ def run_serve(
         port = int(listener.getsockname()[1])
         for stage in sorted(pipeline.stages, key=lambda s: s.stage_id):
             for index in range(stage.replicas):
-                replicas.append(_start_replica(stage, index, config_file, workdir, logs))
+                replicas.append(_start_replica(stage, index, config_file, workdir, logs, keys_dir))
         print(
             f"starting {len(replicas)} stage process(es); logs in {logs}",
             flush=True,
         )
         addresses = _wait_ready(replicas, startup_timeout)
-        app, _ = build_router(pipeline, addresses, limits=limits)
+        app, _ = build_router(
+            pipeline, addresses, limits=limits, stage_keys=load_client_keys(keys_dir)
+        )
         url = f"http://{host}:{port}/v1"
         name = app.state.router.served_model_name
         server = _AnnouncingServer(
@@ -153,7 +158,7 @@ def _claim_port(host: str, port: int) -> socket.socket:
 
 
 def _start_replica(
-    stage: StageConfig, index: int, config_file: Path, workdir: Path, logs: Path
+    stage: StageConfig, index: int, config_file: Path, workdir: Path, logs: Path, keys_dir: Path
 ) -> _Replica:
     ready_file = workdir / f"stage-{stage.stage_id}-{index}.ready"
     log_file = logs / f"stage-{stage.stage_id}-{stage.name}-{index}.log"
@@ -175,7 +180,7 @@ def _start_replica(
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
-            env=stage_environment(stage, dict(os.environ)),
+            env={**stage_environment(stage, dict(os.environ)), KEYS_DIR_ENV: str(keys_dir)},
             start_new_session=True,
         )
     return _Replica(stage, index, proc, ready_file, log_file)

@@ -40,6 +40,7 @@ from omni_runtime.config.families import EncoderRecipe
 from omni_runtime.connectors import ConnectorError, StageConnectors
 from omni_runtime.engine.stage.stage_core_client import StageCoreClientBase, StageCoreStartupError
 from omni_runtime.router.revisions import REVISION_ENV, local_revision
+from omni_runtime.stage_keys import StageServerKeys
 from omni_runtime.stage_server.frontend import StageFrontend, stage_connector_names
 from omni_runtime.stage_server.probes import start_probe_server
 from omni_runtime.stage_server.server import StageServer
@@ -75,6 +76,8 @@ class StageProcessOptions:
     drain_timeout: float | None = None
     # None: OMNI_PIPELINE_REVISION, else the config's local revision.
     revision: str | None = None
+    # The pipeline's stage keys (CURVE); None: the stage sockets admit any peer.
+    keys: StageServerKeys | None = None
 
 
 def resolve_revision(pipeline: PipelineConfig, environ: Mapping[str, str]) -> str:
@@ -259,6 +262,7 @@ async def _serve(frontends: list[StageFrontend], options: StageProcessOptions) -
             host=options.host,
             port=ports.get(frontend.stage.stage_id, stage_port(frontend.stage.stage_id)),
             revision=options.revision or "",
+            keys=options.keys,
         )
         for frontend in frontends
     ]

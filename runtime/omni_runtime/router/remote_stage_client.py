@@ -36,9 +36,19 @@ from omni_runtime.engine.stage.stage_core_types import (
     StageServerRequest,
 )
 from omni_runtime.engine.stage.zmq_stage_client import ZmqStageClientBase
+from omni_runtime.stage_keys import StageClientKeys
 
 DEFAULT_HEARTBEAT_INTERVAL = 1.0
 DEFAULT_HEARTBEAT_TIMEOUT = 5.0
+# Why a handshake failed, as the monitor tells it; each is final for this client.
+_HANDSHAKE_FAILURES: dict[int, str] = {
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "it refused this router's stage key (the router and the "
+    "stage run with different pipeline keys: check OMNI_STAGE_KEYS_DIR on both)",
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "the handshake failed: one side uses CURVE stage "
+    "keys and the other does not (OMNI_STAGE_KEYS_DIR must be set on both or neither)",
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "the handshake failed: one side uses CURVE stage "
+    "keys and the other does not, or it is not a stage server",
+}
 
 
 class RemoteStageClient(ZmqStageClientBase[StageServerOutputs]):
@@ -53,6 +63,7 @@ class RemoteStageClient(ZmqStageClientBase[StageServerOutputs]):
         *,
         heartbeat_interval: float = DEFAULT_HEARTBEAT_INTERVAL,
         heartbeat_timeout: float = DEFAULT_HEARTBEAT_TIMEOUT,
+        keys: StageClientKeys | None = None,
     ) -> None:
         self.address = address
         self.heartbeat_interval = heartbeat_interval
@@ -63,7 +74,12 @@ class RemoteStageClient(ZmqStageClientBase[StageServerOutputs]):
         socket.setsockopt(zmq.LINGER, 0)
         # Never queue requests for a server we are not connected to: fail fast instead.
         socket.setsockopt(zmq.IMMEDIATE, 1)
-        self._monitor = socket.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+        if keys is not None:
+            keys.secure(socket)
+        events = zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+        for event in _HANDSHAKE_FAILURES:
+            events |= event
+        self._monitor = socket.get_monitor_socket(events)
         socket.connect(f"tcp://{address}")
         super().__init__(
             socket,
@@ -100,8 +116,10 @@ class RemoteStageClient(ZmqStageClientBase[StageServerOutputs]):
                             self.check_health()
                         return self.load
                     self._load_seen.clear()
-                    await self._send(StageCoreRequestType.HEALTH, None)
+                    # Bounded: until a handshake completes the send waits, and a failed
+                    # one (a refused key) must be seen by check_health above.
                     with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._send(StageCoreRequestType.HEALTH, None), 0.5)
                         await asyncio.wait_for(self._load_seen.wait(), 0.5)
         except TimeoutError:
             self._die(f"no answer within {timeout:.0f} s")
@@ -138,8 +156,13 @@ class RemoteStageClient(ZmqStageClientBase[StageServerOutputs]):
     async def _watch_connection(self) -> None:
         while True:
             event = await recv_monitor_message(self._monitor)
-            if event["event"] == zmq.EVENT_CONNECTED:
+            # Connected once the handshake (CURVE's, or the plain one) is through: before
+            # that the peer may still turn out not to be this pipeline's stage.
+            if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self._connected.set()
+            elif event["event"] in _HANDSHAKE_FAILURES:
+                self._die(_HANDSHAKE_FAILURES[event["event"]])
+                return
             elif event["event"] == zmq.EVENT_DISCONNECTED:
                 self._die("the connection to it dropped")
                 return

@@ -24,6 +24,7 @@ from collections.abc import Iterable, Mapping
 from omni_runtime.engine.stage.stage_core_client import StageCoreDeadError
 from omni_runtime.engine.stage.stage_replica_pool import StageReplicaPool
 from omni_runtime.router.remote_stage_client import RemoteStageClient
+from omni_runtime.stage_keys import StageClientKeys
 
 logger = logging.getLogger(__name__)
 
@@ -37,8 +38,10 @@ class ReplicaConnector:
         *,
         interval: float = 1.0,
         connect_timeout: float = 5.0,
+        keys: StageClientKeys | None = None,
     ) -> None:
         self.pools = dict(pools)
+        self.keys = keys
         self.interval = interval
         self.connect_timeout = connect_timeout
         self._addresses: dict[int, set[str]] = {stage_id: set() for stage_id in pools}
@@ -103,7 +106,7 @@ class ReplicaConnector:
     async def _connect(self, stage_id: int, address: str) -> None:
         key = (stage_id, address)
         pool = self.pools[stage_id]
-        client = RemoteStageClient(address)
+        client = RemoteStageClient(address, keys=self.keys)
         try:
             load = await client.wait_ready(self.connect_timeout)
             if address not in self._addresses[stage_id]:

@@ -47,6 +47,7 @@ from omni_runtime.engine.stage.stage_core_types import (
     StageUtilityCall,
     StageUtilityOutput,
 )
+from omni_runtime.stage_keys import StageServerKeys, ZapHandler
 from omni_runtime.stage_server.frontend import StageFrontend, refusal
 from omni_runtime.wire import WireDecoder, WireEncoder, WireError
 
@@ -69,6 +70,7 @@ class StageServer:
         port: int = 0,
         peer_timeout: float = DEFAULT_PEER_TIMEOUT,
         revision: str = "",
+        keys: StageServerKeys | None = None,
     ) -> None:
         self.frontend = frontend
         self.stage = frontend.stage
@@ -78,9 +80,13 @@ class StageServer:
         # Set while draining whenever no request is routed here: the drain is done.
         self._drained = asyncio.Event()
         self._ctx = zmq.asyncio.Context()
+        self._zap: ZapHandler | None = None
         self._socket = self._ctx.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         self._socket.setsockopt(zmq.LINGER, 1000)
+        if keys is not None:
+            self._zap = ZapHandler(self._ctx, keys.client_public, f"stage {self.stage.name}")
+            keys.secure(self._socket)
         if port:
             self._socket.bind(f"tcp://{host}:{port}")
             self.port = port
@@ -183,6 +189,8 @@ class StageServer:
         """Serve until the stage's core dies (returns why) or the task is cancelled."""
         receiving = asyncio.create_task(self._receive_loop(), name=f"{self.stage.name}-recv")
         sweeping = asyncio.create_task(self._sweep_loop(), name=f"{self.stage.name}-sweep")
+        if self._zap is not None:
+            self._tasks.add(asyncio.create_task(self._zap.run(), name=f"{self.stage.name}-zap"))
         try:
             reason = await self._output_loop()
             # Peers hear why; the ones that ask meanwhile get alive=False.
@@ -195,6 +203,8 @@ class StageServer:
 
     def close(self) -> None:
         self._socket.close(linger=0)
+        if self._zap is not None:
+            self._zap.close()
         self._ctx.term()
 
     async def _receive_loop(self) -> None:
