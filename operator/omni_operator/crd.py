@@ -26,7 +26,12 @@ from typing import Any
 
 import yaml
 
-from omni_runtime.config.models import MAX_STAGE_ID, SHARED_MEMORY_CONNECTOR
+from omni_runtime.config.models import (
+    GPU_SHARE_EPSILON,
+    MAX_STAGE_ID,
+    SHARED_MEMORY_CONNECTOR,
+    VLLM_DEFAULT_GPU_MEMORY_UTILIZATION,
+)
 from omni_runtime.config.topologies import TOPOLOGIES
 
 from .api import (
@@ -54,6 +59,8 @@ MAX_INPUT_CONNECTORS = 8
 MAX_DEVICES_LENGTH = 40
 MAX_NAME_LENGTH = 63
 MAX_FREE_FORM_KEYS = 64
+# GPU ids whose memory shares the CRD's rules sum (one rule each): those of a 16-GPU node.
+CEL_CHECKED_GPUS = 16
 
 # A key of inputConnectors. At most nine digits, so that int() in a rule cannot overflow;
 # MAX_STAGE_ID is far below that anyway.
@@ -426,6 +433,7 @@ def _add_spec_rules(spec: dict[str, Any]) -> None:
         _shared_memory_rule(),
         _equal_replicas_rule(),
         _stage_type_rule(),
+        *_gpu_memory_rules(),
     )
 
 
@@ -502,6 +510,45 @@ def _equal_replicas_rule() -> dict[str, str]:
         ),
         field_path=".stages",
     )
+
+
+def _gpu_memory_rules() -> list[dict[str, str]]:
+    """The gpuMemoryUtilization of the stages on a GPU id sum to at most 1 (an unset share
+    counted as PipelineConfig counts it: vLLM's default for an llm stage, nothing for a
+    diffusion stage; models.VLLM_DEFAULT_GPU_MEMORY_UTILIZATION says why).
+
+    One rule per GPU id below CEL_CHECKED_GPUS, each with the id written into its regex:
+    the ids a rule could take from devices (split) have no size bound the cost estimate
+    knows, and a regex built from one makes the rule cost too much. Higher ids, and a stage
+    that leaves type to its model's topology and its share unset (counted as nothing here),
+    are left to the operator (SpecValid=False), so the rules refuse only what is certainly
+    over-subscribed."""
+    share = (
+        "(has(t.gpuMemoryUtilization) ? t.gpuMemoryUtilization : "
+        f"has(t.type) && t.type == 'llm' ? {VLLM_DEFAULT_GPU_MEMORY_UTILIZATION!r} : 0.0)"
+    )
+    rules = []
+    for gpu in range(CEL_CHECKED_GPUS):
+        on_gpu = f"self.stages.filter(t, t.devices.matches('(^|,){gpu}(,|$)'))"
+        total = f"{on_gpu}.map(t, {share}).sum()"
+        rules.append(
+            _rule(
+                f"{total} <= {1 + GPU_SHARE_EPSILON!r}",
+                message_expression=_message(
+                    # Each stage's share is not listed: format prints a list of doubles
+                    # as [0.600000, ...], and joining their strings costs too much.
+                    f"GPU {gpu} is over-subscribed: the gpuMemoryUtilization of the stages on "
+                    "it (stages %s) sum to %s, more than 1; lower them so that they sum "
+                    "to at most 1 (an llm stage without gpuMemoryUtilization counts as "
+                    f"vLLM's default, {VLLM_DEFAULT_GPU_MEMORY_UTILIZATION!r}; a diffusion "
+                    "stage without it is not capped and not counted)",
+                    f"{on_gpu}.map(t, t.stageId)",
+                    total,
+                ),
+                field_path=".stages",
+            )
+        )
+    return rules
 
 
 def _add_stage_rules(stage: dict[str, Any]) -> None:

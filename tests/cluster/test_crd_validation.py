@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Any
 import pytest
 import yaml
 
+from omni_runtime.config import dump_pipeline, load_pipeline
+
 if TYPE_CHECKING:
     from conftest import Kube
 
@@ -261,6 +263,37 @@ INVALID: list[tuple[str, Breaker, list[str]]] = [
         ["spec.stages", "stage 1 has no type, and no known topology of model"],
     ),
     (
+        "gpu-over-subscribed",
+        _both(_set(0, gpuMemoryUtilization=0.6), _set(1, gpuMemoryUtilization=0.6)),
+        [
+            "spec.stages",
+            "GPU 0 is over-subscribed: the gpuMemoryUtilization of the stages on it "
+            "(stages [0, 1]) sum to 1.2, more than 1; lower them so that they sum to at most 1",
+            "an llm stage without gpuMemoryUtilization counts as vLLM's default, 0.92",
+        ],
+    ),
+    (
+        # The thinker leaves its share unset: vLLM reserves its default, 0.92.
+        "gpu-over-subscribed-by-an-unset-llm-share",
+        _set(1, gpuMemoryUtilization=0.1),
+        ["spec.stages", "GPU 0 is over-subscribed", "sum to 1.02, more than 1"],
+    ),
+    (
+        # A whole number is still a number in the rule.
+        "gpu-over-subscribed-by-a-whole-gpu",
+        _both(_set(0, gpuMemoryUtilization=1), _set(1, gpuMemoryUtilization=0.5)),
+        ["spec.stages", "GPU 0 is over-subscribed", "(stages [0, 1]) sum to 1.5"],
+    ),
+    (
+        # Stage 0 over GPUs 0 and 1 is summed with each; only GPU 1 is over.
+        "gpu-over-subscribed-on-the-second-gpu",
+        _both(
+            _set(0, devices="0,1", gpuMemoryUtilization=0.6),
+            _set(1, devices="1", gpuMemoryUtilization=0.5),
+        ),
+        ["spec.stages", "GPU 1 is over-subscribed", "(stages [0, 1]) sum to 1.1, more than 1"],
+    ),
+    (
         "pipeline-name-not-dns-1035",
         lambda m: m["metadata"].update(name="1-bagel"),
         ["metadata.name", "'1-bagel' names the pipeline's Service", "starting with a letter"],
@@ -335,9 +368,16 @@ def test_shared_memory_through_a_stage_in_between_is_admitted(kube: Kube, ns: st
     # Stages 0 (GPU 0) and 1 (GPU 1) share no GPU, but stage 2 uses both, so all three are
     # one placement group and shared memory between 0 and 1 works.
     manifest = base_pipeline("bridged")
+    stage(manifest, 0)["gpuMemoryUtilization"] = 0.5
     stage(manifest, 1)["devices"] = "1"
     manifest["spec"]["stages"].append(
-        {"stageId": 2, "name": "bridge", "type": "llm", "devices": "0,1"}
+        {
+            "stageId": 2,
+            "name": "bridge",
+            "type": "llm",
+            "devices": "0,1",
+            "gpuMemoryUtilization": 0.4,
+        }
     )
     result = apply(kube, manifest, ns)
     assert result.returncode == 0, result.stderr
@@ -358,6 +398,54 @@ def test_known_topology_gives_stage_types(kube: Kube, ns: str) -> None:
     assert "stage 2 has no type" in result.stderr, result.stderr
 
 
+@pytest.mark.parametrize(
+    "shares",
+    [
+        # Shares that fill GPU 0 exactly, in floating point a hair above 1 or not.
+        {0: 0.45, 1: 0.55},
+        {0: 0.1, 1: 0.9},
+        # Without a share the DiT is not counted: it takes what the thinker leaves.
+        {0: 0.92},
+        {0: 1},
+    ],
+    ids=str,
+)
+def test_gpu_shares_that_fit_are_admitted(kube: Kube, ns: str, shares: dict[int, float]) -> None:
+    manifest = base_pipeline(f"fits-{uuid.uuid4().hex[:6]}")
+    for index, share in shares.items():
+        stage(manifest, index)["gpuMemoryUtilization"] = share
+    result = apply(kube, manifest, ns)
+    assert result.returncode == 0, result.stderr
+
+
+def test_gpu_shares_on_different_gpus_are_not_summed(kube: Kube, ns: str) -> None:
+    manifest = base_pipeline("apart")
+    manifest["spec"]["stages"] = [
+        {"stageId": 0, "name": "a", "type": "llm", "devices": "0", "gpuMemoryUtilization": 0.9},
+        {"stageId": 1, "name": "b", "type": "llm", "devices": "1", "gpuMemoryUtilization": 0.9},
+        # CPU stages share no GPU, whatever they declare.
+        {"stageId": 2, "name": "c", "type": "llm", "devices": "cpu", "gpuMemoryUtilization": 0.9},
+        {"stageId": 3, "name": "d", "type": "llm", "devices": "cpu", "gpuMemoryUtilization": 0.9},
+    ]
+    result = apply(kube, manifest, ns)
+    assert result.returncode == 0, result.stderr
+
+
+def test_the_seeds_bagel_yaml_is_admitted(kube: Kube, ns: str) -> None:
+    # examples/bagel.yaml as an OmniPipeline: the thinker at 0.45 and the DiT unset on GPU 0.
+    pipeline = load_pipeline(REPO / "examples" / "bagel.yaml", model="ByteDance-Seed/BAGEL-7B-MoT")
+    spec = dump_pipeline(pipeline)
+    assert [s.get("gpuMemoryUtilization") for s in spec["stages"]] == [0.45, None]
+    manifest = {
+        "apiVersion": "omni.dev/v1alpha1",
+        "kind": "OmniPipeline",
+        "metadata": {"name": "seed-bagel"},
+        "spec": spec,
+    }
+    result = apply(kube, manifest, ns)
+    assert result.returncode == 0, result.stderr
+
+
 def example_files() -> list[Any]:
     return [
         pytest.param(
@@ -367,7 +455,13 @@ def example_files() -> list[Any]:
                 not (EXAMPLES / name).exists(), reason=f"manifests/examples/{name} not written"
             ),
         )
-        for name in ("bagel-pipeline.yaml", "tiny-pipeline.yaml")
+        for name in (
+            "bagel-pipeline.yaml",
+            "tiny-pipeline.yaml",
+            "qwen-image-pipeline.yaml",
+            "qwen-image-edit-pipeline.yaml",
+            "z-image-turbo-pipeline.yaml",
+        )
     ]
 
 

@@ -689,6 +689,129 @@ def test_missing_file_is_reported(tmp_path: Path) -> None:
     assert "cannot read" in message
 
 
+# --- GPU memory admission ----------------------------------------------------------------
+
+REPO = Path(__file__).resolve().parents[2]
+Share = tuple[str, str, float | None]
+
+
+def gpu_pipeline(*stages: Share) -> dict[str, Any]:
+    """A pipeline of stages stage-<i> given as (type, devices, gpuMemoryUtilization or None
+    for unset)."""
+    return {
+        "model": "m",
+        "stages": [
+            {
+                "stageId": index,
+                "type": stage_type,
+                "devices": devices,
+                **({"gpuMemoryUtilization": share} if share is not None else {}),
+            }
+            for index, (stage_type, devices, share) in enumerate(stages)
+        ],
+    }
+
+
+def gpu_messages(*stages: Share) -> list[str]:
+    """The over-subscription messages for the pipeline of ``stages``, all at ``stages``."""
+    error = errors_of(gpu_pipeline(*stages))
+    assert {path for path, _ in error.issues} == {"stages"}, error.issues
+    return [message for _, message in error.issues]
+
+
+def test_an_over_subscribed_gpu_is_refused_naming_the_gpu_stages_shares_and_sum() -> None:
+    (message,) = gpu_messages(("llm", "0", 0.6), ("llm", "0", 0.6))
+    assert message.startswith("GPU 0 is over-subscribed: ")
+    assert "sum to 1.2, more than 1" in message
+    assert "stage-0 (stages[0]) 0.6, stage-1 (stages[1]) 0.6" in message
+    assert "lower them so that they sum to at most 1" in message
+
+
+def test_an_over_subscription_is_refused_by_file_as_serve_and_validate_load_it(
+    tmp_path: Path,
+) -> None:
+    broken = seed_mapping()
+    broken["stages"][1]["gpu_memory_utilization"] = 0.6
+    path = write(tmp_path, "bagel.yaml", yaml.safe_dump(broken))
+    error = errors_of(path, model=BAGEL_MODEL)
+    assert str(error) == (
+        "stages: GPU 0 is over-subscribed: the gpuMemoryUtilization of the stages on it sum "
+        "to 1.05, more than 1 (thinker (stages[0]) 0.45, dit (stages[1]) 0.6); lower them so "
+        "that they sum to at most 1"
+    )
+
+
+@pytest.mark.parametrize("shares", [(0.45, 0.55), (0.1, 0.2, 0.7), (0.5, 0.5), (1.0,)])
+def test_shares_that_fill_a_gpu_exactly_are_admitted(shares: tuple[float, ...]) -> None:
+    # 0.1 + 0.2 + 0.7 is a hair above 1 in floating point.
+    config = load_pipeline(gpu_pipeline(*(("llm", "0", share) for share in shares)))
+    assert [stage.gpu_share for stage in config.stages] == list(shares)
+
+
+def test_stages_on_different_gpus_are_not_summed() -> None:
+    load_pipeline(gpu_pipeline(("llm", "0", 0.9), ("llm", "1", 0.9)))
+    # A stage over two GPUs takes its share of each.
+    load_pipeline(gpu_pipeline(("llm", "0,1", 0.5), ("llm", "1", 0.5), ("diffusion", "0", 0.5)))
+    (message,) = gpu_messages(("llm", "0,1", 0.6), ("llm", "1", 0.5), ("diffusion", "0", 0.4))
+    assert message.startswith("GPU 1 is over-subscribed")
+    assert "stage-0 (stages[0]) 0.6, stage-1 (stages[1]) 0.5" in message
+    assert "stage-2" not in message
+
+
+def test_each_over_subscribed_gpu_is_reported() -> None:
+    messages = gpu_messages(("llm", "0,1", 0.6), ("llm", "0", 0.6), ("llm", "1", 0.6))
+    assert [m.split(":")[0] for m in messages] == [
+        "GPU 0 is over-subscribed",
+        "GPU 1 is over-subscribed",
+    ]
+
+
+@pytest.mark.parametrize("cpu", ["cpu", ""])
+def test_cpu_stages_are_ignored(cpu: str) -> None:
+    config = load_pipeline(
+        gpu_pipeline(("llm", cpu, 0.9), ("llm", cpu, 0.9), ("llm", cpu, None), ("llm", "0", 0.9))
+    )
+    assert [stage.gpu_share for stage in config.stages] == [None, None, None, 0.9]
+
+
+def test_an_unset_llm_share_counts_as_vllms_default() -> None:
+    (message,) = gpu_messages(("llm", "0", None), ("llm", "0", None))
+    assert "sum to 1.84, more than 1" in message
+    assert "stage-0 (stages[0]) unset: vLLM's default 0.92" in message
+    (message,) = gpu_messages(("llm", "0", None), ("diffusion", "0", 0.1))
+    assert "sum to 1.02" in message
+    load_pipeline(gpu_pipeline(("llm", "0", None), ("diffusion", "0", 0.08)))
+    # Alone on its GPU, vLLM's default fits.
+    load_pipeline(gpu_pipeline(("llm", "0", None), ("llm", "1", 0.9)))
+
+
+def test_an_unset_diffusion_share_is_not_counted() -> None:
+    # The DiT takes what the LLM stages leave, as the seed's BAGEL config has it.
+    load_pipeline(gpu_pipeline(("llm", "0", 0.45), ("diffusion", "0", None)))
+    load_pipeline(gpu_pipeline(("llm", "0", None), ("diffusion", "0", None)))
+    (message,) = gpu_messages(("llm", "0", 0.6), ("llm", "0", 0.6), ("diffusion", "0", None))
+    assert "sum to 1.2" in message
+    assert "stage-2 (stages[2]) unset: an uncapped diffusion stage, not counted" in message
+
+
+def test_the_seeds_bagel_yaml_is_admitted() -> None:
+    config = load_pipeline(REPO / "examples" / "bagel.yaml", model=BAGEL_MODEL)
+    thinker, dit = config.stages
+    assert (thinker.gpu_ids, thinker.gpu_share) == ((0,), 0.45)
+    assert (dit.gpu_ids, dit.gpu_share) == ((0,), None)
+
+
+@pytest.mark.parametrize(
+    "path",
+    sorted((REPO / "examples").glob("*.yaml"))
+    + sorted((REPO / "manifests/examples").glob("*.yaml")),
+    ids=lambda path: f"{path.parent.name}/{path.name}",
+)
+def test_every_example_is_admitted(path: Path) -> None:
+    model = {"model": BAGEL_MODEL} if path.name == "bagel.yaml" else {}
+    assert load_pipeline(path, **model).stages
+
+
 # --- dependencies ---------------------------------------------------------------------------
 
 

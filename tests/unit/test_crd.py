@@ -14,7 +14,11 @@ import pytest
 import yaml
 
 from omni_operator import api, crd
-from omni_runtime.config.models import KNOWN_CONNECTORS
+from omni_runtime.config.models import (
+    GPU_SHARE_EPSILON,
+    KNOWN_CONNECTORS,
+    VLLM_DEFAULT_GPU_MEMORY_UTILIZATION,
+)
 from omni_runtime.config.topologies import STAGE_TYPES
 
 REPO = Path(__file__).resolve().parents[2]
@@ -190,6 +194,23 @@ def test_types_defaults_and_bounds_come_from_the_models(root: Schema) -> None:
     }
     assert router["properties"]["serviceType"]["enum"] == list(get_args(api.ServiceType))
     assert spec["properties"]["imagePullPolicy"]["enum"] == list(get_args(api.PullPolicy))
+
+
+def test_gpu_memory_rules_count_unset_shares_as_the_runtime_does(root: Schema) -> None:
+    rules = [
+        rule
+        for rule in root["properties"]["spec"]["x-kubernetes-validations"]
+        if "is over-subscribed" in rule.get("messageExpression", "")
+    ]
+    # One per GPU id of a 16-GPU node, each naming its id in its message.
+    assert len(rules) == crd.CEL_CHECKED_GPUS == 16
+    for gpu, rule in enumerate(rules):
+        assert f"matches('(^|,){gpu}(,|$)')" in rule["rule"]
+        assert f'"GPU {gpu} is over-subscribed' in rule["messageExpression"]
+        # An unset llm share is vLLM's default; an unset diffusion share counts as nothing.
+        assert f"t.type == 'llm' ? {VLLM_DEFAULT_GPU_MEMORY_UTILIZATION!r} : 0.0" in rule["rule"]
+        assert rule["rule"].endswith(f"<= {1 + GPU_SHARE_EPSILON!r}")
+        assert rule["fieldPath"] == ".stages"
 
 
 def test_free_form_fields_keep_what_is_written(root: Schema) -> None:

@@ -19,6 +19,7 @@ from vllm.v1.serial_utils import CUSTOM_TYPE_RAW_VIEW, MsgpackDecoder, MsgpackEn
 
 from omni_runtime.config import StageConfig
 from omni_runtime.config.families import BAGEL_THINKER
+from omni_runtime.config.models import VLLM_DEFAULT_GPU_MEMORY_UTILIZATION
 from omni_runtime.diffusion.stage.inline_stage_diffusion_client import InlineStageDiffusionClient
 from omni_runtime.diffusion.stage.stage_diffusion_core_client import StageDiffusionCoreClient
 from omni_runtime.engine.stage.stage_core_client import StageCoreClientBase
@@ -248,6 +249,16 @@ def test_engine_args_follow_the_stage() -> None:
     assert (encode.runner, encode.convert) == ("pooling", "embed")
     passed = make_stage_llm_engine_args(_stage(engineArgs={"seed": 7}), "/m")
     assert passed.seed == 7
+
+
+def test_an_unset_gpu_share_is_counted_as_what_vllm_reserves() -> None:
+    # The GPU memory admission counts an LLM stage without gpuMemoryUtilization as vLLM's
+    # default; a vLLM upgrade that changes the default must change the constant with it.
+    args = make_stage_llm_engine_args(_stage(), "/m")
+    assert args.gpu_memory_utilization == VLLM_DEFAULT_GPU_MEMORY_UTILIZATION
+    assert _stage(devices="0").gpu_share == VLLM_DEFAULT_GPU_MEMORY_UTILIZATION
+    declared = make_stage_llm_engine_args(_stage(gpuMemoryUtilization=0.45), "/m")
+    assert declared.gpu_memory_utilization == 0.45
 
 
 def test_a_bagel_thinker_is_the_plugin_prefilling_whole_prompts() -> None:

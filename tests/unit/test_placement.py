@@ -247,7 +247,7 @@ def test_two_groups_of_one_name_are_refused() -> None:
         {
             "model": "m",
             "stages": [
-                {"stageId": i, "name": name, "type": "llm", "devices": device}
+                stage_of(i, device, name=name)
                 for i, (name, device) in enumerate(zip(names, devices, strict=True))
             ],
         }

@@ -64,6 +64,24 @@ def test_the_tiny_example_is_accepted() -> None:
             lambda s: s["stages"][0]["placement"].update(env=[{"name": "HOME", "value": "/x"}]),
             "spec.stages[0].placement.env",
         ),
+        (
+            # What the CRD's rule cannot see (a stage's type from its model's topology) is
+            # refused here, as SpecValid=False, by the same check the runtime makes.
+            lambda s: [
+                s["stages"][0].update(devices="0", gpuMemoryUtilization=0.6),
+                s["stages"][1].update(devices="0", gpuMemoryUtilization=0.6),
+            ],
+            "spec.stages: GPU 0 is over-subscribed: the gpuMemoryUtilization of the stages on "
+            "it sum to 1.2, more than 1 (thinker (stages[0]) 0.6, dit (stages[1]) 0.6)",
+        ),
+        (
+            # The CRD's rules sum GPU ids 0-15 only.
+            lambda s: [
+                s["stages"][0].update(devices="16", gpuMemoryUtilization=0.6),
+                s["stages"][1].update(devices="16", gpuMemoryUtilization=0.6),
+            ],
+            "spec.stages: GPU 16 is over-subscribed",
+        ),
     ],
 )
 def test_a_refused_spec_names_the_field_under_spec(change: Any, expected: str) -> None:

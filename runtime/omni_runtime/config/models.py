@@ -51,6 +51,21 @@ _FROM_STAGE = re.compile(r"from_stage_(0|[1-9][0-9]*)")
 _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 _DEVICES_ALLOWED = "'cpu', '' (same as cpu), or comma-separated GPU ids such as '0' or '0,1'"
 
+# GPU memory admission. Stages whose devices share a GPU id run on that GPU together, so
+# their shares of its memory (gpuMemoryUtilization, a fraction of the whole GPU) must fit
+# in it. A share left unset counts as what that stage will really take, rather than being
+# an error (which would refuse the seed's BAGEL config, whose DiT declares none) or being
+# ignored (which would admit two unset LLM stages on one GPU, which can never both start):
+# - an llm stage: vLLM's own default (vllm.config.CacheConfig; 0.92 in vLLM 0.32, which a
+#   unit test keeps in step), since vLLM reserves that much at start and refuses to start
+#   when less is free.
+# - a diffusion stage: nothing. Without a share its process is not capped and takes what
+#   the others leave, as the seed's BAGEL deploy config (thinker at 0.45, DiT unset on the
+#   same GPU) relies on; with one, the engine caps its process at that fraction.
+VLLM_DEFAULT_GPU_MEMORY_UTILIZATION = 0.92
+# Float sums of shares that fit exactly (0.1 + 0.2 + 0.7) can land a hair above 1.
+GPU_SHARE_EPSILON = 1e-9
+
 
 # snake_case in Python, camelCase on the wire, either accepted; unknown fields refused. The
 # operator's API models (omni_operator.api) share it.
@@ -225,8 +240,12 @@ class StageConfig(_Model):
     )
     gpu_memory_utilization: float | None = Field(
         default=None,
-        description="Fraction of each GPU's memory the engine may use, in (0, 1]; stages "
-        "sharing a GPU must leave room for each other.",
+        description="Fraction of each of its GPUs' memory the stage may use, in (0, 1]: "
+        "vLLM's gpu_memory_utilization for an llm stage (vLLM's default, "
+        f"{VLLM_DEFAULT_GPU_MEMORY_UTILIZATION:g}, if unset); "
+        "the cap on a diffusion stage's process (uncapped if unset). The shares of the "
+        "stages sharing a GPU id must sum to at most 1; an unset diffusion stage is not "
+        "counted, as it takes what the others leave.",
         json_schema_extra={"exclusiveMinimum": 0, "maximum": 1},
     )
     dtype: Dtype | None = Field(
@@ -377,6 +396,18 @@ class StageConfig(_Model):
         return tuple(int(part) for part in self.devices.split(","))
 
     @property
+    def gpu_share(self) -> float | None:
+        """The fraction of each of its GPUs' memory this stage counts for when stages share
+        a GPU: its own gpuMemoryUtilization, else vLLM's default for an llm stage; None
+        for a diffusion stage without one (uncapped, it takes what the others leave), and
+        for a CPU stage, which has no GPU to share."""
+        if not self.gpu_ids:
+            return None
+        if self.gpu_memory_utilization is not None:
+            return self.gpu_memory_utilization
+        return VLLM_DEFAULT_GPU_MEMORY_UTILIZATION if self.type == "llm" else None
+
+    @property
     def input_stages(self) -> dict[int, str]:
         """Upstream stage id -> connector name, from ``input_connectors``."""
         return {
@@ -489,9 +520,36 @@ class PipelineConfig(_Model):
         for index, stage in enumerate(self.stages):
             if stage.think and (self.family != BAGEL_FAMILY or stage.type != "llm"):
                 issues.append((f"stages[{index}].think", "only a BAGEL pipeline's thinker thinks"))
+        issues += self._gpu_memory_issues()
         if issues:
             raise PipelineConfigError(issues)
         return self
+
+    def _gpu_memory_issues(self) -> list[tuple[str, str]]:
+        """One issue per GPU id whose stages' shares of its memory sum past 1 (see
+        VLLM_DEFAULT_GPU_MEMORY_UTILIZATION for what an unset share counts as)."""
+        on_gpu: dict[int, list[int]] = {}
+        for index, stage in enumerate(self.stages):
+            for gpu in stage.gpu_ids:
+                on_gpu.setdefault(gpu, []).append(index)
+        issues: list[tuple[str, str]] = []
+        for gpu, indices in sorted(on_gpu.items()):
+            total = sum(self.stages[i].gpu_share or 0.0 for i in indices)
+            if total <= 1 + GPU_SHARE_EPSILON:
+                continue
+            shares = ", ".join(
+                f"{self.stages[i].name} (stages[{i}]) {_describe_share(self.stages[i])}"
+                for i in indices
+            )
+            issues.append(
+                (
+                    "stages",
+                    f"GPU {gpu} is over-subscribed: the gpuMemoryUtilization of the stages on "
+                    f"it sum to {total:.4g}, more than 1 ({shares}); lower them so that they "
+                    "sum to at most 1",
+                )
+            )
+        return issues
 
     def _family_issues(self, index_of_id: Mapping[int, int]) -> list[tuple[str, str]]:
         """A family's pipeline ends in its DiT; an LLM stage feeding it hands over hidden
@@ -562,3 +620,12 @@ class PipelineConfig(_Model):
             if stage.stage_id == stage_id:
                 return stage
         raise KeyError(stage_id)
+
+
+def _describe_share(stage: StageConfig) -> str:
+    """``stage``'s share of a GPU as an over-subscription message names it."""
+    if stage.gpu_memory_utilization is not None:
+        return f"{stage.gpu_memory_utilization:g}"
+    if stage.gpu_share is not None:
+        return f"unset: vLLM's default {stage.gpu_share:g}"
+    return "unset: an uncapped diffusion stage, not counted"

@@ -43,7 +43,7 @@ from omni_runtime.diffusion.engine import (
     RequestAbortedError,
     UpstreamInputError,
     check_sizes,
-    choose_device,
+    engine_device,
     parse_params,
     torch_dtype,
 )
@@ -85,7 +85,7 @@ class BagelEngine(DiffusionEngineBase):
         super().__init__()
         self.config = config
         parse_params(config.default_params, "defaultSamplingParams", BagelParams)
-        self.device = choose_device(config.device)
+        self.device = engine_device(config)
         # auto: bf16, as the released weights are and the reference's attention runs.
         dtype = torch_dtype("bfloat16" if config.dtype == "auto" else config.dtype)
         try:

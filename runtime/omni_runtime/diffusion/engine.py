@@ -67,6 +67,9 @@ class DiffusionEngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=
     # "auto": the first visible GPU if there is one (the stage's process sees only its
     # `devices`), else the CPU; "cpu" forces the CPU; "cuda" / "cuda:N" insist on a GPU.
     device: str = "auto"
+    # The stage's gpuMemoryUtilization: on a GPU, the fraction of its memory this process
+    # may allocate (the share the pipeline was admitted with); None: uncapped.
+    gpu_memory_utilization: float | None = None
     # The model family (config.families) whose pipeline the checkpoint holds; None: any
     # other pipeline, which must then be of no known family.
     family: str | None = None
@@ -256,7 +259,7 @@ class DiffusionEngine(DiffusionEngineBase):
             **left_out,
         )
         _check_family(type(self.pipeline).__name__, self.family)
-        self.device = choose_device(config.device)
+        self.device = engine_device(config)
         self.pipeline.to(self.device)
         self.pipeline.set_progress_bar_config(disable=True)
         self._img2img = None
@@ -521,6 +524,32 @@ def torch_dtype(name: str) -> Any:
     if name not in _DTYPES:
         raise InvalidRequestError(f"dtype: {name!r} is not one of {sorted(_DTYPES)}", "dtype")
     return getattr(torch, _DTYPES[name])
+
+
+def engine_device(config: DiffusionEngineConfig) -> str:
+    """The device an engine of ``config`` runs on, chosen before it moves its model there:
+    on a GPU, the process is first capped at the stage's share of its memory, so that the
+    weights count against the share too."""
+    device = choose_device(config.device)
+    cap_gpu_memory(device, config.gpu_memory_utilization)
+    return device
+
+
+def cap_gpu_memory(device: str, fraction: float | None) -> None:
+    """Cap this process's allocations on ``device`` at ``fraction`` of the GPU's memory:
+    the stages sharing the GPU were admitted on the shares they declared, and an uncapped
+    DiT would take the room an LLM stage's KV cache was promised. A no-op on the CPU and
+    without a fraction."""
+    if fraction is None or not device.startswith("cuda"):
+        return
+    import torch
+
+    index = torch.device(device).index
+    # "cuda" names no index: the current device, the first the process sees.
+    torch.cuda.set_per_process_memory_fraction(
+        fraction, index if index is not None else torch.cuda.current_device()
+    )
+    logger.info("capped this process at %g of the memory of %s", fraction, device)
 
 
 def choose_device(device: str) -> str:

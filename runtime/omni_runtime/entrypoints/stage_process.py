@@ -33,7 +33,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from omni_runtime.config import PipelineConfig, StageConfig, dump_pipeline, stage_port
 from omni_runtime.config.families import EncoderRecipe
@@ -44,6 +44,9 @@ from omni_runtime.stage_keys import StageServerKeys
 from omni_runtime.stage_server.frontend import StageFrontend, stage_connector_names
 from omni_runtime.stage_server.probes import start_probe_server
 from omni_runtime.stage_server.server import StageServer
+
+if TYPE_CHECKING:
+    from omni_runtime.diffusion.engine import DiffusionEngineConfig
 
 logger = logging.getLogger("omni_runtime.stage")
 
@@ -127,6 +130,28 @@ def fetch_encoder_files(hub_id: str, encoder: EncoderRecipe) -> str:
     return path
 
 
+def diffusion_engine_config(
+    pipeline: PipelineConfig, stage: StageConfig, model: str
+) -> DiffusionEngineConfig:
+    """What the core of diffusion stage ``stage`` loads ``model`` (a local path or hub id)
+    with."""
+    from omni_runtime.diffusion.engine import DiffusionEngineConfig
+
+    return DiffusionEngineConfig(
+        model=model,
+        dtype=stage.dtype or "auto",
+        default_params=dict(stage.default_sampling_params),
+        device="cpu" if stage.devices == "cpu" else "auto",
+        gpu_memory_utilization=stage.gpu_memory_utilization,
+        family=pipeline.family,
+        text_from_upstream=bool(stage.input_connectors),
+        connectors={
+            name: connector.model_dump(mode="json")
+            for name, connector in pipeline.connectors.items()
+        },
+    )
+
+
 def start_frontend(
     pipeline: PipelineConfig,
     stage: StageConfig,
@@ -165,7 +190,6 @@ def start_frontend(
             except StageLLMConfigError as e:
                 raise StageStartError(f"stage {stage.name!r}: {e}") from None
             return StageLLMFrontend(pipeline, stage, llm_client, connectors)
-        from omni_runtime.diffusion.engine import DiffusionEngineConfig
         from omni_runtime.diffusion.stage.stage_diffusion_core_client import (
             StageDiffusionCoreClient,
         )
@@ -176,18 +200,7 @@ def start_frontend(
                 f"stage {stage.name!r}: model {model} is not a directory (a diffusion stage "
                 "loads a local diffusers pipeline, or one by its hub id, org/name)"
             )
-        config = DiffusionEngineConfig(
-            model=model,
-            dtype=stage.dtype or "auto",
-            default_params=dict(stage.default_sampling_params),
-            device="cpu" if stage.devices == "cpu" else "auto",
-            family=pipeline.family,
-            text_from_upstream=bool(stage.input_connectors),
-            connectors={
-                name: connector.model_dump(mode="json")
-                for name, connector in pipeline.connectors.items()
-            },
-        )
+        config = diffusion_engine_config(pipeline, stage, model)
         client = StageDiffusionCoreClient(config, startup_timeout=startup_timeout)
         return StageDiffusionFrontend(pipeline, stage, client, connectors)
     except StageCoreStartupError as e:
