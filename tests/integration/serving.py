@@ -21,6 +21,7 @@ import uvicorn
 from omni_runtime.config import PipelineConfig
 from omni_runtime.connectors.mooncake import with_mooncake_library_path
 from omni_runtime.entrypoints.router_process import build_router
+from omni_runtime.router.auth import ApiKeys
 from omni_runtime.router.protocol import RouterLimits
 from omni_runtime.router.replicas import ReplicaConnector
 
@@ -65,16 +66,23 @@ def served_base_url(proc: subprocess.Popen[bytes], log: Path, timeout: float) ->
 
 
 @contextmanager
-def serving(config: Path, workdir: Path, timeout: float = 300) -> Iterator[str]:
-    """``omni-runtime serve -f config --port 0`` in a child (its log in ``workdir``) until
-    the block ends; yields its OpenAI base URL."""
+def serving(
+    config: Path,
+    workdir: Path,
+    timeout: float = 300,
+    *,
+    args: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+) -> Iterator[str]:
+    """``omni-runtime serve -f config --port 0 [args]`` in a child (its log in ``workdir``,
+    ``env`` added to its environment) until the block ends; yields its OpenAI base URL."""
     log_path = workdir / "serve.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            [*CLI, "serve", "-f", str(config), "--port", "0"],
+            [*CLI, "serve", "-f", str(config), "--port", "0", *args],
             stdout=log,
             stderr=subprocess.STDOUT,
-            env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
+            env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})},
         )
         try:
             yield served_base_url(proc, log_path, timeout)
@@ -221,9 +229,10 @@ def running_router(
     *,
     limits: RouterLimits | None = None,
     wait_for_replicas: bool = True,
+    api_keys: ApiKeys | None = None,
 ) -> Iterator[RunningRouter]:
     """The router app on a free port, served by uvicorn in a thread of its own."""
-    app, replicas = build_router(pipeline, addresses, limits=limits)
+    app, replicas = build_router(pipeline, addresses, limits=limits, api_keys=api_keys)
     port = free_port()
     server = uvicorn.Server(
         uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)

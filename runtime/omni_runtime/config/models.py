@@ -154,6 +154,13 @@ class RouterConfig(_Model):
         description="The model name clients send (GET /v1/models lists it); defaults to "
         "the last part of the pipeline's model path.",
     )
+    # None, not False, when unset: a pipeline that does not name it keeps its revision.
+    metrics_need_api_key: bool | None = Field(
+        default=None,
+        description="When the router has API keys, whether GET /metrics needs one too; by "
+        "default (unset or false) it stays open to Prometheus scrapers, like the probes "
+        "(/health, /livez).",
+    )
 
     @field_validator("policy", mode="before")
     @classmethod

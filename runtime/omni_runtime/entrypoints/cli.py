@@ -27,6 +27,7 @@ from omni_runtime.process_logging import drop_torchvision_notice
 
 if TYPE_CHECKING:
     from omni_runtime.config import PipelineConfig
+    from omni_runtime.router.auth import ApiKeys
 
 DEFAULT_CACHE_DIR = Path(os.environ.get("OMNI_CACHE_DIR", Path.home() / ".cache" / "omni-operator"))
 DEFAULT_MODELS_DIR = DEFAULT_CACHE_DIR / "tiny-models"
@@ -71,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--port", type=int, default=None, help="default: the pipeline's router.port")
     serve.add_argument("--log-dir", type=Path, help="keep stage logs here (default: a temp dir)")
     serve.add_argument("--startup-timeout", type=float, default=600.0)
+    _add_api_key_argument(serve)
     serve.set_defaults(run=_serve)
 
     stage = commands.add_parser("stage", help="serve stages of a pipeline (what a stage pod runs)")
@@ -121,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     router.add_argument(
         "--port", type=int, default=None, help="default: the pipeline's router.port"
     )
+    _add_api_key_argument(router)
     router.set_defaults(run=_router)
 
     args = parser.parse_args(argv)
@@ -191,6 +194,7 @@ def _serve(args: argparse.Namespace) -> int:
         port=port,
         startup_timeout=args.startup_timeout,
         log_dir=args.log_dir,
+        api_keys=_api_keys(args),
     )
 
 
@@ -236,6 +240,26 @@ def _stage(args: argparse.Namespace) -> int:
             keys=keys,
         ),
     )
+
+
+def _add_api_key_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--api-key-file",
+        type=Path,
+        default=os.environ.get("OMNI_API_KEY_FILE") or None,
+        help="clients must send one of the keys in this file (one per line, re-read when it "
+        "changes) as 'Authorization: Bearer <key>'; or set OMNI_API_KEY (or "
+        "OMNI_API_KEY_FILE). Default: no key needed",
+    )
+
+
+def _api_keys(args: argparse.Namespace) -> ApiKeys | None:
+    from omni_runtime.router.auth import API_KEY_ENV, ApiKeyError, ApiKeys
+
+    try:
+        return ApiKeys.from_settings(args.api_key_file, os.environ.get(API_KEY_ENV) or None)
+    except ApiKeyError as e:
+        raise UsageError(str(e)) from None
 
 
 def _stage_keys(load: Callable[[Path], _Keys], unset: str) -> _Keys | None:
@@ -284,6 +308,7 @@ def _router(args: argparse.Namespace) -> int:
             discover_namespace=args.discover_namespace,
             stage_service_args=args.stage_service,
             stage_keys=stage_keys,
+            api_keys=_api_keys(args),
         )
     except ReplicaAddressError as e:
         raise UsageError(str(e)) from None

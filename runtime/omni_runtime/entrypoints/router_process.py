@@ -33,6 +33,7 @@ from omni_runtime.config import PipelineConfig
 from omni_runtime.engine.stage.stage_replica_pool import StageReplicaPool
 from omni_runtime.kube import KubeClient, KubeConfig, load_kube_config
 from omni_runtime.router.app import create_app
+from omni_runtime.router.auth import ApiKeys
 from omni_runtime.router.discovery import EndpointSliceDiscovery
 from omni_runtime.router.protocol import RouterLimits
 from omni_runtime.router.replicas import ReplicaConnector
@@ -214,6 +215,7 @@ def build_router(
     model_name: str | None = None,
     discovery: DiscoverySettings | None = None,
     stage_keys: StageClientKeys | None = None,
+    api_keys: ApiKeys | None = None,
 ) -> tuple[FastAPI, ReplicaConnector]:
     """The app and the connector that keeps its pools filled (started by the app), fed by
     EndpointSlice discovery too when ``discovery`` is given; it connects to the stages
@@ -245,7 +247,9 @@ def build_router(
                     task.cancel()
                 await asyncio.gather(*tasks, return_exceptions=True)
 
-    app = create_app(pipeline, pools, limits=limits, model_name=model_name, lifespan=lifespan)
+    app = create_app(
+        pipeline, pools, limits=limits, model_name=model_name, lifespan=lifespan, api_keys=api_keys
+    )
     app.state.replicas = replicas
     return app, replicas
 
@@ -260,6 +264,7 @@ def run_router(
     discover_namespace: str | None = None,
     stage_service_args: Sequence[str] = (),
     stage_keys: StageClientKeys | None = None,
+    api_keys: ApiKeys | None = None,
 ) -> int:
     """Serve until stopped. ReplicaAddressError, DiscoveryConfigError or KubeConfigError
     (omni_runtime.kube) before serving when the settings cannot be used."""
@@ -286,7 +291,12 @@ def run_router(
     if missing:
         logger.warning("no replica addresses yet for stage(s): %s", ", ".join(missing))
     app, _ = build_router(
-        pipeline, addresses, limits=limits, discovery=discovery, stage_keys=stage_keys
+        pipeline,
+        addresses,
+        limits=limits,
+        discovery=discovery,
+        stage_keys=stage_keys,
+        api_keys=api_keys,
     )
     config = router_server_config(app, host, port)
     logger.info(

@@ -32,6 +32,7 @@ import uvicorn
 
 from omni_runtime.config import PipelineConfig, StageConfig, dump_pipeline
 from omni_runtime.entrypoints.router_process import build_router, router_server_config
+from omni_runtime.router.auth import ApiKeys
 from omni_runtime.router.protocol import RouterLimits
 from omni_runtime.stage_keys import KEYS_DIR_ENV, generate_keys, load_client_keys
 
@@ -84,6 +85,7 @@ def run_serve(
     limits: RouterLimits | None = None,
     log_dir: Path | None = None,
     on_ready: Callable[[str], None] | None = None,
+    api_keys: ApiKeys | None = None,
 ) -> int:
     """Serve ``pipeline`` until interrupted; the exit code."""
     from omni_runtime.connectors.shared_memory import sweep_orphaned_segments
@@ -111,7 +113,11 @@ def run_serve(
         )
         addresses = _wait_ready(replicas, startup_timeout)
         app, _ = build_router(
-            pipeline, addresses, limits=limits, stage_keys=load_client_keys(keys_dir)
+            pipeline,
+            addresses,
+            limits=limits,
+            stage_keys=load_client_keys(keys_dir),
+            api_keys=api_keys,
         )
         url = f"http://{host}:{port}/v1"
         name = app.state.router.served_model_name

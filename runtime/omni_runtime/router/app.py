@@ -11,6 +11,10 @@
     GET  /livez                  200 while the process serves (liveness: not about replicas)
     GET  /metrics                Prometheus
 
+With API keys (router.auth), every path but the probes (and /metrics, unless the pipeline's
+``router.metricsNeedApiKey``) answers 401 to a request without ``Authorization: Bearer``
+and one of them.
+
 This module binds paths, reads bodies and maps errors; what a request does is in
 ``router.serving``, what a body may hold in ``router.protocol``. Errors are OpenAI-shaped:
 ``{"error": {"message", "type", "param", "code"}}`` with a 4xx/5xx status.
@@ -30,6 +34,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from omni_runtime.config import PipelineConfig
 from omni_runtime.engine.stage.stage_replica_pool import StageReplicaPool
+from omni_runtime.router.auth import ApiKeys, RequireApiKey, open_paths
 from omni_runtime.router.metrics import RouterMetrics
 from omni_runtime.router.orchestrator import PipelineError
 from omni_runtime.router.protocol import (
@@ -52,8 +57,10 @@ def create_app(
     limits: RouterLimits | None = None,
     model_name: str | None = None,
     lifespan: Callable[[FastAPI], Any] | None = None,
+    api_keys: ApiKeys | None = None,
 ) -> FastAPI:
-    """The router app over ``pools`` (one per stage id; the caller fills them)."""
+    """The router app over ``pools`` (one per stage id; the caller fills them), asking
+    for one of ``api_keys`` (router.auth) when given."""
     names = {stage.stage_id: stage.name for stage in pipeline.stages}
     metrics = RouterMetrics(lambda: {names[i]: pool for i, pool in pools.items()})
     for pool in pools.values():
@@ -71,7 +78,6 @@ def create_app(
 
     app = FastAPI(title="omni-runtime router", lifespan=_lifespan, docs_url=None, redoc_url=None)
     app.state.router = serving
-    app.add_middleware(_CountRequests, metrics=metrics)
 
     @app.exception_handler(RequestError)
     async def _request_error(request: Request, error: RequestError) -> Response:
@@ -112,6 +118,14 @@ def create_app(
     async def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    # Added last, so outermost: requests refused for their key are counted too.
+    if api_keys is not None:
+        guarded = open_paths(bool(pipeline.router.metrics_need_api_key))
+        app.add_middleware(RequireApiKey, keys=api_keys, open_paths=guarded)
+    v1_paths = frozenset(
+        path for route in app.routes if (path := getattr(route, "path", "")).startswith("/v1/")
+    )
+    app.add_middleware(_CountRequests, metrics=metrics, paths=v1_paths)
     return app
 
 
@@ -156,9 +170,10 @@ class _CountRequests:
     would hide a client's disconnect from the endpoints that watch for it.
     """
 
-    def __init__(self, app: ASGIApp, metrics: RouterMetrics) -> None:
+    def __init__(self, app: ASGIApp, metrics: RouterMetrics, paths: frozenset[str]) -> None:
         self.app = app
         self.metrics = metrics
+        self.paths = paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
@@ -177,5 +192,8 @@ class _CountRequests:
         try:
             await self.app(scope, receive, counting_send)
         finally:
-            self.metrics.requests.labels(path, str(status)).inc()
-            self.metrics.request_latency.labels(path).observe(time.perf_counter() - start)
+            # Paths the router does not serve share one label: a client (authenticated or
+            # not) must not be able to add time series at will.
+            label = path if path in self.paths else "other"
+            self.metrics.requests.labels(label, str(status)).inc()
+            self.metrics.request_latency.labels(label).observe(time.perf_counter() - start)
