@@ -170,6 +170,24 @@ class StageSpec(StageConfig):
     )
 
 
+class SecretKeyRef(_ApiModel):
+    """One key of a Secret in the pipeline's namespace."""
+
+    name: str = Field(
+        min_length=1,
+        max_length=253,
+        pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
+        description="The Secret's name.",
+    )
+    key: str = Field(
+        default="api-key",
+        min_length=1,
+        max_length=253,
+        pattern=r"^[-._a-zA-Z0-9]+$",
+        description="The key in the Secret's data; its value holds one API key per line.",
+    )
+
+
 class RouterSpec(RouterConfig):
     """The OpenAI-compatible HTTP router: the pipeline's endpoint."""
 
@@ -181,6 +199,22 @@ class RouterSpec(RouterConfig):
     )
     placement: Placement = Field(
         default_factory=Placement, description="Where the router's pods run."
+    )
+    api_key_secret_ref: SecretKeyRef | None = Field(
+        default=None,
+        description="Clients must send one of the API keys in this Secret's key (one per "
+        "line) as 'Authorization: Bearer <key>'. Mounted as a file that the router re-reads, "
+        "so a key removed from the Secret is refused once the kubelet has updated the file "
+        "(about a minute), without a restart. Unset: no key is needed.",
+    )
+    allowed_from: list[dict[str, Any]] | None = Field(
+        default=None,
+        min_length=1,
+        description="Who may reach the router's port, as a NetworkPolicy's ingress 'from' "
+        "peers (podSelector, namespaceSelector, ipBlock). Unset: the pods of the pipeline's "
+        "namespace. Set it (an ipBlock, say) when the Service is exposed outside the cluster "
+        "(NodePort, LoadBalancer). Enforced only where the cluster's network plugin enforces "
+        "NetworkPolicies.",
     )
 
 

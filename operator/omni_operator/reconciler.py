@@ -39,8 +39,10 @@ from .render import (
     object_key,
     prune_set,
     render,
+    stage_keys_secret,
 )
 from .revision_gate import StagePod, pods_to_release, released_condition
+from .stage_keys import generate_stage_keys
 from .status import StagePlacement, invalid_status, pipeline_status, status_body
 
 logger = logging.getLogger("omni_operator")
@@ -137,6 +139,7 @@ class Reconciler:
             before = _status(last if last is not None else previous)
             await self._write_status(ref, invalid_status(str(e), ref.generation, before, _now()))
             return
+        await self._ensure_stage_keys(ref, event)
         existing = await self._list_children(ref)
         current_hash = config_hash(config_data(spec))
         desired = render(
@@ -188,6 +191,22 @@ class Reconciler:
         )
         deployments = {key[2]: body for key, body in applied.items() if key[1] == "Deployment"}
         await self.report(ref, deployments, previous, event)
+
+    async def _ensure_stage_keys(self, ref: PipelineRef, event: EventSink) -> None:
+        """Create the pipeline's stage-keys Secret unless it exists. Create-only: the
+        operator never reads a Secret (its RBAC has no get on them), and keys once made
+        are kept, since every pod of the pipeline runs on them. A Secret deleted by hand is
+        made anew at the next converge (its pods then need a restart to read it)."""
+        secret = stage_keys_secret(ref.name, ref.namespace, ref.uid, generate_stage_keys())
+        name = secret["metadata"]["name"]
+        try:
+            created = await self.kube.create(secret)
+        except KubeApiError as e:
+            # e names the object and the apiserver's reason; it never holds the data.
+            event("Warning", "ApplyFailed", f"Secret {name}: {e}")
+            raise
+        if created:
+            event("Normal", "Created", f"created Secret {name} (the pipeline's stage keys)")
 
     async def report(
         self,

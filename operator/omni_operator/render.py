@@ -72,6 +72,7 @@ from fractions import Fraction
 from typing import Any
 
 from omni_runtime.config import dump_pipeline, stage_port, stage_port_name
+from omni_runtime.config.credentials import CLIENT_FILES, KEYS_DIR_ENV, SERVER_FILES
 from omni_runtime.config.models import SHARED_MEMORY_CONNECTOR
 
 from .api import (
@@ -83,6 +84,7 @@ from .api import (
     OmniPipelineSpec,
     Placement,
     Quantity,
+    SecretKeyRef,
     runtime_config,
 )
 from .placement import (
@@ -110,6 +112,7 @@ ANNOTATION_CONFIG_HASH = "omni.dev/config-hash"
 COMPONENT_CONFIG = "config"
 COMPONENT_STAGES = "stages"
 COMPONENT_ROUTER = "router"
+COMPONENT_STAGE_KEYS = "stage-keys"
 
 CONFIG_KEY = "pipeline.json"
 CONFIG_FILE = f"{CONFIG_DIR}/{CONFIG_KEY}"
@@ -128,6 +131,12 @@ DEFAULT_DRAIN_TIMEOUT_S = 30
 PRESTOP_DELAY_S = 5
 GRACE_MARGIN_S = 10
 STAGE_CUDA_DEVICES_ENV_PREFIX = "OMNI_CUDA_VISIBLE_DEVICES_"
+# Where pods find their credentials (names in omni_runtime.config.credentials).
+STAGE_KEYS_DIR = "/var/run/omni/stage-keys"
+API_KEYS_DIR = "/var/run/omni/api-keys"
+API_KEYS_FILE = "api-keys"
+# Owner and group may read (the pod's fsGroup is the runtime's group); nobody may write.
+_SECRET_FILE_MODE = 0o440
 GPU_TOLERATION: dict[str, Any] = {
     "key": GPU_RESOURCE,
     "operator": "Exists",
@@ -157,6 +166,7 @@ CHILD_KINDS: tuple[ChildKind, ...] = (
     ChildKind("rbac.authorization.k8s.io/v1", "Role", "roles"),
     ChildKind("rbac.authorization.k8s.io/v1", "RoleBinding", "rolebindings"),
     ChildKind("policy/v1", "PodDisruptionBudget", "poddisruptionbudgets"),
+    ChildKind("networking.k8s.io/v1", "NetworkPolicy", "networkpolicies"),
 )
 
 
@@ -522,33 +532,45 @@ class _Context:
     config_generation: int = 0
 
     def labels(self, component: str, group: PlacementGroup | None = None) -> dict[str, str]:
-        labels = {
-            LABEL_MANAGED_BY: MANAGED_BY,
-            LABEL_PART_OF: label_value(self.name),
-            LABEL_PIPELINE: label_value(self.name),
-            LABEL_COMPONENT: component,
-        }
-        if group is not None:
-            labels[LABEL_GROUP] = label_value(group.name)
-            labels[LABEL_STAGES] = label_value(".".join(stage.name for stage in group.stages))
-        return dict(sorted(labels.items()))
+        return _child_labels(self.name, component, group)
 
     def metadata(self, name: str, labels: Mapping[str, str]) -> dict[str, Any]:
-        return {
-            "name": name,
-            "namespace": self.namespace,
-            "labels": dict(labels),
-            "ownerReferences": [
-                {
-                    "apiVersion": API_VERSION,
-                    "kind": KIND,
-                    "name": self.name,
-                    "uid": self.uid,
-                    "controller": True,
-                    "blockOwnerDeletion": True,
-                }
-            ],
-        }
+        return _child_metadata(self.name, self.namespace, self.uid, name, labels)
+
+
+def _child_labels(
+    pipeline: str, component: str, group: PlacementGroup | None = None
+) -> dict[str, str]:
+    labels = {
+        LABEL_MANAGED_BY: MANAGED_BY,
+        LABEL_PART_OF: label_value(pipeline),
+        LABEL_PIPELINE: label_value(pipeline),
+        LABEL_COMPONENT: component,
+    }
+    if group is not None:
+        labels[LABEL_GROUP] = label_value(group.name)
+        labels[LABEL_STAGES] = label_value(".".join(stage.name for stage in group.stages))
+    return dict(sorted(labels.items()))
+
+
+def _child_metadata(
+    pipeline: str, namespace: str, uid: str, name: str, labels: Mapping[str, str]
+) -> dict[str, Any]:
+    return {
+        "name": name,
+        "namespace": namespace,
+        "labels": dict(labels),
+        "ownerReferences": [
+            {
+                "apiVersion": API_VERSION,
+                "kind": KIND,
+                "name": pipeline,
+                "uid": uid,
+                "controller": True,
+                "blockOwnerDeletion": True,
+            }
+        ],
+    }
 
 
 def render(
@@ -583,7 +605,11 @@ def render(
         config_generation,
     )
     groups = placement_groups(spec)
-    objects: list[dict[str, Any]] = [_config_map(ctx, data), *_router_rbac(ctx)]
+    objects: list[dict[str, Any]] = [
+        _config_map(ctx, data),
+        *_router_rbac(ctx),
+        *_network_policies(ctx, groups),
+    ]
     for group in groups:
         objects.append(_group_service(ctx, group))
         objects.append(_group_deployment(ctx, group))
@@ -657,6 +683,7 @@ def _group_deployment(ctx: _Context, group: PlacementGroup) -> dict[str, Any]:
         gpu_count=group.gpu_count,
     )
     shm = _needs_shm(group, ctx.spec)
+    secrets = [_stage_keys_volume(ctx, SERVER_FILES)]
     ports = [
         {"name": stage_port_name(i), "containerPort": stage_port(i), "protocol": "TCP"}
         for i in group.stage_ids
@@ -671,12 +698,14 @@ def _group_deployment(ctx: _Context, group: PlacementGroup) -> dict[str, Any]:
                 "name": REVISION_ENV,
                 "value": pipeline_revision(ctx.config_generation, ctx.config_hash),
             },
+            {"name": KEYS_DIR_ENV, "value": STAGE_KEYS_DIR},
         ],
         ports=[*ports, {"name": "health", "containerPort": HEALTH_PORT, "protocol": "TCP"}],
         probes=_stage_probes(len(group.stages)),
         shm=shm,
+        secrets=secrets,
     )
-    pod = _pod_spec(ctx, placement, container, shm=shm, service_account=None)
+    pod = _pod_spec(ctx, placement, container, shm=shm, service_account=None, secrets=secrets)
     # Ready (traffic, and the rollout's progress) waits until this pod's revision has a
     # ready pod in every placement group: see revision_gate.py.
     pod["readinessGates"] = [{"conditionType": READINESS_GATE}]
@@ -769,6 +798,7 @@ def _container(
     ports: list[dict[str, Any]],
     probes: dict[str, Any],
     shm: bool,
+    secrets: Sequence[_SecretVolume] = (),
 ) -> dict[str, Any]:
     # The operator's variables win: a placement's copy of one is dropped (a duplicate
     # name in a container's env is refused by server-side apply).
@@ -783,6 +813,10 @@ def _container(
     ]
     if shm:
         mounts.append({"name": "omni-shm", "mountPath": SHM_DIR})
+    mounts += [
+        {"name": secret.volume["name"], "mountPath": secret.mount_path, "readOnly": True}
+        for secret in secrets
+    ]
     container: dict[str, Any] = {
         "name": name,
         "image": placement.image,
@@ -815,6 +849,7 @@ def _pod_spec(
     *,
     shm: bool,
     service_account: str | None,
+    secrets: Sequence[_SecretVolume] = (),
 ) -> dict[str, Any]:
     volumes: list[dict[str, Any]] = [
         {
@@ -826,6 +861,7 @@ def _pod_spec(
     ]
     if shm:
         volumes.append({"name": "omni-shm", "emptyDir": {"medium": "Memory"}})
+    volumes += [secret.volume for secret in secrets]
     pod: dict[str, Any] = {
         "containers": [container],
         # Service links would put <SERVICE>_PORT variables of every Service in the
@@ -946,6 +982,10 @@ def _router_deployment(ctx: _Context, groups: Sequence[PlacementGroup]) -> dict[
     services = {i: group_object_name(ctx.name, group) for group in groups for i in group.stage_ids}
     for stage_id, service in sorted(services.items()):
         args += ["--stage-service", f"{stage_id}={service}"]
+    secrets = [_stage_keys_volume(ctx, CLIENT_FILES)]
+    if router.api_key_secret_ref is not None:
+        secrets.append(_api_keys_volume(router.api_key_secret_ref))
+        args += ["--api-key-file", f"{API_KEYS_DIR}/{API_KEYS_FILE}"]
     namespace_env = {
         "name": NAMESPACE_ENV,
         "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}},
@@ -954,7 +994,7 @@ def _router_deployment(ctx: _Context, groups: Sequence[PlacementGroup]) -> dict[
         ROUTER_CONTAINER,
         placement,
         args=args,
-        env=[namespace_env, *_home_env()],
+        env=[namespace_env, *_home_env(), {"name": KEYS_DIR_ENV, "value": STAGE_KEYS_DIR}],
         ports=[{"name": "http", "containerPort": router.port, "protocol": "TCP"}],
         probes={
             # /health answers 503 until every stage has a live replica: not ready, alive.
@@ -964,7 +1004,136 @@ def _router_deployment(ctx: _Context, groups: Sequence[PlacementGroup]) -> dict[
             "livenessProbe": _http_probe("/livez", "http", period=10, failures=3),
         },
         shm=False,
+        secrets=secrets,
     )
     name = router_object_name(ctx.name)
-    pod = _pod_spec(ctx, placement, container, shm=False, service_account=name)
+    pod = _pod_spec(ctx, placement, container, shm=False, service_account=name, secrets=secrets)
     return _deployment(ctx, name, _router_labels(ctx), router.replicas, _strategy(False), pod)
+
+
+# ---------------------------------------------------------------------------- credentials
+
+
+@dataclass(frozen=True)
+class _SecretVolume:
+    """A Secret mounted read-only: the pod's volume and where the container sees it."""
+
+    volume: dict[str, Any]
+    mount_path: str
+
+
+def stage_keys_secret_name(pipeline: str) -> str:
+    return object_name(pipeline, "stage-keys")
+
+
+def stage_keys_secret(
+    name: str, namespace: str, uid: str, keys: Mapping[str, str]
+) -> dict[str, Any]:
+    """The Secret of pipeline ``name``'s stage keys (``stage_keys.generate_stage_keys``).
+
+    Not among ``render``'s objects: its keys are random, so the reconciler creates it once
+    and never applies it again (a new pair would lock out every pod running on the old
+    one). Owned by the pipeline, so it goes with it; immutable, as nothing ever rewrites it.
+    """
+    labels = _child_labels(name, COMPONENT_STAGE_KEYS)
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": _child_metadata(name, namespace, uid, stage_keys_secret_name(name), labels),
+        "type": "Opaque",
+        "immutable": True,
+        "stringData": dict(sorted(keys.items())),
+    }
+
+
+def _stage_keys_volume(ctx: _Context, files: Sequence[str]) -> _SecretVolume:
+    # Only the files of the pod's role: a stage pod cannot pose as a router, nor a router
+    # pod as a stage.
+    volume = {
+        "name": "omni-stage-keys",
+        "secret": {
+            "secretName": stage_keys_secret_name(ctx.name),
+            "items": [{"key": name, "path": name} for name in files],
+            "defaultMode": _SECRET_FILE_MODE,
+        },
+    }
+    return _SecretVolume(volume, STAGE_KEYS_DIR)
+
+
+def _api_keys_volume(ref: SecretKeyRef) -> _SecretVolume:
+    # A whole volume, never a subPath: only then does the kubelet update the file when
+    # the Secret changes, which is how a rotated key reaches the router.
+    volume = {
+        "name": "omni-api-keys",
+        "secret": {
+            "secretName": ref.name,
+            "items": [{"key": ref.key, "path": API_KEYS_FILE}],
+            "defaultMode": _SECRET_FILE_MODE,
+        },
+    }
+    return _SecretVolume(volume, API_KEYS_DIR)
+
+
+# ------------------------------------------------------------------------ network policies
+
+
+def _network_policies(ctx: _Context, groups: Sequence[PlacementGroup]) -> list[dict[str, Any]]:
+    """Who may reach the pipeline's pods (defence in depth: the stage sockets authenticate
+    their peers either way, and only a network plugin that enforces NetworkPolicies
+    applies these).
+
+    - Stage pods: any port, but only from the pipeline's own pods: its routers (stage
+      requests) and its stage pods (connector pulls, whose ports a pipeline may leave to
+      the system to pick).
+    - Router pods: the router's port, from ``router.allowedFrom`` (default: the pods of
+      the pipeline's namespace).
+
+    Egress is not restricted: stages may need to reach model stores.
+    """
+    own_pods = {
+        "podSelector": {
+            "matchLabels": {
+                LABEL_MANAGED_BY: MANAGED_BY,
+                LABEL_PIPELINE: label_value(ctx.name),
+            }
+        }
+    }
+    stage_selector = {LABEL_COMPONENT: COMPONENT_STAGES, LABEL_PIPELINE: label_value(ctx.name)}
+    router = ctx.spec.router
+    allowed = router.allowed_from if router.allowed_from is not None else [{"podSelector": {}}]
+    policies = [
+        _network_policy(
+            ctx,
+            object_name(ctx.name, "stages"),
+            ctx.labels(COMPONENT_STAGES),
+            stage_selector,
+            [{"from": [own_pods]}],
+        ),
+        _network_policy(
+            ctx,
+            router_object_name(ctx.name),
+            _router_labels(ctx),
+            _selector(_router_labels(ctx)),
+            [{"from": allowed, "ports": [{"protocol": "TCP", "port": router.port}]}],
+        ),
+    ]
+    return policies if groups else policies[1:]
+
+
+def _network_policy(
+    ctx: _Context,
+    name: str,
+    labels: Mapping[str, str],
+    selector: Mapping[str, str],
+    ingress: list[dict[str, Any]],
+) -> dict[str, Any]:
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": ctx.metadata(name, labels),
+        "spec": {
+            "podSelector": {"matchLabels": dict(selector)},
+            "policyTypes": ["Ingress"],
+            "ingress": ingress,
+        },
+    }

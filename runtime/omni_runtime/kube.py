@@ -51,6 +51,8 @@ KIND_PLURALS: dict[str, str] = {
     "Role": "roles",
     "RoleBinding": "rolebindings",
     "PodDisruptionBudget": "poddisruptionbudgets",
+    "NetworkPolicy": "networkpolicies",
+    "Secret": "secrets",
     "EndpointSlice": "endpointslices",
     "Pod": "pods",
     "Event": "events",
@@ -445,6 +447,19 @@ class KubeClient:
             content_type="application/apply-patch+yaml",
         )
         return result
+
+    async def create(self, obj: Mapping[str, Any]) -> bool:
+        """Create ``obj``; False, and nothing changed, if an object of its name exists.
+        The created object is not returned: it may hold what the caller must not keep
+        around (a Secret's data)."""
+        collection = resource_path_for(obj).rsplit("/", 1)[0]
+        try:
+            await self.request("POST", collection, body=dict(obj))
+        except KubeApiError as e:
+            if e.status == 409:
+                return False
+            raise
+        return True
 
     async def delete(self, path: str, *, propagation: str = "Background") -> bool:
         """Delete; False if it was already gone."""

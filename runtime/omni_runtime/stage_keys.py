@@ -11,7 +11,8 @@ Two key pairs per pipeline:
   before any message reaches the stage.
 
 Keys are Z85 text (40 characters) in files of one directory, named as the operator's
-Secret names its data (``KEY_FILES``), and found through ``OMNI_STAGE_KEYS_DIR``. A process
+Secret names its data, and found through ``OMNI_STAGE_KEYS_DIR``
+(``omni_runtime.config.credentials``). A process
 gets only the files its role needs: a stage server reads the server pair and the client's
 public key; a router the client pair and the server's public key. ``serve`` generates
 ephemeral keys for its stages and router; the operator keeps a pipeline's in a Secret it
@@ -33,17 +34,17 @@ import zmq
 import zmq.asyncio
 from zmq.utils import z85
 
-logger = logging.getLogger(__name__)
+from omni_runtime.config.credentials import (
+    CLIENT_FILES,
+    CLIENT_PUBLIC,
+    CLIENT_SECRET,
+    KEYS_DIR_ENV,
+    SERVER_FILES,
+    SERVER_PUBLIC,
+    SERVER_SECRET,
+)
 
-KEYS_DIR_ENV = "OMNI_STAGE_KEYS_DIR"
-SERVER_SECRET = "server.key"
-SERVER_PUBLIC = "server.pub"
-CLIENT_SECRET = "client.key"
-CLIENT_PUBLIC = "client.pub"
-KEY_FILES = (SERVER_SECRET, SERVER_PUBLIC, CLIENT_SECRET, CLIENT_PUBLIC)
-# What each role reads: a stage server cannot pose as a router, nor a router as a stage.
-SERVER_FILES = (SERVER_SECRET, SERVER_PUBLIC, CLIENT_PUBLIC)
-CLIENT_FILES = (CLIENT_SECRET, CLIENT_PUBLIC, SERVER_PUBLIC)
+logger = logging.getLogger(__name__)
 
 # The ZAP domain of stage sockets. With ZAP_ENFORCE_DOMAIN, libzmq refuses every handshake
 # when no handler answers for it, instead of admitting everyone: it fails closed.

@@ -29,6 +29,8 @@ OUR_KINDS = (
     "roles.rbac.authorization.k8s.io",
     "rolebindings.rbac.authorization.k8s.io",
     "poddisruptionbudgets.policy",
+    "networkpolicies.networking.k8s.io",
+    "secrets",
 )
 
 

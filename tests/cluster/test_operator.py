@@ -7,6 +7,7 @@ without a kubelet, which is what the status logic needs.
 
 from __future__ import annotations
 
+import base64
 import copy
 import json
 from collections.abc import Callable, Iterator
@@ -15,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 from operator_harness import CRD_FILE, OUR_KINDS, OperatorProcess, example
+
+from omni_runtime.config.credentials import KEY_FILES
 
 if TYPE_CHECKING:
     from conftest import Kube
@@ -294,6 +297,25 @@ def test_delete_garbage_collects_every_child(
         return True
 
     eventually(all_gone, timeout=90, what="garbage collection of the children")
+
+
+def test_stage_keys_are_only_in_their_owned_secret_and_the_pods_mount_them(
+    kube: Kube, namespace: str, operator: OperatorProcess, eventually: Eventually
+) -> None:
+    _body, name = deploy_tiny(kube, namespace, eventually)
+    found = children(kube, namespace, name)
+    secret = found[("Secret", f"{name}-stage-keys")]
+    (owner,) = secret["metadata"]["ownerReferences"]
+    assert owner["uid"] == pipeline(kube, namespace, name)["metadata"]["uid"]
+    keys = {key: base64.b64decode(value).decode() for key, value in secret["data"].items()}
+    assert sorted(keys) == sorted(KEY_FILES)
+    policies = {n for kind, n in found if kind == "NetworkPolicy"}
+    assert policies == {f"{name}-stages", f"{name}-router"}
+    # No key anywhere else: ConfigMaps, Deployments (env, args), Events.
+    elsewhere = json.dumps(
+        [o for (kind, _), o in found.items() if kind != "Secret"] + events(kube, namespace, name)
+    )
+    assert not [key for key, value in keys.items() if value in elsewhere]
 
 
 def test_a_spec_the_crd_admits_but_the_operator_refuses_changes_nothing(

@@ -306,8 +306,8 @@ def test_object_paths() -> None:
         "metadata": {"name": "d", "namespace": "ns"},
     }
     assert resource_path_for(deployment) == "/apis/apps/v1/namespaces/ns/deployments/d"
-    with pytest.raises(ValueError, match="kind 'Secret' is not one this client knows"):
-        resource_path_for({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "s"}})
+    with pytest.raises(ValueError, match="kind 'CronJob' is not one this client knows"):
+        resource_path_for({"apiVersion": "batch/v1", "kind": "CronJob", "metadata": {"name": "s"}})
 
 
 # --- kopf's login --------------------------------------------------------------------

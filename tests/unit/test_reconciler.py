@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, cast
@@ -25,6 +26,7 @@ from omni_operator.render import (
     LABEL_COMPONENT,
     REVISION_ENV,
 )
+from omni_runtime.config.credentials import KEY_FILES
 from omni_runtime.kube import KubeClient
 from omni_runtime.router.revisions import revision_key
 
@@ -109,6 +111,13 @@ class FakeKube:
         self.objects[(stored["kind"], stored["metadata"]["name"])] = stored
         return copy.deepcopy(stored)
 
+    async def create(self, obj: Mapping[str, Any]) -> bool:
+        key = (obj["kind"], obj["metadata"]["name"])
+        if key in self.objects:
+            return False
+        self.objects[key] = copy.deepcopy(dict(obj))
+        return True
+
     async def list(self, path: str, *, label_selector: str | None = None) -> dict[str, Any]:
         plural = path.rsplit("/", 1)[-1]
         kind = next(k.kind for k in CHILD_KINDS if k.plural == plural)
@@ -124,6 +133,20 @@ class FakeKube:
 
     async def patch_merge(self, path: str, body: Mapping[str, Any]) -> dict[str, Any]:
         return dict(body)
+
+
+async def test_the_stage_keys_secret_is_made_once_and_kept() -> None:
+    kube = FakeKube()
+    spec = tiny_spec()
+    await _converge(kube, spec, generation=1)
+    secret = kube.objects[("Secret", "tiny-stage-keys")]
+    keys = dict(secret["stringData"])
+    assert sorted(keys) == sorted(KEY_FILES)
+    await _converge(kube, spec, generation=2)
+    assert kube.objects[("Secret", "tiny-stage-keys")]["stringData"] == keys
+    # No key in any object the renderer applies (ConfigMap, env values, args).
+    rendered = json.dumps([o for (kind, _), o in kube.objects.items() if kind != "Secret"])
+    assert not any(value in rendered for value in keys.values())
 
 
 def _revisions(kube: FakeKube) -> dict[str, str]:

@@ -172,6 +172,8 @@ def test_bagel_renders_one_gpu_pod_for_both_stages() -> None:
         config_map,
         ("Deployment", "bagel-router"),
         ("Deployment", "bagel-thinker-dit"),
+        ("NetworkPolicy", "bagel-router"),
+        ("NetworkPolicy", "bagel-stages"),
         ("Role", "bagel-router"),
         ("RoleBinding", "bagel-router"),
         ("Service", "bagel"),

@@ -19,6 +19,7 @@ import zmq
 import zmq.asyncio
 
 from omni_runtime.config import PipelineConfig
+from omni_runtime.config.credentials import CLIENT_FILES, KEY_FILES, SERVER_FILES
 from omni_runtime.engine.stage.stage_core_client import StageCoreDeadError
 from omni_runtime.engine.stage.stage_core_types import (
     StageCoreRequestType,
@@ -27,9 +28,6 @@ from omni_runtime.engine.stage.stage_core_types import (
 )
 from omni_runtime.router.remote_stage_client import RemoteStageClient
 from omni_runtime.stage_keys import (
-    CLIENT_FILES,
-    KEY_FILES,
-    SERVER_FILES,
     StageClientKeys,
     StageKeysError,
     generate_keys,

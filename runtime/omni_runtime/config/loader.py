@@ -26,7 +26,7 @@ _RESOURCE_FIELDS = ("apiVersion", "kind", "metadata", "spec", "status")
 KUBERNETES_ONLY_FIELDS = {
     "spec": ("image", "imagePullPolicy"),
     "stage": ("placement",),
-    "router": ("replicas", "serviceType", "placement"),
+    "router": ("replicas", "serviceType", "placement", "apiKeySecretRef", "allowedFrom"),
 }
 _STAGE_TYPE = re.compile(r"stages\[[0-9]+\]\.type")
 

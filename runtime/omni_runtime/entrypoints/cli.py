@@ -23,6 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
+from omni_runtime.config.credentials import API_KEY_FILE_ENV
 from omni_runtime.process_logging import drop_torchvision_notice
 
 if TYPE_CHECKING:
@@ -246,7 +247,7 @@ def _add_api_key_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--api-key-file",
         type=Path,
-        default=os.environ.get("OMNI_API_KEY_FILE") or None,
+        default=os.environ.get(API_KEY_FILE_ENV) or None,
         help="clients must send one of the keys in this file (one per line, re-read when it "
         "changes) as 'Authorization: Bearer <key>'; or set OMNI_API_KEY (or "
         "OMNI_API_KEY_FILE). Default: no key needed",
@@ -254,7 +255,8 @@ def _add_api_key_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def _api_keys(args: argparse.Namespace) -> ApiKeys | None:
-    from omni_runtime.router.auth import API_KEY_ENV, ApiKeyError, ApiKeys
+    from omni_runtime.config.credentials import API_KEY_ENV
+    from omni_runtime.router.auth import ApiKeyError, ApiKeys
 
     try:
         return ApiKeys.from_settings(args.api_key_file, os.environ.get(API_KEY_ENV) or None)
@@ -266,7 +268,8 @@ def _stage_keys(load: Callable[[Path], _Keys], unset: str) -> _Keys | None:
     """This role's stage keys from OMNI_STAGE_KEYS_DIR, or None (with a warning) without."""
     import logging
 
-    from omni_runtime.stage_keys import KEYS_DIR_ENV, StageKeysError, keys_directory
+    from omni_runtime.config.credentials import KEYS_DIR_ENV
+    from omni_runtime.stage_keys import StageKeysError, keys_directory
 
     directory = keys_directory(os.environ)
     if directory is None:

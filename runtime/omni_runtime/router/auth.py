@@ -30,8 +30,6 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 logger = logging.getLogger(__name__)
 
-API_KEY_ENV = "OMNI_API_KEY"
-API_KEY_FILE_ENV = "OMNI_API_KEY_FILE"
 DEFAULT_RECHECK_INTERVAL = 1.0
 PROBE_PATHS = frozenset({"/health", "/livez"})
 METRICS_PATH = "/metrics"
