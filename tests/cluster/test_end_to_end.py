@@ -44,6 +44,7 @@ Eventually = Callable[..., Any]
 REPO = Path(__file__).resolve().parents[2]
 BASE = REPO / "manifests" / "base"
 TINY_EXAMPLE = REPO / "manifests" / "examples" / "tiny-pipeline.yaml"
+API_KEY = "sk-omni-e2e"
 OPERATOR_IMAGE = "omni-operator/omni-operator:0.1.0"
 RUNTIME_IMAGE = "omni-operator/omni-runtime:0.1.0"
 ROLLOUT_IMAGE = "omni-operator/omni-runtime:0.1.0-rollout"
@@ -374,8 +375,16 @@ def test_a_user_installs_the_operator_deploys_the_tiny_pipeline_gets_an_image_an
     figures.values["runtime image load (s)"] = round(time.monotonic() - t0, 1)
     figures.started += time.monotonic() - t0
 
+    # The router asks for an API key, from a Secret the user made; the stages admit only
+    # the router's CURVE key, from the Secret the operator made.
+    kube.kubectl(
+        "create", "secret", "generic", "tiny-api-keys", f"--from-literal=api-key={API_KEY}",
+        namespace=namespace,
+    )  # fmt: skip
+    body = tiny_pipeline(real_node)
+    body["spec"]["router"]["apiKeySecretRef"] = {"name": "tiny-api-keys"}
     manifest = tmp_path / "tiny-pipeline.yaml"
-    manifest.write_text(yaml.safe_dump(tiny_pipeline(real_node)))
+    manifest.write_text(yaml.safe_dump(body))
     kube.kubectl("apply", "-f", str(manifest), namespace=namespace)
     eventually(
         lambda: len(kube.get_json("deployments", namespace=namespace)["items"]) == 3,
@@ -398,9 +407,14 @@ def test_a_user_installs_the_operator_deploys_the_tiny_pipeline_gets_an_image_an
         assert p["status"]["phase"] == "Running"
 
     local = port_forwards.start(namespace, f"svc/{PIPELINE}", 8000)
-    client = openai.OpenAI(base_url=f"http://127.0.0.1:{local}/v1", api_key="unused")
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{local}/v1", api_key=API_KEY)
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert ask_for_image(client, height=96, width=128, steps=4) == (128, 96)
+    stranger = openai.OpenAI(
+        base_url=f"http://127.0.0.1:{local}/v1", api_key="sk-wrong", max_retries=0
+    )
+    with pytest.raises(openai.AuthenticationError):
+        stranger.models.list()
     figures.mark("first image (s)")
 
     for p in pods:
