@@ -102,7 +102,6 @@ def test_schemathesis_finds_nothing(
         "SCHEMATHESIS_HOOKS": str(HOOKS),
         "FUZZ_MAX_PROMPT_CHARS": str(LIMITS.max_prompt_chars),
         "FUZZ_MAX_MESSAGES": str(MAX_MESSAGES),
-        "FUZZ_OPENAPI_URL": f"{router.url}/openapi.json",
     }
     start = time.monotonic()
     run = subprocess.run(
