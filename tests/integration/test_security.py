@@ -77,6 +77,14 @@ def test_every_endpoint_but_the_probes_needs_a_right_key(
             assert {p for p, status in got.items() if status != 401} == open_paths, headers
         right = _statuses(router.url, {"Authorization": f"Bearer {KEY}"})
         assert 401 not in right.values(), right
+        # The document says so: a bearer scheme on every path but the open ones.
+        document = httpx.get(
+            f"{router.url}/openapi.json", headers={"Authorization": f"Bearer {KEY}"}
+        ).json()
+        assert document["components"]["securitySchemes"]["apiKey"]["scheme"] == "bearer"
+        for path, operations in document["paths"].items():
+            for operation in operations.values():
+                assert ("security" in operation) is (path not in open_paths), path
 
         refused = httpx.get(f"{router.url}/v1/models", headers={"Authorization": "Bearer no"})
         assert refused.headers["www-authenticate"] == "Bearer"

@@ -16,6 +16,7 @@ from omni_runtime.entrypoints.serve import stage_environment
 from omni_runtime.router.orchestrator import stage_chain
 from omni_runtime.router.protocol import (
     ChatCompletionRequest,
+    ImageGenerationRequest,
     RequestError,
     RouterLimits,
     decode_data_url,
@@ -149,3 +150,35 @@ def test_the_router_keeps_idle_connections_longer_than_the_openai_client() -> No
     expiry = DEFAULT_CONNECTION_LIMITS.keepalive_expiry
     assert expiry is not None
     assert config.timeout_keep_alive > 2 * expiry
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ({"guidance_scale": True}, "valid number"),
+        ({"guidance_scale": "1.5"}, "valid number"),
+        ({"n": "2"}, "valid integer"),
+        ({"n": 2.5}, "valid integer"),
+        ({"seed": 1e300}, "valid integer"),
+    ],
+)
+def test_json_numbers_are_numbers(body: dict[str, Any], message: str) -> None:
+    with pytest.raises(RequestError, match=message):
+        parse_body(ImageGenerationRequest, {"prompt": "x", **body})
+
+
+def test_a_whole_float_is_an_integer() -> None:
+    body = parse_body(ImageGenerationRequest, {"prompt": "x", "n": 2.0, "guidance_scale": 3})
+    assert body.n == 2
+    assert isinstance(body.n, int)
+    assert body.guidance_scale == 3.0
+
+
+def test_a_text_pipeline_refuses_image_fields_by_name() -> None:
+    body = parse_body(
+        ChatCompletionRequest,
+        {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "height": 64},
+    )
+    with pytest.raises(RequestError, match="height: a parameter of image output") as caught:
+        body.to_pipeline_request("id", "text", LIMITS)
+    assert caught.value.param == "height"

@@ -10,6 +10,7 @@
                                  stage (the one requests run on now), else 503 saying why
     GET  /livez                  200 while the process serves (liveness: not about replicas)
     GET  /metrics                Prometheus
+    GET  /openapi.json           the API's OpenAPI document (``router.openapi``)
 
 With API keys (router.auth), every path but the probes (and /metrics, unless the pipeline's
 ``router.metricsNeedApiKey``) answers 401 to a request without ``Authorization: Bearer``
@@ -17,7 +18,8 @@ and one of them.
 
 This module binds paths, reads bodies and maps errors; what a request does is in
 ``router.serving``, what a body may hold in ``router.protocol``. Errors are OpenAI-shaped:
-``{"error": {"message", "type", "param", "code"}}`` with a 4xx/5xx status.
+``{"error": {"message", "type", "param", "code"}}`` with a 4xx/5xx status, Starlette's
+own 404 and 405 and an unexpected exception's 500 included.
 """
 
 from __future__ import annotations
@@ -30,12 +32,14 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from omni_runtime.config import PipelineConfig
 from omni_runtime.engine.stage.stage_replica_pool import StageReplicaPool
 from omni_runtime.router.auth import ApiKeys, RequireApiKey, open_paths
 from omni_runtime.router.metrics import RouterMetrics
+from omni_runtime.router.openapi import openapi_document
 from omni_runtime.router.orchestrator import PipelineError
 from omni_runtime.router.protocol import (
     ChatCompletionRequest,
@@ -47,7 +51,7 @@ from omni_runtime.router.protocol import (
     decode_json,
     parse_body,
 )
-from omni_runtime.router.serving import JSONBody, OpenAIServing, error_response
+from omni_runtime.router.serving import JSONBody, OpenAIServing, error_body, error_response
 
 
 def create_app(
@@ -66,6 +70,7 @@ def create_app(
     for pool in pools.values():
         pool.on_request_done = metrics.stage_request_done
     serving = OpenAIServing(pipeline, pools, metrics, limits=limits, model_name=model_name)
+    metrics.router_in_flight.set_function(lambda: serving.in_flight)
 
     @asynccontextmanager
     async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -86,6 +91,27 @@ def create_app(
     @app.exception_handler(PipelineError)
     async def _pipeline_error(request: Request, error: PipelineError) -> Response:
         return error_response(error)
+
+    # Starlette's own answers (an unknown path, a method a path does not take) in the
+    # shape of every other error, so that a client parses one error format.
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, error: HTTPException) -> Response:
+        if error.status_code == 404:
+            message = f"no such path: {request.url.path} (the API is under /v1; GET /openapi.json)"
+        elif error.status_code == 405:
+            message = f"{request.method} is not allowed on {request.url.path}"
+        else:
+            message = str(error.detail)
+        return JSONBody(
+            error_body(error.status_code, message),
+            status_code=error.status_code,
+            headers=error.headers,
+        )
+
+    # A bug must still answer in the API's error shape (Starlette logs the traceback).
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, error: Exception) -> Response:
+        return JSONBody(error_body(500, "internal error in the router"), status_code=500)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -118,14 +144,28 @@ def create_app(
     async def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    guarded = open_paths(bool(pipeline.router.metrics_need_api_key))
+
+    def _openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            app.openapi_schema = openapi_document(
+                title=app.title,
+                version=app.version,
+                model_name=serving.served_model_name,
+                output_kind=serving.orchestrator.output_kind,
+                limits=serving.limits,
+                open_paths=guarded if api_keys is not None else None,
+            )
+        return app.openapi_schema
+
+    # The handlers read raw bodies (within the limits), so FastAPI's generator would
+    # document none: the document is built from the request models instead.
+    app.openapi = _openapi  # type: ignore[method-assign]
+
     # Added last, so outermost: requests refused for their key are counted too.
     if api_keys is not None:
-        guarded = open_paths(bool(pipeline.router.metrics_need_api_key))
         app.add_middleware(RequireApiKey, keys=api_keys, open_paths=guarded)
-    v1_paths = frozenset(
-        path for route in app.routes if (path := getattr(route, "path", "")).startswith("/v1/")
-    )
-    app.add_middleware(_CountRequests, metrics=metrics, paths=v1_paths)
+    app.add_middleware(_CountRequests, metrics=metrics)
     return app
 
 
@@ -163,6 +203,11 @@ def _check_declared_length(request: Request, limits: RouterLimits) -> None:
         raise body_too_large(limits)
 
 
+_V1_PATHS = frozenset(
+    ("/v1/chat/completions", "/v1/images/generations", "/v1/images/edits", "/v1/models")
+)
+
+
 class _CountRequests:
     """Counts /v1 requests by status and times them to their last byte.
 
@@ -170,16 +215,17 @@ class _CountRequests:
     would hide a client's disconnect from the endpoints that watch for it.
     """
 
-    def __init__(self, app: ASGIApp, metrics: RouterMetrics, paths: frozenset[str]) -> None:
+    def __init__(self, app: ASGIApp, metrics: RouterMetrics) -> None:
         self.app = app
         self.metrics = metrics
-        self.paths = paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
         if scope["type"] != "http" or not path.startswith("/v1/"):
             await self.app(scope, receive, send)
             return
+        # A label per path a client makes up would grow the registry without bound.
+        endpoint = path if path in _V1_PATHS else "other"
         start = time.perf_counter()
         status = 500
 
@@ -192,8 +238,5 @@ class _CountRequests:
         try:
             await self.app(scope, receive, counting_send)
         finally:
-            # Paths the router does not serve share one label: a client (authenticated or
-            # not) must not be able to add time series at will.
-            label = path if path in self.paths else "other"
-            self.metrics.requests.labels(label, str(status)).inc()
-            self.metrics.request_latency.labels(label).observe(time.perf_counter() - start)
+            self.metrics.requests.labels(endpoint, str(status)).inc()
+            self.metrics.request_latency.labels(endpoint).observe(time.perf_counter() - start)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -33,6 +33,13 @@ class RouterMetrics:
             "Time from a request's arrival to its last byte, by endpoint.",
             ["endpoint"],
             buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        # Read when scraped (the app sets the function): 0 once every request has ended,
+        # however it ended, as a test or an operator draining the router can check.
+        self.router_in_flight = Gauge(
+            "omni_router_in_flight",
+            "Requests the router has admitted and not yet finished (streams included).",
             registry=self.registry,
         )
         self.stage_requests = Counter(

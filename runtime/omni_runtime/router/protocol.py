@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import numpy as np
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, ValidationError
 from python_multipart.exceptions import FormParserError
 from python_multipart.multipart import MultipartParser, parse_options_header
 
@@ -96,11 +96,17 @@ class StreamOptions(_Body):
     include_usage: StrictBool = False
 
 
-# JSON has no inf or nan, but form fields do ("inf" parses as a float): refused for both.
-NonNegativeFloat = Annotated[float, Field(ge=0, allow_inf_nan=False)]
-Strength = Annotated[float, Field(gt=0, le=1)]
-UnitFloat = Annotated[float, Field(ge=0, le=1)]
-Seed = Annotated[StrictInt, Field(ge=0, le=2**63 - 1)]
+# Numbers as JSON has them: true, false and "1.5" are not numbers, though pydantic's lax
+# mode would take them (form fields, text by nature, are parsed from their strings all the
+# same: model_validate_strings). JSON has no inf or nan, but an overflowing 1e999 parses
+# as inf and form fields spell both: refused everywhere.
+Integer = Annotated[int, Strict()]
+Number = Annotated[float, Strict(), Field(allow_inf_nan=False)]
+NonNegativeFloat = Annotated[Number, Field(ge=0)]
+Strength = Annotated[Number, Field(gt=0, le=1)]
+UnitFloat = Annotated[Number, Field(ge=0, le=1)]
+Seed = Annotated[Integer, Field(ge=0, le=2**63 - 1)]
+Positive = Annotated[Integer, Field(ge=1)]
 
 
 class _BagelGuidance(_Body):
@@ -112,7 +118,7 @@ class _BagelGuidance(_Body):
     cfg_interval: tuple[UnitFloat, UnitFloat] | None = None
     cfg_renorm_type: Literal["global", "channel", "text_channel"] | None = None
     cfg_renorm_min: UnitFloat | None = None
-    timestep_shift: Annotated[float, Field(gt=0, le=100)] | None = None
+    timestep_shift: Annotated[Number, Field(gt=0, le=100)] | None = None
 
 
 class ChatCompletionRequest(_BagelGuidance):
@@ -122,23 +128,25 @@ class ChatCompletionRequest(_BagelGuidance):
     messages: list[ChatMessage] = Field(min_length=1)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    max_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
-    max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
-    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
-    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
-    top_k: StrictInt | None = None
-    min_p: Annotated[float, Field(ge=0, le=1)] | None = None
-    presence_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
-    frequency_penalty: Annotated[float, Field(ge=-2, le=2)] | None = None
-    repetition_penalty: Annotated[float, Field(gt=0)] | None = None
+    max_tokens: Positive | None = None
+    max_completion_tokens: Positive | None = None
+    temperature: Annotated[Number, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[Number, Field(gt=0, le=1)] | None = None
+    # vLLM takes -1 and 0 for no top-k, and refuses less; a JSON integer past 64 bits
+    # parses as a float, so the bound says where integers end.
+    top_k: Annotated[Integer, Field(ge=-1, le=2**63 - 1)] | None = None
+    min_p: Annotated[Number, Field(ge=0, le=1)] | None = None
+    presence_penalty: Annotated[Number, Field(ge=-2, le=2)] | None = None
+    frequency_penalty: Annotated[Number, Field(ge=-2, le=2)] | None = None
+    repetition_penalty: Annotated[Number, Field(gt=0)] | None = None
     seed: Seed | None = None
-    n: Annotated[StrictInt, Field(ge=1)] = 1
+    n: Positive = 1
     user: str | None = None
     # vLLM-Omni's image generation extensions.
     modalities: list[Literal["text", "image"]] | None = None
-    height: Annotated[StrictInt, Field(ge=1)] | None = None
-    width: Annotated[StrictInt, Field(ge=1)] | None = None
-    num_inference_steps: Annotated[StrictInt, Field(ge=1)] | None = None
+    height: Positive | None = None
+    width: Positive | None = None
+    num_inference_steps: Positive | None = None
     guidance_scale: NonNegativeFloat | None = None
     true_cfg_scale: NonNegativeFloat | None = None
     negative_prompt: str | None = None
@@ -202,6 +210,14 @@ class ChatCompletionRequest(_BagelGuidance):
             )
         if images:
             raise RequestError(400, "messages: this pipeline takes no input image", "messages")
+        for name in IMAGE_ONLY_CHAT_FIELDS:
+            # Ignoring it would answer a question the caller did not ask.
+            if getattr(self, name) is not None:
+                raise RequestError(
+                    400,
+                    f"{name}: a parameter of image output; this pipeline answers with text",
+                    name,
+                )
         if self.n != 1:
             raise RequestError(400, f"n: only 1 completion per request (got {self.n})", "n")
         return PipelineRequest(
@@ -236,12 +252,12 @@ class _ImageRequest(_BagelGuidance):
 
     prompt: str = Field(min_length=1)
     model: str | None = None
-    n: Annotated[StrictInt, Field(ge=1)] = 1
+    n: Positive = 1
     size: str | None = None
     # OpenAI's default is "url" for its older models; this server keeps no files to link to.
     response_format: str = "b64_json"
     seed: Seed | None = None
-    num_inference_steps: Annotated[StrictInt, Field(ge=1)] | None = None
+    num_inference_steps: Positive | None = None
     guidance_scale: NonNegativeFloat | None = None
     # Qwen-Image's classifier-free guidance scale (with a negative prompt).
     true_cfg_scale: NonNegativeFloat | None = None
@@ -332,6 +348,15 @@ _DIFFUSION_FIELDS = (
 )
 
 
+# The chat completion fields that only images use (seed seeds text sampling too).
+IMAGE_ONLY_CHAT_FIELDS = (
+    "height",
+    "width",
+    "strength",
+    *(name for name in _DIFFUSION_FIELDS if name != "seed"),
+)
+
+
 def _diffusion_params(body: ChatCompletionRequest | _ImageRequest, **more: Any) -> dict[str, Any]:
     """The diffusion stage's params of an image request: its shared fields, its ``n`` as
     num_images, and ``more`` (those the path spells its own way); unset ones left out."""
@@ -365,9 +390,22 @@ def parse_body(model: type[_Body], body: Any) -> Any:
     if not isinstance(body, dict):
         raise RequestError(400, f"the body must be a JSON object, not {type(body).__name__}")
     try:
-        return model.model_validate(body)
+        return model.model_validate(_integral_as_int(body))
     except ValidationError as e:
         raise _first_error(e) from None
+
+
+def _integral_as_int(value: Any) -> Any:
+    """``value`` with each float that is a whole number as an int: JSON (and JSON Schema's
+    "integer") makes no difference between 280.0 and 280, which clients that compute a size
+    send either way. Past 2**53 a float stands for no one integer, and stays a float."""
+    if isinstance(value, float) and value.is_integer() and abs(value) <= 2**53:
+        return int(value)
+    if isinstance(value, dict):
+        return {key: _integral_as_int(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_integral_as_int(item) for item in value]
+    return value
 
 
 def _first_error(error: ValidationError) -> RequestError:

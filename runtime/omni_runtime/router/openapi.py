@@ -1,0 +1,491 @@
+"""The router's OpenAPI document (GET /openapi.json), built from the request models.
+
+The handlers read raw bodies (``router.app``: the size limits hold while a body streams
+in), so FastAPI sees no body parameter and would document none. This module writes the
+document instead: request bodies from ``router.protocol``'s models (their JSON schema, as
+pydantic generates it), narrowed to what this router accepts, and every status a handler
+can answer with, each error in OpenAI's shape.
+
+The document describes this deployment, not the API in general: the served model's name,
+the ``RouterLimits`` in force and the pipeline's output (text or images) narrow the
+schemas, so that a request valid by the schema is one the router takes (a fuzzer in
+positive mode relies on it) and one outside it is refused with a 4xx. Two limits no JSON
+schema can state stay in the descriptions: the prompt limit is on all messages together,
+and a prompt must also fit the first stage's context in tokens.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+from pydantic.json_schema import models_json_schema
+
+from omni_runtime.router.orchestrator import OutputKind
+from omni_runtime.router.protocol import (
+    IMAGE_ONLY_CHAT_FIELDS,
+    ChatCompletionRequest,
+    ImageEditRequest,
+    ImageGenerationRequest,
+    RouterLimits,
+)
+
+OPENAPI_VERSION = "3.1.0"
+_REF = "#/components/schemas/{model}"
+
+
+# -- response bodies (documentation only: router.serving builds them as plain dicts) -------
+
+
+class ErrorDetail(BaseModel):
+    message: str = Field(description="What was wrong, naming the field and the limit.")
+    type: str = Field(
+        description="invalid_request_error (4xx), rate_limit_exceeded (429), "
+        "service_unavailable (503), timeout (504), server_error (500)."
+    )
+    param: str | None = Field(description="The request field at fault, when one is.")
+    code: int | None = Field(description="The HTTP status.")
+
+
+class ErrorResponse(BaseModel):
+    """Every error: ``{"error": {"message", "type", "param", "code"}}``, as OpenAI's."""
+
+    error: ErrorDetail
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class OutputImageURL(BaseModel):
+    url: str = Field(description="data:image/png;base64,...")
+
+
+class OutputImagePart(BaseModel):
+    type: Literal["image_url"]
+    image_url: OutputImageURL
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str | list[OutputImagePart] = Field(
+        description="Text, or (a pipeline that makes images) one image part per image."
+    )
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    finish_reason: str | None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ChunkDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+
+class ChunkChoice(BaseModel):
+    index: int
+    delta: ChunkDelta
+    finish_reason: str | None
+
+
+class ChatCompletionChunk(BaseModel):
+    """One event of a streamed completion; the last, with stream_options.include_usage,
+    has no choices and the usage."""
+
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChunkChoice]
+    usage: Usage | None = None
+
+
+class ImageData(BaseModel):
+    b64_json: str = Field(description="A PNG file, base64-encoded.")
+
+
+class ImagesResponse(BaseModel):
+    created: int
+    data: list[ImageData]
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    root: str
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class Health(BaseModel):
+    status: Literal["ok", "unavailable"]
+    live_replicas: dict[str, int] = Field(description="Live replicas of each stage, by name.")
+    revision: str | None = Field(
+        default=None, description="The pipeline revision new requests run on (200 only)."
+    )
+    error: str | None = Field(default=None, description="Why nothing can be served (503 only).")
+
+
+class Liveness(BaseModel):
+    status: Literal["ok"]
+
+
+_RESPONSE_MODELS: tuple[type[BaseModel], ...] = (
+    ErrorResponse,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ImagesResponse,
+    ModelList,
+    Health,
+    Liveness,
+)
+
+# Why each error status is answered; the statuses an operation lists are those its
+# handler (and the layers around it) can return.
+_ERRORS: dict[int, str] = {
+    400: "The body breaks a rule (the message names the field and the rule), is not "
+    "valid JSON or form data, nests too deep, is over a RouterLimits limit, or a stage "
+    "refused a parameter.",
+    401: "Missing or wrong API key (when the router requires one).",
+    404: "The model named is not the one served here.",
+    413: "The body, or an input image, is over its size limit.",
+    415: "The Content-Type is not the one the path takes.",
+    429: "The router or a stage replica is at its concurrency limit: retry after the "
+    "Retry-After header's seconds.",
+    500: "A stage failed on the request.",
+    503: "No pipeline revision has a live replica of every stage.",
+    504: "The request did not finish within the router's timeout.",
+}
+_POST_ERRORS = (400, 401, 404, 413, 415, 429, 500, 503, 504)
+
+
+def openapi_document(
+    *,
+    title: str,
+    version: str,
+    model_name: str,
+    output_kind: OutputKind,
+    limits: RouterLimits,
+    open_paths: frozenset[str] | None = None,
+) -> dict[str, Any]:
+    """The OpenAPI 3.1 document of a router serving ``model_name``, whose pipeline makes
+    ``output_kind``, within ``limits``; with API keys, every path but ``open_paths``
+    needs one (a bearer security scheme)."""
+    _, top = models_json_schema(
+        [(model, "validation") for model in _request_models()]
+        # Validation mode: a field with a default is one a response may leave out.
+        + [(model, "validation") for model in _RESPONSE_MODELS],
+        ref_template=_REF,
+    )
+    schemas: dict[str, Any] = copy.deepcopy(top["$defs"])
+    _narrow_requests(schemas, model_name, output_kind, limits)
+    schemas["ImageEditForm"] = _edit_form(schemas["ImageEditRequest"])
+    paths: dict[str, Any] = {
+        "/v1/chat/completions": {"post": _chat_operation(output_kind)},
+    }
+    if output_kind == "image":
+        paths["/v1/images/generations"] = {"post": _images_generations()}
+        paths["/v1/images/edits"] = {"post": _images_edits()}
+    paths.update(_get_paths())
+    description = (
+        f"Serves the model {model_name!r}, a pipeline that answers with "
+        f"{'images' if output_kind == 'image' else 'text'}. Errors are OpenAI-shaped "
+        '(`{"error": {"message", "type", "param", "code"}}`); unknown paths answer 404 and '
+        "other methods 405 in the same shape."
+    )
+    if output_kind == "text":
+        description += (
+            " /v1/images/generations and /v1/images/edits answer 400 here (this pipeline "
+            "makes no images), so they are not listed."
+        )
+    components: dict[str, Any] = {"schemas": schemas}
+    if open_paths is not None:
+        components["securitySchemes"] = {
+            "apiKey": {
+                "type": "http",
+                "scheme": "bearer",
+                "description": "One of the router's API keys: Authorization: Bearer <key>.",
+            }
+        }
+        for path, operations in paths.items():
+            if path in open_paths:
+                continue
+            for operation in operations.values():
+                operation["security"] = [{"apiKey": []}]
+                operation["responses"].update(_errors(401))
+    return {
+        "openapi": OPENAPI_VERSION,
+        "info": {"title": title, "version": version, "description": description},
+        "paths": paths,
+        "components": components,
+    }
+
+
+def _request_models() -> tuple[type[BaseModel], ...]:
+    return (ChatCompletionRequest, ImageGenerationRequest, ImageEditRequest)
+
+
+def _narrow_requests(
+    schemas: dict[str, Any], model_name: str, output_kind: OutputKind, limits: RouterLimits
+) -> None:
+    """Write the deployment's facts into the request schemas: the one model name, the
+    limits, and what this pipeline's output allows."""
+    chat = schemas["ChatCompletionRequest"]["properties"]
+    _set(chat["model"], enum=[model_name])
+    for name in ("max_tokens", "max_completion_tokens"):
+        _set(chat[name], maximum=limits.max_tokens)
+    prompt = {"maxLength": limits.max_prompt_chars}
+    _set(schemas["ChatMessage"]["properties"]["content"]["anyOf"][0], **prompt)
+    _set(schemas["TextPart"]["properties"]["text"], **prompt)
+    if output_kind == "image":
+        for name in ("height", "width"):
+            _set(chat[name], maximum=limits.max_image_side)
+        _set(chat["num_inference_steps"], maximum=limits.max_steps)
+        _set(chat["n"], maximum=limits.max_n)
+        # Images are asked for explicitly, as vLLM-Omni's API asks for them.
+        chat["modalities"] = {
+            "type": "array",
+            "items": {"enum": ["text", "image"], "type": "string"},
+            "contains": {"const": "image"},
+            "description": 'Must include "image": this pipeline answers with images.',
+        }
+        schemas["ChatCompletionRequest"]["required"].append("modalities")
+    else:
+        # A text pipeline refuses what only images use, and makes one completion.
+        for name in IMAGE_ONLY_CHAT_FIELDS:
+            del chat[name]
+        _set(chat["n"], enum=[1])
+        _set(chat["modalities"], items={"enum": ["text"], "type": "string"})
+        # Nor does it take an input image: a message's parts are text.
+        content = schemas["ChatMessage"]["properties"]["content"]["anyOf"][1]
+        content["items"] = {"$ref": _REF.format(model="TextPart")}
+    for name in ("ImageGenerationRequest", "ImageEditRequest"):
+        fields = schemas[name]["properties"]
+        _set(fields["model"], enum=[model_name])
+        _set(fields["prompt"], maxLength=limits.max_prompt_chars)
+        _set(fields["n"], maximum=limits.max_n)
+        _set(fields["num_inference_steps"], maximum=limits.max_steps)
+        _set(fields["response_format"], enum=["b64_json"])
+        _set(fields["size"], pattern=_size_pattern(limits.max_image_side))
+
+
+def _set(schema: dict[str, Any], **keywords: Any) -> None:
+    """Add ``keywords`` to a property's schema: to its non-null branch if it is optional."""
+    branches = [b for b in schema.get("anyOf", []) if b.get("type") != "null"]
+    (branches[0] if branches else schema).update(keywords)
+
+
+def _size_pattern(max_side: int) -> str:
+    """``auto`` or WIDTHxHEIGHT, each side from 1 to ``max_side``, as a regex."""
+    return f"^(auto|{_up_to(max_side)}x{_up_to(max_side)})$"
+
+
+def _up_to(limit: int) -> str:
+    """A regex of the decimal integers 1..limit (no leading zeros)."""
+    digits = str(limit)
+    alternatives = []
+    # Shorter numbers than the limit: any.
+    for length in range(1, len(digits)):
+        alternatives.append("[1-9]" + "[0-9]" * (length - 1))
+    # Numbers as long as the limit: a prefix of it, then a smaller digit, then any.
+    for position, digit in enumerate(digits):
+        low = "1" if position == 0 else "0"
+        if int(digit) > int(low):
+            smaller = f"[{low}-{int(digit) - 1}]"
+            alternatives.append(
+                digits[:position] + smaller + "[0-9]" * (len(digits) - position - 1)
+            )
+    alternatives.append(digits)
+    return "(" + "|".join(alternatives) + ")"
+
+
+def _edit_form(fields: dict[str, Any]) -> dict[str, Any]:
+    """/v1/images/edits' multipart form: the image file and ImageEditRequest's fields."""
+    properties = {
+        "image": {
+            "type": "string",
+            "format": "binary",
+            "description": "The input image file (PNG, JPEG, WebP, ...); one per request.",
+        },
+        **fields["properties"],
+    }
+    # A form field is text: a pair of numbers has no spelling there.
+    properties.pop("cfg_interval", None)
+    return {
+        "type": "object",
+        "properties": properties,
+        "required": ["image", *fields.get("required", [])],
+        "additionalProperties": False,
+        "description": fields.get("description", ""),
+    }
+
+
+# -- operations -----------------------------------------------------------------------------
+
+
+def _ref(model: str) -> dict[str, str]:
+    return {"$ref": _REF.format(model=model)}
+
+
+def _json(model: str) -> dict[str, Any]:
+    return {"application/json": {"schema": _ref(model)}}
+
+
+def _errors(*statuses: int) -> dict[str, Any]:
+    responses: dict[str, Any] = {}
+    for status in statuses:
+        response: dict[str, Any] = {
+            "description": _ERRORS[status],
+            "content": _json("ErrorResponse"),
+        }
+        if status == 429:
+            response["headers"] = {
+                "Retry-After": {
+                    "description": "Seconds to wait before retrying.",
+                    "schema": {"type": "integer", "minimum": 1},
+                }
+            }
+        responses[str(status)] = response
+    return responses
+
+
+def _chat_operation(output_kind: OutputKind) -> dict[str, Any]:
+    content: dict[str, Any] = _json("ChatCompletion")
+    if output_kind == "text":
+        # OpenAPI 3.1 reads an event stream's schema as that of each event.
+        content["text/event-stream"] = {
+            "schema": {
+                "type": "object",
+                "required": ["data"],
+                "properties": {
+                    "data": {
+                        "description": "With stream: true, one event per delta (a "
+                        "chat.completion.chunk), an error object if the request fails after "
+                        "the stream started, then [DONE].",
+                        "anyOf": [
+                            {"const": "[DONE]"},
+                            {
+                                "type": "string",
+                                "contentMediaType": "application/json",
+                                "contentSchema": {
+                                    "anyOf": [_ref("ChatCompletionChunk"), _ref("ErrorResponse")]
+                                },
+                            },
+                        ],
+                    }
+                },
+            }
+        }
+    return {
+        "summary": "Create a chat completion",
+        "operationId": "createChatCompletion",
+        "requestBody": {"required": True, "content": _json("ChatCompletionRequest")},
+        "responses": {
+            "200": {"description": "The completion (or its stream).", "content": content},
+            **_errors(*_POST_ERRORS),
+        },
+    }
+
+
+def _images_generations() -> dict[str, Any]:
+    return {
+        "summary": "Create images from a prompt",
+        "operationId": "createImage",
+        "requestBody": {"required": True, "content": _json("ImageGenerationRequest")},
+        "responses": {
+            "200": {
+                "description": "The images, as base64 PNGs.",
+                "content": _json("ImagesResponse"),
+            },
+            **_errors(*_POST_ERRORS),
+        },
+    }
+
+
+def _images_edits() -> dict[str, Any]:
+    return {
+        "summary": "Create images from an input image and a prompt",
+        "operationId": "createImageEdit",
+        "requestBody": {
+            "required": True,
+            "content": {"multipart/form-data": {"schema": _ref("ImageEditForm")}},
+        },
+        "responses": {
+            "200": {
+                "description": "The images, as base64 PNGs.",
+                "content": _json("ImagesResponse"),
+            },
+            **_errors(*_POST_ERRORS),
+        },
+    }
+
+
+def _get_paths() -> dict[str, Any]:
+    return {
+        "/v1/models": {
+            "get": {
+                "summary": "List the served model",
+                "operationId": "listModels",
+                "responses": {
+                    "200": {"description": "The one model served.", "content": _json("ModelList")},
+                    **_errors(401),
+                },
+            }
+        },
+        "/health": {
+            "get": {
+                "summary": "Readiness",
+                "operationId": "health",
+                "responses": {
+                    "200": {
+                        "description": "Some pipeline revision has a live replica of every stage.",
+                        "content": _json("Health"),
+                    },
+                    "503": {
+                        "description": "Nothing can be served; says why.",
+                        "content": _json("Health"),
+                    },
+                },
+            }
+        },
+        "/livez": {
+            "get": {
+                "summary": "Liveness",
+                "operationId": "livez",
+                "responses": {
+                    "200": {"description": "The process serves.", "content": _json("Liveness")}
+                },
+            }
+        },
+        "/metrics": {
+            "get": {
+                "summary": "Prometheus metrics",
+                "operationId": "metrics",
+                "responses": {
+                    "200": {
+                        "description": "Prometheus' text exposition format.",
+                        "content": {"text/plain": {"schema": {"type": "string"}}},
+                    }
+                },
+            }
+        },
+    }

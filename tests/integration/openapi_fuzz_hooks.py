@@ -1,0 +1,92 @@
+"""schemathesis hooks for test_openapi_fuzz.py, loaded by its `schemathesis run` child
+(SCHEMATHESIS_HOOKS names this file): a check that every error is OpenAI-shaped, and the
+rules of valid requests that no JSON schema can state.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import schemathesis
+from schemathesis import GenerationMode
+
+# The router's prompt limit holds for all messages together; the schema can bound each.
+MAX_PROMPT_CHARS = int(os.environ["FUZZ_MAX_PROMPT_CHARS"])
+# Each message costs a few tokens of the chat template besides its text: enough of them
+# would overflow the tiny model's context, which only the model's tokenizer can tell.
+MAX_MESSAGES = int(os.environ["FUZZ_MAX_MESSAGES"])
+
+
+@schemathesis.hook
+def filter_case(context: schemathesis.HookContext, case: schemathesis.Case) -> bool:
+    """Positive chat requests within the limits no schema states; everything else as is."""
+    meta = case.meta
+    if meta is None or meta.generation.mode is not GenerationMode.POSITIVE:
+        return True
+    if case.operation.path != "/v1/chat/completions" or not isinstance(case.body, dict):
+        return True
+    messages = case.body.get("messages", [])
+    return len(messages) <= MAX_MESSAGES and _prompt_chars(messages) <= MAX_PROMPT_CHARS
+
+
+def _prompt_chars(messages: list[dict[str, Any]]) -> int:
+    total = 0
+    for message in messages:
+        content = message.get("content")
+        if isinstance(content, str):
+            total += len(content)
+        elif isinstance(content, list):
+            # The router joins a message's parts with newlines.
+            total += sum(len(part.get("text", "")) for part in content)
+            total += max(0, len(content) - 1)
+    return total
+
+
+@schemathesis.check
+def openai_error_shape(
+    ctx: schemathesis.CheckContext, response: schemathesis.Response, case: schemathesis.Case
+) -> bool | None:
+    """Every 4xx/5xx body, and every error inside an event stream, is
+    ``{"error": {"message": str, "type": str, "param": str | null, "code": int}}`` with the
+    response's status as its code."""
+    content_type = response.headers.get("content-type", [""])[0]
+    if response.status_code >= 400:
+        try:
+            body = json.loads(response.content)
+        except ValueError:
+            raise AssertionError(
+                f"a {response.status_code} whose body is not JSON: {response.content[:200]!r}"
+            ) from None
+        _check_error(body, response.status_code)
+    elif content_type.startswith("text/event-stream"):
+        events = [
+            line.removeprefix("data: ")
+            for line in response.content.decode().split("\n\n")
+            if line.startswith("data: ")
+        ]
+        if not events or events[-1] != "[DONE]":
+            raise AssertionError(f"the stream does not end with [DONE]: {events[-3:]!r}")
+        for event in events[:-1]:
+            payload = json.loads(event)
+            if "error" in payload:
+                _check_error(payload, None)
+    return None
+
+
+def _check_error(body: Any, status: int | None) -> None:
+    error = body.get("error") if isinstance(body, dict) else None
+    shape_ok = (
+        isinstance(error, dict)
+        and set(error) == {"message", "type", "param", "code"}
+        and isinstance(error["message"], str)
+        and error["message"] != ""
+        and isinstance(error["type"], str)
+        and (error["param"] is None or isinstance(error["param"], str))
+        and isinstance(error["code"], int)
+    )
+    if not shape_ok:
+        raise AssertionError(f"not an OpenAI-shaped error: {body!r:.300}")
+    if status is not None and error["code"] != status:
+        raise AssertionError(f"error code {error['code']} in a {status} response")

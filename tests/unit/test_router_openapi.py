@@ -1,0 +1,172 @@
+"""The router's OpenAPI document and the errors Starlette itself answers, without stages:
+what GET /openapi.json promises (tests/integration/test_openapi_fuzz.py checks that the
+router keeps it)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import jsonschema
+import pytest
+import schemathesis
+from fastapi.routing import APIRoute
+from fastapi.testclient import TestClient
+
+from omni_runtime.config import PipelineConfig
+from omni_runtime.engine.stage.stage_replica_pool import StageReplicaPool
+from omni_runtime.router import app as router_app
+from omni_runtime.router.app import create_app
+from omni_runtime.router.protocol import RouterLimits
+
+TEXT = [{"stageId": 0, "name": "chat", "type": "llm"}]
+IMAGE = [
+    {"stageId": 0, "name": "encoder", "type": "llm", "output": "hidden_states"},
+    {"stageId": 1, "name": "dit", "type": "diffusion"},
+]
+LIMITS = RouterLimits(max_prompt_chars=100, max_tokens=50, max_n=3, max_steps=7, max_image_side=640)
+POST_ERRORS = {"400", "401", "404", "413", "415", "429", "500", "503", "504"}
+
+
+def client(stages: list[dict[str, Any]]) -> TestClient:
+    pipeline = PipelineConfig.model_validate(
+        {"model": "m", "stages": stages, "router": {"servedModelName": "tiny"}}
+    )
+    pools = {s.stage_id: StageReplicaPool(s.name, "round-robin") for s in pipeline.stages}
+    return TestClient(create_app(pipeline, pools, limits=LIMITS))
+
+
+@pytest.fixture(params=["text", "image"])
+def http(request: pytest.FixtureRequest) -> Iterator[TestClient]:
+    with client(TEXT if request.param == "text" else IMAGE) as test_client:
+        yield test_client
+
+
+def document(http: TestClient) -> dict[str, Any]:
+    response = http.get("/openapi.json")
+    assert response.status_code == 200
+    body: dict[str, Any] = response.json()
+    return body
+
+
+def walk(value: Any) -> Iterator[dict[str, Any]]:
+    if isinstance(value, dict):
+        yield value
+        for item in value.values():
+            yield from walk(item)
+    elif isinstance(value, list):
+        for item in value:
+            yield from walk(item)
+
+
+def test_every_route_is_documented_with_its_errors(http: TestClient) -> None:
+    doc = document(http)
+    routes = {
+        (route.path, method.lower())
+        for route in http.app.routes  # type: ignore[attr-defined]
+        if isinstance(route, APIRoute)
+        for method in route.methods
+    }
+    documented = {(path, method) for path, item in doc["paths"].items() for method in item}
+    images = {("/v1/images/generations", "post"), ("/v1/images/edits", "post")}
+    image_pipeline = "/v1/images/generations" in doc["paths"]
+    # A text pipeline's image paths answer 400 to everything: not listed.
+    assert documented == (routes if image_pipeline else routes - images)
+    for path, item in doc["paths"].items():
+        for method, operation in item.items():
+            if method == "post":
+                assert operation["requestBody"]["required"] is True
+                assert set(operation["responses"]) >= POST_ERRORS, path
+            for status, response in operation["responses"].items():
+                if status >= "400" and path.startswith("/v1/"):
+                    schema = response["content"]["application/json"]["schema"]
+                    assert schema == {"$ref": "#/components/schemas/ErrorResponse"}
+    assert "text/plain" in doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]
+    assert set(doc["paths"]["/health"]["get"]["responses"]) == {"200", "503"}
+    # The metrics' endpoint labels are the /v1 routes, and only those.
+    assert {path for path, _ in routes if path.startswith("/v1/")} == router_app._V1_PATHS
+
+
+def test_the_document_is_valid_openapi_with_json_schema_keywords_only(http: TestClient) -> None:
+    doc = document(http)
+    schemathesis.openapi.from_dict(doc)  # refuses what is not OpenAPI
+    for name, schema in doc["components"]["schemas"].items():
+        jsonschema.Draft202012Validator.check_schema(schema)
+        # pydantic writes constraints it cannot place as its own keywords (gt, le, ...),
+        # which JSON Schema ignores: a bound the document would not state.
+        for node in walk(schema):
+            for keyword in ("gt", "ge", "lt", "le"):
+                assert not (keyword in node and "type" in node), (name, node)
+
+
+def test_the_request_schemas_carry_the_limits_and_the_model() -> None:
+    for stages in (TEXT, IMAGE):
+        with client(stages) as http:
+            schemas = document(http)["components"]["schemas"]
+        chat = schemas["ChatCompletionRequest"]["properties"]
+        assert chat["model"]["enum"] == ["tiny"]
+        assert chat["max_tokens"]["anyOf"][0]["maximum"] == 50
+        content = schemas["ChatMessage"]["properties"]["content"]["anyOf"]
+        assert content[0]["maxLength"] == 100
+        if stages is TEXT:
+            assert chat["n"]["enum"] == [1]
+            assert "height" not in chat
+            assert content[1]["items"] == {"$ref": "#/components/schemas/TextPart"}
+        else:
+            assert chat["n"]["maximum"] == 3
+            assert chat["height"]["anyOf"][0]["maximum"] == 640
+            assert "modalities" in schemas["ChatCompletionRequest"]["required"]
+            images = schemas["ImageGenerationRequest"]["properties"]
+            assert images["num_inference_steps"]["anyOf"][0]["maximum"] == 7
+            size = jsonschema.Draft202012Validator(images["size"])
+            for good in ("auto", "640x640", "1x1", "64x48"):
+                assert size.is_valid(good), good
+            for bad in ("641x64", "0x5", "064x64", "big", "64"):
+                assert not size.is_valid(bad), bad
+            form = schemas["ImageEditForm"]
+            assert form["properties"]["image"]["format"] == "binary"
+            assert {"image", "prompt"} <= set(form["required"])
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "status", "needle"),
+    [
+        ("get", "/nope", 404, "no such path"),
+        ("get", "/v1/nope", 404, "no such path"),
+        ("delete", "/v1/models", 405, "DELETE is not allowed"),
+        ("get", "/v1/chat/completions", 405, "GET is not allowed"),
+    ],
+)
+def test_starlette_errors_are_openai_shaped(
+    http: TestClient, method: str, path: str, status: int, needle: str
+) -> None:
+    response = http.request(method, path)
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert needle in error["message"]
+    assert error["code"] == status
+    if status == 405:
+        assert response.headers["allow"]
+
+
+def test_unknown_v1_paths_share_one_metrics_label() -> None:
+    with client(TEXT) as http:
+        for n in range(3):
+            http.get(f"/v1/made-up-{n}")
+        metrics = http.get("/metrics").text
+    assert 'endpoint="other",status="404"} 3.0' in metrics
+    assert "made-up" not in metrics
+
+
+def test_a_bug_is_an_openai_shaped_500() -> None:
+    with client(TEXT) as http:
+
+        @http.app.get("/boom")  # type: ignore[attr-defined, untyped-decorator]
+        async def boom() -> None:
+            raise RuntimeError("bug")
+
+        with TestClient(http.app, raise_server_exceptions=False) as raw:
+            response = raw.get("/boom")
+    assert response.status_code == 500
+    assert response.json()["error"]["type"] == "server_error"
