@@ -43,6 +43,7 @@ from omni_runtime.router.protocol import (
     parse_body,
 )
 from omni_runtime.router.serving import JSONBody, OpenAIServing, error_response
+from omni_runtime.tracing import TraceRequests
 
 
 def create_app(
@@ -72,6 +73,8 @@ def create_app(
     app = FastAPI(title="omni-runtime router", lifespan=_lifespan, docs_url=None, redoc_url=None)
     app.state.router = serving
     app.add_middleware(_CountRequests, metrics=metrics)
+    # Outermost: the request's span covers everything the router does for it.
+    app.add_middleware(TraceRequests)
 
     @app.exception_handler(RequestError)
     async def _request_error(request: Request, error: RequestError) -> Response:
