@@ -65,16 +65,18 @@ def served_base_url(proc: subprocess.Popen[bytes], log: Path, timeout: float) ->
 
 
 @contextmanager
-def serving(config: Path, workdir: Path, timeout: float = 300) -> Iterator[str]:
-    """``omni-runtime serve -f config --port 0`` in a child (its log in ``workdir``) until
-    the block ends; yields its OpenAI base URL."""
+def serving(
+    config: Path, workdir: Path, timeout: float = 300, env: Mapping[str, str] | None = None
+) -> Iterator[str]:
+    """``omni-runtime serve -f config --port 0`` in a child (its log in ``workdir``, ``env``
+    added to its environment) until the block ends; yields its OpenAI base URL."""
     log_path = workdir / "serve.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
             [*CLI, "serve", "-f", str(config), "--port", "0"],
             stdout=log,
             stderr=subprocess.STDOUT,
-            env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"},
+            env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})},
         )
         try:
             yield served_base_url(proc, log_path, timeout)
