@@ -3,13 +3,15 @@ polling, a closed-loop load generator, percentiles and a markdown table.
 
 Not a benchmark itself; the scripts in bench/ import it (they see this directory first on
 sys.path). It also lends them the stage tests' result helpers (``collect_results``), so
-that a benchmark reads a stage client's outputs exactly as the tests do.
+that a benchmark reads a stage client's outputs exactly as the tests do, and the tracing
+tests' OTLP collector as a sink for servers that trace (``otlp_sink``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import math
 import os
 import signal
@@ -260,13 +262,21 @@ def ratio_cell(value: float, target: float, higher_is_better: bool) -> str:
     return f"{value:.2f}x {'ok' if met else 'MISS'}"
 
 
-def _stage_test_helpers() -> Any:
+def _test_helpers(module: str) -> Any:
     directory = str(Path(__file__).resolve().parents[1] / "tests" / "integration")
     if directory not in sys.path:
         sys.path.append(directory)
-    import stage_outputs
+    return importlib.import_module(module)
 
-    return stage_outputs
+
+def _stage_test_helpers() -> Any:
+    return _test_helpers("stage_outputs")
+
+
+def otlp_sink() -> Any:
+    """tests/integration/otlp_collector.OTLPCollector keeping no spans, only counting them:
+    a local OTLP/HTTP endpoint for servers that trace (use it in a ``with``)."""
+    return _test_helpers("otlp_collector").OTLPCollector(keep=False)
 
 
 async def collect_results(client: Any, request_ids: Any, timeout: float | None = None) -> Any:

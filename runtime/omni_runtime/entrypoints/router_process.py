@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import uvicorn
 from fastapi import FastAPI
 
+from omni_runtime import tracing
 from omni_runtime.config import PipelineConfig
 from omni_runtime.engine.stage.stage_replica_pool import StageReplicaPool
 from omni_runtime.kube import KubeClient, KubeConfig, load_kube_config
@@ -290,6 +291,7 @@ def run_router(
     ]
     if missing:
         logger.warning("no replica addresses yet for stage(s): %s", ", ".join(missing))
+    tracing.configure(tracing.ROUTER_SERVICE_NAME)
     app, _ = build_router(
         pipeline,
         addresses,

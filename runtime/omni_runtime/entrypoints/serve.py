@@ -30,6 +30,7 @@ from pathlib import Path
 
 import uvicorn
 
+from omni_runtime import tracing
 from omni_runtime.config import PipelineConfig, StageConfig, dump_pipeline
 from omni_runtime.config.credentials import KEYS_DIR_ENV
 from omni_runtime.entrypoints.router_process import build_router, router_server_config
@@ -68,12 +69,14 @@ class _Replica:
 
 
 def stage_environment(stage: StageConfig, base: dict[str, str]) -> dict[str, str]:
-    """The environment of a stage process: it sees only the GPUs of its ``devices``, and
-    finds Mooncake's system libraries where scripts/mooncake_libs.sh put them."""
+    """The environment of a stage process: it sees only the GPUs of its ``devices``, finds
+    Mooncake's system libraries where scripts/mooncake_libs.sh put them, and exports its
+    spans (where this process does) under a service name of its own."""
     from omni_runtime.connectors.mooncake import with_mooncake_library_path
 
     env = with_mooncake_library_path(dict(base))
     env["CUDA_VISIBLE_DEVICES"] = "" if stage.devices == "cpu" else stage.devices
+    env.update(tracing.child_service_environment(base, stage.name))
     return env
 
 
@@ -91,6 +94,8 @@ def run_serve(
     """Serve ``pipeline`` until interrupted; the exit code."""
     from omni_runtime.connectors.shared_memory import sweep_orphaned_segments
 
+    # The router runs in this process; each stage process sets up its own.
+    tracing.configure(tracing.ROUTER_SERVICE_NAME)
     sweep_orphaned_segments()
     workdir = Path(tempfile.mkdtemp(prefix="omni-serve-"))
     logs = log_dir or workdir

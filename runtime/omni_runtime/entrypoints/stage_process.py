@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from omni_runtime import tracing
 from omni_runtime.config import PipelineConfig, StageConfig, dump_pipeline, stage_port
 from omni_runtime.config.families import EncoderRecipe
 from omni_runtime.connectors import ConnectorError, StageConnectors
@@ -185,7 +186,12 @@ def start_frontend(
                 if encoder is not None and stage.model is None and _is_hub_id(model):
                     model = fetch_encoder_files(model, encoder)
                 llm_client = start_stage_llm_client(
-                    stage, model, encoder=encoder, startup_timeout=startup_timeout
+                    stage,
+                    model,
+                    encoder=encoder,
+                    # A traced stage's spans need the core's scheduling events.
+                    log_stats=tracing.enabled(),
+                    startup_timeout=startup_timeout,
                 )
             except StageLLMConfigError as e:
                 raise StageStartError(f"stage {stage.name!r}: {e}") from None
@@ -227,6 +233,7 @@ def run_stage_process(
     except StageStartError as e:
         print(f"omni-runtime stage: error: {e}", file=sys.stderr)
         return 1
+    tracing.configure(tracing.stage_service_name(stage.name for stage in stages))
     removed = sweep_orphaned_segments()
     if removed:
         logger.info("removed %d shared-memory segment(s) left by dead processes", removed)

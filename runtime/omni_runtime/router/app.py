@@ -52,6 +52,7 @@ from omni_runtime.router.protocol import (
     parse_body,
 )
 from omni_runtime.router.serving import JSONBody, OpenAIServing, error_body, error_response
+from omni_runtime.tracing import TraceRequests
 
 
 def create_app(
@@ -162,10 +163,12 @@ def create_app(
     # document none: the document is built from the request models instead.
     app.openapi = _openapi  # type: ignore[method-assign]
 
-    # Added last, so outermost: requests refused for their key are counted too.
+    # Each added around the ones before: requests refused for their key are counted, and
+    # the request's span (outermost) covers everything the router does for it.
     if api_keys is not None:
         app.add_middleware(RequireApiKey, keys=api_keys, open_paths=guarded)
     app.add_middleware(_CountRequests, metrics=metrics)
+    app.add_middleware(TraceRequests)
     return app
 
 

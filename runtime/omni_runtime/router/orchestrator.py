@@ -44,13 +44,16 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar
 
 import numpy as np
+from opentelemetry.trace import SpanKind
 
+from omni_runtime import tracing
 from omni_runtime.config import PipelineConfig, StageConfig
 from omni_runtime.engine.stage.stage_core_types import (
     StageError,
     StageErrorCode,
     StageServerOutput,
     StageServerRequest,
+    TraceContext,
 )
 from omni_runtime.engine.stage.stage_replica_pool import (
     NoLiveReplicaError,
@@ -60,6 +63,7 @@ from omni_runtime.engine.stage.stage_replica_pool import (
 )
 from omni_runtime.net import address_host
 from omni_runtime.router.revisions import NoCompleteRevisionError, choose_revision
+from omni_runtime.tracing import SpanScope
 
 logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
@@ -210,6 +214,7 @@ class PipelineOrchestrator:
     async def run(self, request: PipelineRequest) -> AsyncGenerator[StageServerOutput, None]:
         """Yield the last stage's outputs for ``request`` (until and including the final
         one); raise PipelineError if any stage fails it."""
+        tracing.set_current_attribute(tracing.REQUEST_ID, request.request_id)
         for number in range(_ATTEMPTS):
             yielded = False
             attempt = _Attempt(number)
@@ -432,48 +437,54 @@ class PipelineOrchestrator:
         ``where`` the host of each replica it goes to, in order."""
         pool = self.pools[stage.stage_id]
         for handback in range(HANDBACK_RETRIES + 1):
-            try:
-                pending = await pool.add_request(
-                    stage_request, sticky_key=sticky_key, revision=revision, host=host
-                )
-            except NoLiveReplicaError as e:
-                # The revision was complete when chosen: its replicas went away since.
-                raise _RevisionGone(stage.name, str(e)) from None
-            except PoolSaturatedError as e:
-                raise PipelineError(
-                    429, str(e), kind="rate_limit_exceeded", retry_after=1.0
-                ) from None
-            replica_host = address_host(pending.address)
-            if placed is not None and not placed.done():
-                placed.set_result(replica_host)
-            if where is not None:
-                where.append(replica_host)
-            finished = False
-            handed_back = False
-            try:
-                async for output in pending:
-                    assert isinstance(output, StageServerOutput)
-                    if output.error is not None:
-                        finished = True
-                        # A hand-back is the request's only output: nothing was yielded.
-                        if (
-                            output.error.code is StageErrorCode.DRAINING
-                            and handback < HANDBACK_RETRIES
-                        ):
-                            handed_back = True
-                            break
-                        raise _stage_error(stage, output.error)
-                    finished = output.finished
-                    if finished:
-                        self._report(self.on_served, stage.name, pending.replica_id, revision)
-                    yield output
-            finally:
-                if not finished:
-                    # Cancelled (the caller went away) or failed: free the stage of it.
-                    try:
-                        await asyncio.shield(pending.abort())
-                    except Exception:
-                        logger.debug("abort of %s failed", stage_request.request_id, exc_info=True)
+            # One client span per replica tried: the stage's own spans are its children.
+            with self._stage_span(stage, stage_request) as span:
+                try:
+                    pending = await pool.add_request(
+                        stage_request, sticky_key=sticky_key, revision=revision, host=host
+                    )
+                except NoLiveReplicaError as e:
+                    # The revision was complete when chosen: its replicas went away since.
+                    raise _RevisionGone(stage.name, str(e)) from None
+                except PoolSaturatedError as e:
+                    raise PipelineError(
+                        429, str(e), kind="rate_limit_exceeded", retry_after=1.0
+                    ) from None
+                replica_host = address_host(pending.address)
+                span.set_attribute(tracing.REPLICA_ID, pending.replica_id)
+                if placed is not None and not placed.done():
+                    placed.set_result(replica_host)
+                if where is not None:
+                    where.append(replica_host)
+                finished = False
+                handed_back = False
+                try:
+                    async for output in pending:
+                        assert isinstance(output, StageServerOutput)
+                        if output.error is not None:
+                            finished = True
+                            # A hand-back is the request's only output: nothing was yielded.
+                            if (
+                                output.error.code is StageErrorCode.DRAINING
+                                and handback < HANDBACK_RETRIES
+                            ):
+                                handed_back = True
+                                tracing.fail(span, output.error.message)
+                                break
+                            raise _stage_error(stage, output.error)
+                        finished = output.finished
+                        if finished:
+                            self._report(self.on_served, stage.name, pending.replica_id, revision)
+                        yield output
+                finally:
+                    if not finished:
+                        # Cancelled (the caller went away) or failed: free the stage of it.
+                        try:
+                            await asyncio.shield(pending.abort())
+                        except Exception:
+                            logger.debug(
+                                "abort of %s failed", stage_request.request_id, exc_info=True
+                            )
             if not handed_back:
                 return
             logger.info(
@@ -483,6 +494,24 @@ class PipelineOrchestrator:
                 pending.replica_id,
             )
             self._report(self.on_retry, stage.name, "handed_back")
+
+    def _stage_span(self, stage: StageConfig, stage_request: StageServerRequest) -> SpanScope:
+        """The router's span of one call of ``stage`` (a child of the request's span), whose
+        context ``stage_request`` carries to the stage."""
+        if not tracing.enabled():
+            return tracing.NO_SPAN
+        scope = tracing.span(
+            f"stage {stage.name}",
+            kind=SpanKind.CLIENT,
+            attributes={
+                tracing.REQUEST_ID: stage_request.request_id,
+                tracing.STAGE_NAME: stage.name,
+                tracing.STAGE_ID: stage.stage_id,
+            },
+        )
+        headers = tracing.trace_headers(scope.span)
+        stage_request.trace_context = TraceContext(*headers) if headers else None
+        return scope
 
     def _report(self, hook: Callable[..., None] | None, *args: Any) -> None:
         if hook is None:

@@ -9,9 +9,11 @@ producer (the router never carries them), and go to the core as the request's
 from __future__ import annotations
 
 import asyncio
+import time
 
 import numpy as np
 
+from omni_runtime import tracing
 from omni_runtime.config import PipelineConfig, StageConfig
 from omni_runtime.connectors import ConnectorError, ConnectorHandle, StageConnectors
 from omni_runtime.engine.stage.stage_core_client import StageCoreClientBase
@@ -24,7 +26,7 @@ from omni_runtime.engine.stage.stage_core_types import (
     StageServerOutput,
     StageServerRequest,
 )
-from omni_runtime.stage_server.frontend import StageFrontend, refusal
+from omni_runtime.stage_server.frontend import RequestSpans, StageFrontend, refusal
 
 
 class StageDiffusionFrontend(StageFrontend):
@@ -39,8 +41,9 @@ class StageDiffusionFrontend(StageFrontend):
     ) -> None:
         super().__init__(pipeline, stage, client, connectors)
         # Unique: the stage server refuses an id in flight before it gets here. In the
-        # order sent: the core runs one request at a time, first come first served.
-        self._in_flight: dict[str, None] = {}
+        # order sent: the core runs one request at a time, first come first served. Each
+        # with its spans, while tracing.
+        self._in_flight: dict[str, RequestSpans | None] = {}
 
     @property
     def in_flight(self) -> int:
@@ -55,17 +58,20 @@ class StageDiffusionFrontend(StageFrontend):
         if request.messages is not None:
             error = StageError.bad_request("messages: a diffusion stage takes a prompt", "messages")
             return [refusal(request_id, error)]
+        spans = RequestSpans.of(self.stage, request)
         fetched: dict[str, np.ndarray | None] = {}
         for name in ("prompt_embeds", "negative_prompt_embeds"):
             handle = getattr(request, name)
             try:
-                fetched[name] = None if handle is None else await self._fetch(handle)
+                fetched[name] = None if handle is None else await self._fetch(handle, spans)
             except (ConnectorError, KeyError) as e:
                 # The upstream stage's hand-off is gone or unreachable: not this request's
                 # fault, and not one a resend fixes.
                 failed = StageError(StageErrorCode.STAGE_FAILED, f"{name}: {e}")
                 return [refusal(request_id, failed)]
-        self._in_flight[request_id] = None
+        if spans is not None:
+            spans.queued()
+        self._in_flight[request_id] = spans
         try:
             await self.client.add_request_async(
                 StageDiffusionCoreRequest(
@@ -95,15 +101,17 @@ class StageDiffusionFrontend(StageFrontend):
         if running:
             await self.client.abort_requests_async(running)
 
-    async def _fetch(self, handle: ConnectorHandle) -> np.ndarray:
+    async def _fetch(self, handle: ConnectorHandle, spans: RequestSpans | None) -> np.ndarray:
         connector = self.connectors.get(handle.connector)
-        tensor = await asyncio.to_thread(connector.get, handle, "cpu")
+        traced = spans.connector("get", handle.connector, handle.nbytes) if spans else None
+        with traced or tracing.NO_SPAN:
+            tensor = await asyncio.to_thread(connector.get, handle, "cpu")
         # The engine casts to its own dtype; float32 is what numpy can carry for bf16 too.
         array: np.ndarray = tensor.float().numpy()
         return array
 
     def _convert(self, output: StageDiffusionCoreOutput) -> StageServerOutput:
-        self._in_flight.pop(output.request_id, None)
+        spans = self._in_flight.pop(output.request_id, None)
         result = StageServerOutput(
             request_id=output.request_id,
             finished=True,
@@ -117,4 +125,9 @@ class StageDiffusionFrontend(StageFrontend):
             result.error = output.error
         else:
             result.finish_reason = "stop"
+        if spans is not None:
+            if output.execute_time > 0:
+                # The engine ran it for execute_time seconds, up to this output.
+                spans.started(time.time_ns() - round(output.execute_time * 1e9))
+            spans.finished(result)
         return result

@@ -11,8 +11,13 @@ module holds what they share.
 from __future__ import annotations
 
 import logging
+import time
 from abc import ABC, abstractmethod
+from typing import Literal
 
+from opentelemetry.trace import Span, SpanKind
+
+from omni_runtime import tracing
 from omni_runtime.config import PipelineConfig, StageConfig
 from omni_runtime.connectors import StageConnectors
 from omni_runtime.engine.stage.stage_core_client import StageCoreClientBase
@@ -21,6 +26,7 @@ from omni_runtime.engine.stage.stage_core_types import (
     StageServerOutput,
     StageServerRequest,
 )
+from omni_runtime.tracing import SpanScope
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +47,124 @@ def stage_connector_names(pipeline: PipelineConfig, stage: StageConfig) -> set[s
         if connector is not None:
             names.add(connector)
     return names
+
+
+class RequestSpans:
+    """The stage's side of one request's trace: its connector hand-offs, its wait in the
+    queue (from its arrival, or from the end of its connector gets, to the start of its
+    execution) and its execution, all children of the router's span of the stage call
+    (the request's ``trace_context``).
+
+    The core runs in another process and reports only when a request ran (vLLM's
+    scheduling events, the diffusion engine's ``execute_time``), so the queue span is
+    recorded once the start is known, and the execution span starts at that moment. A
+    frontend makes one per request only while tracing is on (:meth:`of`)."""
+
+    __slots__ = ("_attributes", "_execute", "_finished", "_parent", "_queued_ns", "_stage")
+
+    def __init__(self, stage: StageConfig, request: StageServerRequest) -> None:
+        context = request.trace_context
+        self._parent = (
+            tracing.parent_context(context.traceparent, context.tracestate) if context else None
+        )
+        self._stage = stage.name
+        self._attributes: dict[str, str | int] = {
+            tracing.REQUEST_ID: request.request_id,
+            tracing.STAGE_NAME: stage.name,
+            tracing.STAGE_ID: stage.stage_id,
+        }
+        self._queued_ns = time.time_ns()
+        self._execute: Span | None = None
+        self._finished = False
+
+    @classmethod
+    def of(cls, stage: StageConfig, request: StageServerRequest) -> RequestSpans | None:
+        return cls(stage, request) if tracing.enabled() else None
+
+    def connector(
+        self, operation: Literal["put", "get"], connector: str, nbytes: int | None = None
+    ) -> SpanScope:
+        """A hand-off's span: the producer's put (within the execution, where it has
+        begun), the consumer's get (before the queue: see :meth:`queued`). A put's size,
+        known once it is done, is the caller's to set."""
+        attributes = {**self._attributes, tracing.CONNECTOR_NAME: connector}
+        if nbytes is not None:
+            attributes[tracing.BYTES] = nbytes
+        if operation == "put":
+            parent = self._parent
+            if self._execute is not None:
+                parent = tracing.context_of(self._execute)
+            return tracing.span(
+                "connector put", parent=parent, kind=SpanKind.PRODUCER, attributes=attributes
+            )
+        return tracing.span(
+            "connector get", parent=self._parent, kind=SpanKind.CONSUMER, attributes=attributes
+        )
+
+    def queued(self) -> None:
+        """The request goes into the core's queue now (after its connector gets)."""
+        self._queued_ns = time.time_ns()
+
+    def started(self, at_ns: int | None = None) -> None:
+        """The core started executing the request (at ``at_ns``, else now): the queue
+        span ends and the execution span begins. Only the first call counts."""
+        if self._execute is not None or self._finished:
+            return
+        at_ns = max(self._queued_ns, at_ns if at_ns is not None else time.time_ns())
+        self._record_queue(at_ns)
+        self._execute = tracing.start_span(
+            f"stage {self._stage} execute",
+            parent=self._parent,
+            attributes=self._attributes,
+            start_ns=at_ns,
+        )
+
+    def finished(self, output: StageServerOutput) -> None:
+        """The request's final output: the execution ends, failed if it did. One that
+        never ran (refused, aborted in the queue) has its wait alone."""
+        if self._finished:
+            return
+        error = output.error
+        if self._execute is None and (error is not None or output.finish_reason == "abort"):
+            message = f"{error.code.value}: {error.message}" if error else None
+            self._record_queue(time.time_ns(), error=message, aborted=error is None)
+            self._finished = True
+            return
+        if self._execute is None:
+            # The core did not say when it began (an engine without scheduling events):
+            # all of it counts as execution.
+            self.started(self._queued_ns)
+        assert self._execute is not None
+        if error is not None:
+            tracing.fail(self._execute, f"{error.code.value}: {error.message}")
+        elif output.finish_reason == "abort":
+            self._execute.set_attribute("omni.aborted", True)
+        self._execute.end()
+        self._finished = True
+
+    def aborted(self) -> None:
+        """The request was aborted (its caller went away, or the stage is draining)."""
+        if self._finished:
+            return
+        if self._execute is None:
+            self._record_queue(time.time_ns(), aborted=True)
+        else:
+            self._execute.set_attribute("omni.aborted", True)
+            self._execute.end()
+        self._finished = True
+
+    def _record_queue(self, end_ns: int, error: str | None = None, aborted: bool = False) -> None:
+        queue = tracing.start_span(
+            f"stage {self._stage} queue",
+            parent=self._parent,
+            attributes=self._attributes,
+            start_ns=self._queued_ns,
+        )
+        if aborted:
+            queue.set_attribute("omni.aborted", True)
+        if error is not None:
+            tracing.fail(queue, error)
+        queue.end(end_time=end_ns)
 
 
 class StageFrontend(ABC):

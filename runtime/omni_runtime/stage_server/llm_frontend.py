@@ -17,9 +17,10 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm.v1.engine import FinishReason
+from vllm.v1.engine import EngineCoreEventType, FinishReason
 from vllm.v1.engine.detokenizer import IncrementalDetokenizer
 
+from omni_runtime import tracing
 from omni_runtime.config import PipelineConfig, StageConfig
 from omni_runtime.connectors import DEFAULT_HANDOFF_CONNECTOR, ConnectorHandle, StageConnectors
 from omni_runtime.engine.stage.stage_core_types import (
@@ -34,7 +35,7 @@ from omni_runtime.engine.stage.stage_core_types import (
 from omni_runtime.engine.stage.stage_llm_core_client import StageLLMCoreClientBase
 from omni_runtime.engine.stage.stage_llm_request_builder import InvalidLLMRequestError
 from omni_runtime.modeling.bagel.model import context_layout
-from omni_runtime.stage_server.frontend import StageFrontend, refusal
+from omni_runtime.stage_server.frontend import RequestSpans, StageFrontend, refusal
 
 # vLLM's REPETITION (a repetition detector's stop) is a stop to an OpenAI client.
 _FINISH_REASONS = {
@@ -61,6 +62,8 @@ class _Request:
     text: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     start: float = field(default_factory=time.perf_counter)
+    # While tracing.
+    spans: RequestSpans | None = None
 
 
 class StageLLMFrontend(StageFrontend):
@@ -137,6 +140,7 @@ class StageLLMFrontend(StageFrontend):
                 else 0
             ),
             stream=request.stream,
+            spans=RequestSpans.of(self.stage, request),
         )
         try:
             await self.client.add_request_async(core_request)
@@ -159,6 +163,10 @@ class StageLLMFrontend(StageFrontend):
         running = [i for i in request_ids if i in self._requests]
         if running:
             await self.client.abort_requests_async(running)
+        for request_id in running:
+            spans = self._requests[request_id].spans
+            if spans is not None:
+                spans.aborted()
         for request_id in request_ids:
             handoff = self._handoffs.pop(request_id, None)
             if handoff is not None:
@@ -183,6 +191,14 @@ class StageLLMFrontend(StageFrontend):
             if output.error is not None:
                 return refusal(request_id, output.error)
             return None
+        if state.spans is not None and output.events:
+            # Where the stage traces, the core records its scheduling (log_stats): the
+            # request's wait ends when it is first scheduled. Its clock is this host's
+            # monotonic one, which every process here shares.
+            for event in output.events:
+                if event.type == EngineCoreEventType.SCHEDULED:
+                    state.spans.started(tracing.monotonic_to_ns(event.timestamp))
+                    break
         new_token_ids = list(output.new_token_ids)
         # As vLLM's output processor: a stop token ends the text without being part of it.
         state.detokenizer.update(new_token_ids, output.finish_reason == FinishReason.STOP)
@@ -225,6 +241,8 @@ class StageLLMFrontend(StageFrontend):
                 result.error = StageError(
                     StageErrorCode.STAGE_FAILED, "the engine failed this request"
                 )
+            if state.spans is not None:
+                state.spans.finished(result)
         return result
 
     async def _hand_off_context(
@@ -257,7 +275,10 @@ class StageLLMFrontend(StageFrontend):
     async def _put(self, request_id: str, state: _Request, array: Any) -> ConnectorHandle:
         assert state.output_connector is not None
         connector = self.connectors.get(state.output_connector)
-        handle = await asyncio.to_thread(connector.put, request_id, array)
+        traced = state.spans.connector("put", connector.name) if state.spans else None
+        with traced or tracing.NO_SPAN as span:
+            handle = await asyncio.to_thread(connector.put, request_id, array)
+            span.set_attribute(tracing.BYTES, handle.nbytes)
         now = time.monotonic()
         self._handoffs[request_id] = (connector.name, request_id, now)
         # Forget records older than the connector keeps their arrays anyway.

@@ -51,6 +51,7 @@ __all__ = [
     "StageServerRequest",
     "StageUtilityCall",
     "StageUtilityOutput",
+    "TraceContext",
 ]
 _LLM_TYPES = frozenset({"StageLLMCoreRequest", "StageLLMCoreOutput", "StageLLMCoreOutputs"})
 
@@ -149,6 +150,15 @@ class ContextKVRef(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     rope: int
     prefix_length: int = 0
     prefix_rope: int = 0
+
+
+class TraceContext(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True, gc=False):
+    """The W3C trace context of the caller's span (``omni_runtime.tracing``): the
+    ``traceparent`` and ``tracestate`` headers' values, so that the stage's spans of a
+    request join the router's trace."""
+
+    traceparent: str
+    tracestate: str = ""
 
 
 class StageDiffusionCoreRequest(StageCoreRequest):
@@ -260,6 +270,9 @@ class StageServerRequest(StageCoreRequest):
     # BAGEL's DiT: the thinker's context KV caches (StageDiffusionCoreRequest's fields).
     context_kv: ContextKVRef | None = None
     no_image_context_kv: ContextKVRef | None = None
+    # The router's span of this stage call, when it traces. Last, as every field added
+    # here: a frame without it decodes with None, and an older peer ignores it.
+    trace_context: TraceContext | None = None
 
 
 class StageServerOutput(StageCoreOutput):
