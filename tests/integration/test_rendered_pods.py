@@ -28,7 +28,8 @@ import yaml
 from serving import free_port, wait_until
 
 from omni_operator.api import OmniPipelineSpec
-from omni_operator.render import render
+from omni_operator.render import render, stage_keys_secret_name
+from omni_operator.stage_keys import generate_stage_keys
 
 pytestmark = pytest.mark.integration
 
@@ -49,7 +50,10 @@ class LocalPod:
 
 
 def _translate(
-    deployment: dict[str, Any], configmaps: dict[str, dict[str, str]], workdir: Path
+    deployment: dict[str, Any],
+    configmaps: dict[str, dict[str, str]],
+    secrets: dict[str, dict[str, str]],
+    workdir: Path,
 ) -> LocalPod:
     name = deployment["metadata"]["name"]
     pod = deployment["spec"]["template"]["spec"]
@@ -65,6 +69,11 @@ def _translate(
         if "configMap" in source:
             for key, text in configmaps[source["configMap"]["name"]].items():
                 (local / key).write_text(text)
+        if "secret" in source:
+            # As the kubelet projects a Secret's items: only the listed keys.
+            data = secrets[source["secret"]["secretName"]]
+            for item in source["secret"]["items"]:
+                (local / item["path"]).write_text(data[item["key"]])
         paths[mount["mountPath"]] = str(local)
     ports = {p["containerPort"]: free_port() for p in container.get("ports", [])}
     for probe in ("livenessProbe", "readinessProbe", "startupProbe"):
@@ -134,16 +143,18 @@ def local_pods(tiny_models: Path, tmp_path: Path) -> Iterator[tuple[str, list[Lo
         o["metadata"]["name"]: dict(o["data"]) for o in objects if o["kind"] == "ConfigMap"
     }
     services = {o["metadata"]["name"]: o for o in objects if o["kind"] == "Service"}
+    # The Secret the reconciler creates beside what render gives.
+    secrets = {stage_keys_secret_name("tiny"): generate_stage_keys()}
     deployments = [o for o in objects if o["kind"] == "Deployment"]
     stage_pods = [
-        _translate(d, configmaps, tmp_path)
+        _translate(d, configmaps, secrets, tmp_path)
         for d in deployments
         if d["metadata"]["labels"]["omni.dev/component"] == "stages"
     ]
     (router_dep,) = [
         d for d in deployments if d["metadata"]["labels"]["omni.dev/component"] == "router"
     ]
-    router = _translate(router_dep, configmaps, tmp_path)
+    router = _translate(router_dep, configmaps, secrets, tmp_path)
     # A stage Service's port named stage-<id> leads to its pod's port of that number.
     replicas: dict[str, str] = {}
     for service in services.values():
