@@ -1,0 +1,121 @@
+"""The autoscaling planner's policy on synthetic observations (omni_operator.planner)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from omni_operator.planner import (
+    Autoscaling,
+    Decision,
+    GroupState,
+    Recommendation,
+    StageObservation,
+    plan,
+)
+
+DIT = Autoscaling(min_replicas=1, max_replicas=8, target_in_flight=2, scale_down_window_s=300)
+
+
+def dit(
+    rate: float,
+    in_flight: int = 0,
+    replicas: int = 1,
+    settings: Autoscaling = DIT,
+    complete: bool = True,
+) -> GroupState:
+    # The DiT of the tiny pipeline: 124 ms a request.
+    stage = StageObservation("dit", rate, 0.124, in_flight)
+    return GroupState("dit", replicas, settings, [stage], complete)
+
+
+def run(
+    states: Sequence[GroupState], now: float, history: dict[str, list[Recommendation]]
+) -> list[Decision]:
+    decisions, kept = plan(states, now, history)
+    history.clear()
+    history.update(kept)
+    return decisions
+
+
+def test_a_step_up_scales_at_once_to_littles_law() -> None:
+    # 40 req/s x 0.124 s = 4.96 requests held, 2 per replica -> 3.
+    (decision,) = run([dit(40.0)], 0.0, {})
+    assert (decision.current, decision.desired) == (1, 3)
+    assert "scaling up 1 -> 3" in decision.reason
+    assert "40 req/s" in decision.reason
+
+
+def test_requests_in_flight_count_when_more_than_the_rate_says() -> None:
+    (decision,) = run([dit(1.0, in_flight=9)], 0.0, {})
+    assert decision.desired == 5
+
+
+def test_a_step_down_waits_out_the_window_then_goes() -> None:
+    history: dict[str, list[Recommendation]] = {}
+    assert run([dit(40.0, replicas=1)], 0.0, history)[0].desired == 3
+    # The load stops: for the window, the burst's recommendation holds the replicas.
+    for t in (10.0, 100.0, 299.0):
+        (decision,) = run([dit(0.0, replicas=3)], t, history)
+        assert decision.desired == 3, t
+        assert "scale-down window" in decision.reason
+    (decision,) = run([dit(0.0, replicas=3)], 301.0, history)
+    assert (decision.desired, decision.reason.startswith("scaling down 3 -> 1")) == (1, True)
+
+
+def test_noise_within_the_window_scales_down_only_to_its_peak() -> None:
+    history: dict[str, list[Recommendation]] = {}
+    rates = [40.0, 10.0, 30.0, 5.0]  # needs 3, 1, 2, 1
+    replicas = 1
+    for t, rate in enumerate(rates):
+        replicas = run([dit(rate, replicas=replicas)], float(t), history)[0].desired
+    assert replicas == 3  # never down within the window: its peak was 3
+    replicas = run([dit(5.0, replicas=replicas)], 302.0, history)[0].desired
+    assert replicas == 2  # the 30 req/s of t=2 is still in the window (300 s)
+
+
+def test_max_and_min_hold_and_bound_changes_apply_at_once() -> None:
+    (decision,) = run([dit(1000.0)], 0.0, {})
+    assert decision.desired == DIT.max_replicas
+    (decision,) = run([dit(0.0, replicas=1)], 0.0, {})
+    assert decision.desired == DIT.min_replicas
+    lowered = Autoscaling(min_replicas=1, max_replicas=2, target_in_flight=2)
+    (decision,) = run([dit(40.0, replicas=6, settings=lowered)], 0.0, {})
+    assert decision.desired == 2
+    raised = Autoscaling(min_replicas=4, max_replicas=8, target_in_flight=2)
+    (decision,) = run([dit(0.0, replicas=1, settings=raised)], 0.0, {})
+    assert decision.desired == 4
+
+
+def test_a_group_takes_the_largest_need_of_its_stages() -> None:
+    thinker = StageObservation("thinker", 40.0, 0.008, 0)  # 0.32 held -> 1
+    dit_stage = StageObservation("dit", 40.0, 0.124, 0)  # 4.96 held -> 3
+    state = GroupState("thinker-dit", 1, DIT, [thinker, dit_stage])
+    (decision,) = run([state], 0.0, {})
+    assert decision.desired == 3
+    assert decision.reason.count("dit:") == 1
+
+
+def test_a_router_missing_from_the_scrape_never_scales_down() -> None:
+    history: dict[str, list[Recommendation]] = {}
+    (decision,) = run([dit(0.0, replicas=3, complete=False)], 1000.0, history)
+    assert decision.desired == 3
+    assert "not every router" in decision.reason
+    # It may still scale up: what was seen is a lower bound on the load.
+    (decision,) = run([dit(80.0, replicas=3, complete=False)], 1001.0, history)
+    assert decision.desired == 5
+
+
+def test_an_up_window_takes_the_smallest_recent_need() -> None:
+    slow_up = Autoscaling(1, 8, 2, scale_up_window_s=30, scale_down_window_s=300)
+    history: dict[str, list[Recommendation]] = {}
+    assert run([dit(0.0, settings=slow_up)], 0.0, history)[0].desired == 1
+    (decision,) = run([dit(40.0, settings=slow_up)], 10.0, history)
+    assert decision.desired == 1  # the need of t=0 is still in the 30 s window
+    assert "scale-up window" in decision.reason
+    assert run([dit(40.0, settings=slow_up)], 41.0, history)[0].desired == 3
+
+
+def test_old_recommendations_are_dropped() -> None:
+    history: dict[str, list[Recommendation]] = {"dit": [Recommendation(0.0, 8)]}
+    run([dit(0.0)], 1000.0, history)
+    assert [r.at for r in history["dit"]] == [1000.0]
