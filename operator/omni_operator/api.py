@@ -16,7 +16,14 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, PlainValidator, StrictInt, WithJsonSchema
+from pydantic import (
+    BaseModel,
+    Field,
+    PlainValidator,
+    StrictInt,
+    WithJsonSchema,
+    model_validator,
+)
 
 from omni_runtime.config import PipelineConfig, RouterConfig, StageConfig
 from omni_runtime.config.loader import strip_kubernetes_fields
@@ -162,11 +169,116 @@ class Placement(_ApiModel):
     )
 
 
+ScalingMode = Literal["planner", "external"]
+PERCENTILES = (50, 90, 95, 99)
+# Longest stabilisation window: an hour (the HPA's own limit).
+MAX_WINDOW_SECONDS = 3600
+
+
+class LatencyObjective(_ApiModel):
+    """A percentile of the time requests spend in the stage (its queue and its work), as
+    the routers measure it."""
+
+    percentile: Literal[50, 90, 95, 99] = Field(
+        default=90, description="50, 90, 95 or 99: which percentile of time in stage."
+    )
+    seconds: float = Field(
+        gt=0, le=3600, description="The most that percentile may be, in seconds, e.g. 2.5."
+    )
+
+
+class StageAutoscaling(_ApiModel):
+    """How the operator sizes this stage's replicas. Stages of one placement group (one
+    pod) scale together: their autoscaling must be equal."""
+
+    mode: ScalingMode = Field(
+        default="planner",
+        description="planner: the operator's planner sets the replicas from the load its "
+        "routers report, within min/max. external: another autoscaler (KEDA, an HPA) sets "
+        "them, and the operator leaves the Deployment's replicas alone; it takes no other "
+        "field.",
+    )
+    min_replicas: Annotated[StrictInt, Field(ge=1, le=1000)] | None = Field(
+        default=None, description="Fewest replicas (planner; default 1)."
+    )
+    max_replicas: Annotated[StrictInt, Field(ge=1, le=1000)] | None = Field(
+        default=None, description="Most replicas (planner; required)."
+    )
+    target_in_flight: float | None = Field(
+        default=None,
+        gt=0,
+        le=100000,
+        description="Requests one replica should hold at once, queued and running (planner). "
+        "The planner sizes the stage for its arrival rate times its time in stage (Little's "
+        "law), and never below the requests in it now. Default 1 unless latencyObjective is "
+        "set; with both, the larger need wins.",
+    )
+    latency_objective: LatencyObjective | None = Field(
+        default=None,
+        description="Scale so that this percentile of time in stage stays at the objective "
+        "(planner): replicas grow or shrink with the ratio of the observed percentile to the "
+        "objective, as an HPA does, within a 10% tolerance.",
+    )
+    scale_up_window_seconds: Annotated[StrictInt, Field(ge=0, le=MAX_WINDOW_SECONDS)] | None = (
+        Field(
+            default=None,
+            description="Scale up only to the smallest need seen over this many seconds "
+            "(planner; default 0: at once).",
+        )
+    )
+    scale_down_window_seconds: Annotated[StrictInt, Field(ge=0, le=MAX_WINDOW_SECONDS)] | None = (
+        Field(
+            default=None,
+            description="Scale down only to the largest need seen over this many seconds "
+            "(planner; default 300), so that a lull within a burst keeps the replicas.",
+        )
+    )
+
+    @model_validator(mode="after")
+    def _check_mode(self) -> StageAutoscaling:
+        if self.mode == "external":
+            given = [name for name in _PLANNER_FIELDS if getattr(self, name) is not None]
+            if given:
+                fields = ", ".join(_camel(name) for name in given)
+                raise ValueError(
+                    f"mode external leaves replicas to another autoscaler, so {fields} "
+                    "would do nothing; remove them, or use mode planner"
+                )
+            return self
+        if self.max_replicas is None:
+            raise ValueError("mode planner needs maxReplicas: the most replicas it may run")
+        if self.max_replicas < (self.min_replicas or 1):
+            raise ValueError(
+                f"maxReplicas ({self.max_replicas}) is below minReplicas ({self.min_replicas or 1})"
+            )
+        return self
+
+
+_PLANNER_FIELDS = (
+    "min_replicas",
+    "max_replicas",
+    "target_in_flight",
+    "latency_objective",
+    "scale_up_window_seconds",
+    "scale_down_window_seconds",
+)
+
+
+def _camel(name: str) -> str:
+    head, *rest = name.split("_")
+    return head + "".join(part.title() for part in rest)
+
+
 class StageSpec(StageConfig):
     """One stage of the pipeline, and where its pods run."""
 
     placement: Placement = Field(
         default_factory=Placement, description="Where this stage's pods run."
+    )
+    autoscaling: StageAutoscaling | None = Field(
+        default=None,
+        description="Size the stage from its load instead of replicas (which then only "
+        "gives the count to start with), or leave its replicas to another autoscaler.",
     )
 
 
@@ -257,6 +369,19 @@ class Condition(_ApiModel):
     )
 
 
+class StageScalingStatus(_ApiModel):
+    """What the autoscaling of a stage decided last, and why."""
+
+    mode: ScalingMode = Field(description="planner or external.")
+    desired_replicas: StrictInt | None = Field(
+        default=None, description="Replicas the planner wants (planner mode)."
+    )
+    reason: str = Field(default="", description="Why, with the figures it was computed from.")
+    last_scale_time: str | None = Field(
+        default=None, description="When the planner last changed the replicas (RFC 3339)."
+    )
+
+
 class StageStatus(_ApiModel):
     """The pods of one stage."""
 
@@ -266,6 +391,9 @@ class StageStatus(_ApiModel):
     replicas: StrictInt = Field(default=0, description="Pods wanted.")
     ready_replicas: StrictInt = Field(default=0, description="Pods ready to serve.")
     updated_replicas: StrictInt = Field(default=0, description="Pods of the current spec.")
+    autoscaling: StageScalingStatus | None = Field(
+        default=None, description="The autoscaling's last decision, if the stage has one."
+    )
 
 
 class RouterStatus(_ApiModel):

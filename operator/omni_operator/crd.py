@@ -432,6 +432,7 @@ def _add_spec_rules(spec: dict[str, Any]) -> None:
         ),
         _shared_memory_rule(),
         _equal_replicas_rule(),
+        _equal_autoscaling_rule(),
         _stage_type_rule(),
         *_gpu_memory_rules(),
     )
@@ -507,6 +508,24 @@ def _equal_replicas_rule() -> dict[str, str]:
             _first_pair(
                 "t", "self.stages", unequal, "s.stageId, t.stageId, s.replicas, t.replicas"
             ),
+        ),
+        field_path=".stages",
+    )
+
+
+def _equal_autoscaling_rule() -> dict[str, str]:
+    # As replicas: a placement group is one Deployment, scaled as one.
+    unequal = (
+        "(has(s.autoscaling) != has(t.autoscaling) || "
+        "(has(s.autoscaling) && s.autoscaling != t.autoscaling)) && "
+        f"{_share_gpu('s', 't')}"
+    )
+    return _rule(
+        f"self.stages.all(s, self.stages.all(t, !({unequal})))",
+        message_expression=_message_of(
+            "stages %d and %d share a GPU, so they run in one pod (a placement group) and "
+            "scale together: give them equal autoscaling",
+            _first_pair("t", "self.stages", unequal, "s.stageId, t.stageId"),
         ),
         field_path=".stages",
     )
@@ -634,11 +653,50 @@ def _add_stage_rules(stage: dict[str, Any]) -> None:
             field_path=".output",
         ),
     )
+    _add_autoscaling_rules(_at(stage, "autoscaling"))
     # engineArgs repeating a stage field (ENGINE_ARG_FIELDS) is left to the operator's
     # validation: CEL cannot see the keys of a free-form object.
     for free_form in ("defaultSamplingParams", "engineArgs"):
         _at(stage, free_form)["maxProperties"] = MAX_FREE_FORM_KEYS
     _add_placement_rules(_at(stage, "placement"))
+
+
+def _add_autoscaling_rules(autoscaling: dict[str, Any]) -> None:
+    # What StageAutoscaling's own validator checks, so that kubectl apply refuses it.
+    planner_only = "has(self.{0})"
+    planner_fields = (
+        "minReplicas",
+        "maxReplicas",
+        "targetInFlight",
+        "latencyObjective",
+        "scaleUpWindowSeconds",
+        "scaleDownWindowSeconds",
+    )
+    given = " || ".join(planner_only.format(name) for name in planner_fields)
+    _validations(
+        autoscaling,
+        _rule(
+            f"self.mode != 'external' || !({given})",
+            message="mode external leaves replicas to another autoscaler, so minReplicas, "
+            "maxReplicas, targetInFlight, latencyObjective and the windows would do nothing; "
+            "remove them, or use mode planner",
+        ),
+        _rule(
+            "self.mode != 'planner' || has(self.maxReplicas)",
+            message="mode planner needs maxReplicas: the most replicas it may run",
+            field_path=".maxReplicas",
+        ),
+        _rule(
+            "!has(self.maxReplicas) || self.maxReplicas >= (has(self.minReplicas) ? "
+            "self.minReplicas : 1)",
+            message_expression=_message(
+                "maxReplicas (%d) is below minReplicas (%d)",
+                "self.maxReplicas",
+                "has(self.minReplicas) ? self.minReplicas : 1",
+            ),
+            field_path=".maxReplicas",
+        ),
+    )
 
 
 def _add_placement_rules(placement: dict[str, Any]) -> None:

@@ -10,6 +10,8 @@ Run with ``kopf run --standalone -m omni_operator.handlers --all-namespaces`` (o
 - A child deleted by hand is put back, unless its pipeline is going away.
 - Deleting a pipeline needs no handler: every child has an ownerReference to it, so the
   garbage collector removes them.
+- One task runs the autoscaling planner of every pipeline with ``autoscaling`` every
+  $OMNI_PLANNER_INTERVAL_SECONDS (15 by default; autoscaler.py).
 
 Credentials are loaded once, by the official ``kubernetes`` client (omni_runtime.kube:
 kubeconfig with exec plugins or OIDC, or the pod's service account), and kopf logs in with
@@ -20,12 +22,14 @@ on who the operator is.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import re
 from collections.abc import Iterable, Mapping
 from typing import Any, cast
 
+import httpx
 import kopf
 
 from omni_runtime.kube import (
@@ -45,6 +49,7 @@ from .api import (
     PLURAL,
     VERSION,
 )
+from .autoscaler import DEFAULT_INTERVAL_S, Autoscaler
 from .reconciler import EventSink, PipelineRef, Reconciler, refused_for_good
 from .render import (
     CHILD_KINDS,
@@ -61,6 +66,8 @@ RUNTIME_IMAGE_ENV = "OMNI_RUNTIME_IMAGE"
 # After an apiserver error that may pass (a conflict, throttling, an outage).
 RETRY_DELAY_S = 5
 RUNTIME_CUDA_IMAGE_ENV = "OMNI_RUNTIME_CUDA_IMAGE"
+OPERATOR_NAMESPACE_ENV = "OMNI_OPERATOR_NAMESPACE"
+PLANNER_INTERVAL_ENV = "OMNI_PLANNER_INTERVAL_SECONDS"
 ANNOTATION_PREFIX = "omni.dev"
 _OURS = {LABEL_MANAGED_BY: MANAGED_BY}
 _STAGE_PODS = {**_OURS, LABEL_COMPONENT: COMPONENT_STAGES}
@@ -91,13 +98,40 @@ async def start(settings: kopf.OperatorSettings, memo: Any, **_: Any) -> None:
         # Retrying cannot fix a kubeconfig, and kopf would print a handler failure with two
         # tracebacks: exit with the message alone (it says which file and what is wrong).
         raise SystemExit(f"omni-operator: error: {e}") from None
+    try:
+        memo.planner_interval = planner_interval(os.environ)
+    except ValueError as e:
+        raise SystemExit(f"omni-operator: error: {e}") from None
     kube = KubeClient(config)
     memo.kube = kube
     memo.reconciler = Reconciler(
         kube=kube,
         default_image=os.environ.get(RUNTIME_IMAGE_ENV) or DEFAULT_RUNTIME_IMAGE,
         default_gpu_image=os.environ.get(RUNTIME_CUDA_IMAGE_ENV) or DEFAULT_RUNTIME_CUDA_IMAGE,
+        operator_namespace=os.environ.get(OPERATOR_NAMESPACE_ENV) or None,
     )
+    # No proxy from the environment: routers are pod IPs inside the cluster.
+    memo.autoscaler = Autoscaler(kube=kube, http=httpx.AsyncClient(trust_env=False))
+    memo.planner = asyncio.create_task(
+        run_planner(memo.reconciler, memo.autoscaler, memo.planner_interval), name="planner"
+    )
+
+
+def planner_interval(env: Mapping[str, str]) -> float:
+    """Seconds between the planner's looks, from $OMNI_PLANNER_INTERVAL_SECONDS."""
+    raw = env.get(PLANNER_INTERVAL_ENV)
+    if not raw:
+        return DEFAULT_INTERVAL_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = 0.0
+    if not 0.1 <= value <= 600:
+        raise ValueError(
+            f"${PLANNER_INTERVAL_ENV}={raw!r}: give the seconds between the planner's looks, "
+            "from 0.1 to 600 (default 15)"
+        )
+    return value
 
 
 _WATCH_HANDLER_SUCCEEDED = re.compile(
@@ -115,9 +149,17 @@ def _quiet_watch_handlers(record: logging.LogRecord) -> bool:
 
 @kopf.on.cleanup()
 async def stop(memo: Any, **_: Any) -> None:
+    planner: asyncio.Task[None] | None = getattr(memo, "planner", None)
+    if planner is not None:
+        planner.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await planner
     kube: KubeClient | None = getattr(memo, "kube", None)
     if kube is not None:
         await kube.close()
+    autoscaler: Autoscaler | None = getattr(memo, "autoscaler", None)
+    if autoscaler is not None:
+        await autoscaler.http.aclose()
 
 
 @kopf.on.login()
@@ -266,6 +308,38 @@ def pipeline_gone(
     if event.get("type") == "DELETED" and namespace is not None:
         reconciler: Reconciler = memo.reconciler
         reconciler.forget(namespace, name)
+        autoscaler: Autoscaler = memo.autoscaler
+        autoscaler.forget(namespace, name)
+
+
+async def run_planner(reconciler: Reconciler, autoscaler: Autoscaler, interval: float) -> None:
+    """The autoscaling planner, for every pipeline with autoscaling, every ``interval``
+    seconds, for the operator's life. One task of the operator's own rather than a kopf
+    daemon or timer per pipeline: those put a finalizer on every pipeline, which would
+    block its deletion whenever the operator is down."""
+    while True:
+        await asyncio.sleep(interval)
+        refs = [ref for ref in reconciler.known_refs() if reconciler.autoscaled(ref)]
+        await asyncio.gather(*(_plan_pipeline(reconciler, autoscaler, ref) for ref in refs))
+
+
+async def _plan_pipeline(reconciler: Reconciler, autoscaler: Autoscaler, ref: PipelineRef) -> None:
+    spec = reconciler.applied_spec(ref.namespace, ref.name)
+    if spec is None:
+        return
+    events = _events(_pipeline_body(ref))
+    try:
+        async with reconciler.replicas_lock(ref):
+            deployments = await reconciler.deployments(ref)
+            result = await autoscaler.tick(ref.namespace, ref.name, spec, deployments, events)
+        reconciler.set_scaling(ref, result.stages, result.scaled_up_from)
+        await reconciler.report(ref, deployments, None, events)
+    except KubeApiError as e:
+        # The next look tries again; an Event named a failed scale.
+        logger.warning("%s/%s: autoscaling: %s", ref.namespace, ref.name, e)
+    except Exception:
+        # One pipeline's surprise must not stop the planner of every other.
+        logger.exception("%s/%s: autoscaling failed", ref.namespace, ref.name)
 
 
 @kopf.on.event("apps", "v1", "deployments", labels=_OURS)

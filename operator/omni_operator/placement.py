@@ -22,9 +22,12 @@ from typing import Any
 
 from omni_runtime.config.models import MAX_STAGE_ID, SHARED_MEMORY_CONNECTOR, STAGE_PORT_BASE
 
-from .api import OmniPipelineSpec, Placement, StageSpec
+from .api import OmniPipelineSpec, Placement, StageAutoscaling, StageSpec
 
 GPU_RESOURCE = "nvidia.com/gpu"
+# What the operator assumes another autoscaler may scale a group to: enough to give the
+# group a PodDisruptionBudget.
+EXTERNAL_MAX_REPLICAS = 1000
 
 # The pod layout the renderer gives every container (render.py); a placement that redefined
 # any of it would break the pod, so check_spec refuses that with the reason.
@@ -71,6 +74,22 @@ class PlacementGroup:
     def replicas(self) -> int:
         # Checked equal within a group (check_spec); the first stage speaks for all.
         return self.stages[0].replicas
+
+    @property
+    def autoscaling(self) -> StageAutoscaling | None:
+        # Equal within a group, as replicas are.
+        return self.stages[0].autoscaling
+
+    @property
+    def max_replicas(self) -> int:
+        """The most replicas the group may run: unbounded (as far as the operator knows)
+        where another autoscaler sets them."""
+        scaling = self.autoscaling
+        if scaling is None:
+            return self.replicas
+        if scaling.mode == "external" or scaling.max_replicas is None:
+            return EXTERNAL_MAX_REPLICAS
+        return scaling.max_replicas
 
     def visible_devices(self, stage: StageSpec) -> str:
         """``stage``'s CUDA_VISIBLE_DEVICES inside the pod: its ids, renumbered; "" on CPU."""
@@ -130,6 +149,7 @@ def check_spec(spec: OmniPipelineSpec) -> list[tuple[str, str]]:
     issues.extend(_group_names(groups, index))
     for group in groups:
         issues.extend(_unequal_replicas(group, index))
+        issues.extend(_unequal_autoscaling(group, index))
         issues.extend(_placement_conflicts(group, index))
         issues.extend(_unknown_mounts(group, index))
     issues.extend(_shared_memory_across_groups(spec, groups, index))
@@ -144,6 +164,7 @@ def check_spec(spec: OmniPipelineSpec) -> list[tuple[str, str]]:
                 )
             )
         issues.extend(_reserved(stage.placement, f"stages[{i}].placement"))
+    issues.extend(_planner_needs_open_metrics(spec))
     issues.extend(_reserved(spec.router.placement, "router.placement"))
     issues.extend(_unknown_router_mounts(spec.router.placement))
     return issues
@@ -188,6 +209,35 @@ def _unequal_replicas(group: PlacementGroup, index: dict[int, int]) -> list[tupl
         )
         for stage in group.stages[1:]
         if stage.replicas != first.replicas
+    ]
+
+
+def _unequal_autoscaling(group: PlacementGroup, index: dict[int, int]) -> list[tuple[str, str]]:
+    first = group.stages[0]
+    return [
+        (
+            f"stages[{index[stage.stage_id]}].autoscaling",
+            f"stage {stage.name!r} shares a placement group (GPUs {_ids(group.gpu_ids)}) "
+            f"with {first.name!r}, so they scale together: give them equal autoscaling",
+        )
+        for stage in group.stages[1:]
+        if stage.autoscaling != first.autoscaling
+    ]
+
+
+def _planner_needs_open_metrics(spec: OmniPipelineSpec) -> list[tuple[str, str]]:
+    # The planner reads the routers' /metrics; the operator holds no API key (it may not
+    # read Secrets), so a router that wants one there would leave the planner blind.
+    planned = any(s.autoscaling and s.autoscaling.mode == "planner" for s in spec.stages)
+    router = spec.router
+    if not (planned and router.api_key_secret_ref and router.metrics_need_api_key):
+        return []
+    return [
+        (
+            "router.metricsNeedApiKey",
+            "the autoscaling planner reads the routers' /metrics without an API key; unset "
+            "metricsNeedApiKey, or scale with mode external",
+        )
     ]
 
 

@@ -1,29 +1,38 @@
-"""The autoscaling planner's policy (issue 17): how many replicas each placement group needs,
-from what its stages' load was. Pure: observations, settings and the past recommendations in;
-decisions and the new recommendations out. Reading the routers' metrics and patching
-Deployments are the caller's.
+"""The autoscaling planner's policy: how many replicas each placement group needs, from
+what its stages' load was. Pure: observations, settings and the past recommendations in;
+decisions and the new recommendations out. Reading the routers' metrics and scaling
+Deployments are the caller's (autoscaler.py).
 
-For each stage, the requests it must hold at once are the larger of those in it now and
-what Little's law gives for the arrival rate (``arrival_rate * time_in_stage``); divided by
-the requests one replica should hold (``target_in_flight``), that is the stage's need. A
-placement group runs its stages in one pod, so it takes the largest need of its stages.
+A stage's need is the larger of two rules, each where its target is set:
 
-A change of the bounds applies at once. Otherwise stabilisation, as Kubernetes' HPA does
-it: a group scales up to the smallest recommendation of the last ``scale_up_window_s``
-seconds (0: at once) and down to the largest of the last ``scale_down_window_s`` (300 by
-default: a burst that ends does not take replicas away until the window has seen no need
-for them). Never below ``min_replicas`` nor above ``max_replicas``, and never down while
-the observation is incomplete (a router replica missing from the scrape would make the load
-look smaller than it is) or below what the requests in flight need now.
+- in flight: the requests it must hold at once are the larger of those in it now and what
+  Little's law gives for the arrival rate (``arrival_rate * time_in_stage``); divided by
+  the requests one replica should hold (``target_in_flight``), that is its need. Never
+  below what the requests in flight need now.
+- latency: the ready replicas scaled by how far the observed percentile of time in stage
+  is from the objective (``ready * observed / objective``), as Kubernetes' HPA scales on a
+  metric, and with its 10 % tolerance so that noise around the objective moves nothing.
 
-Not wired in yet: the operator does not call it (issue 17 goes on from here).
+A placement group runs its stages in one pod, so it takes the largest need of its stages.
+
+A change of the bounds applies at once. Otherwise stabilisation, as the HPA does it: a
+group scales up to the smallest recommendation of the last ``scale_up_window_s`` seconds
+(0: at once) and down to the largest of the last ``scale_down_window_s`` (300 by default:
+a burst that ends does not take replicas away until the window has seen no need for them).
+A planner that has watched a group for less than the down window (it just started) does
+not scale it down: it cannot know the window's peak. Never below ``min_replicas`` nor
+above ``max_replicas``, and never down while the observation is incomplete (a router
+replica missing from the scrape would make the load look smaller than it is).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+# As the HPA's: a latency ratio within 10 % of 1 changes nothing.
+LATENCY_TOLERANCE = 0.1
 
 
 @dataclass(frozen=True)
@@ -37,6 +46,15 @@ class StageObservation:
     time_in_stage: float
     # Requests in the stage at the scrape.
     in_flight: int
+    # Percentile (50, 90, ...) -> seconds in stage, over the window; empty when no request
+    # finished in it.
+    time_in_stage_percentiles: Mapping[int, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class LatencyObjective:
+    percentile: int
+    seconds: float
 
 
 @dataclass(frozen=True)
@@ -45,10 +63,11 @@ class Autoscaling:
 
     min_replicas: int
     max_replicas: int
-    # Requests one replica should hold at once.
-    target_in_flight: float
+    # Requests one replica should hold at once; None: no in-flight rule.
+    target_in_flight: float | None
     scale_up_window_s: float = 0.0
     scale_down_window_s: float = 300.0
+    latency: LatencyObjective | None = None
 
 
 @dataclass(frozen=True)
@@ -61,6 +80,8 @@ class GroupState:
     stages: Sequence[StageObservation]
     # False when some router replica was not scraped: the load may be larger than seen.
     complete: bool = True
+    # Pods ready to serve; the latency rule scales from these. None: as many as replicas.
+    ready_replicas: int | None = None
 
 
 @dataclass(frozen=True)
@@ -78,17 +99,43 @@ class Decision:
     reason: str
 
 
-def stage_need(stage: StageObservation, target_in_flight: float) -> tuple[int, str]:
+def stage_need(stage: StageObservation, settings: Autoscaling, ready: int) -> tuple[int, str]:
     """The replicas ``stage`` needs for its load, and how that was found."""
+    needs: list[tuple[int, str]] = []
+    if settings.target_in_flight is not None:
+        needs.append(_in_flight_need(stage, settings.target_in_flight))
+    if settings.latency is not None:
+        needs.append(_latency_need(stage, settings.latency, ready))
+    return max(needs, default=(0, f"{stage.stage}: no target"))
+
+
+def _in_flight_need(stage: StageObservation, target: float) -> tuple[int, str]:
     expected = stage.arrival_rate * stage.time_in_stage
     held = max(float(stage.in_flight), expected)
-    need = math.ceil(held / target_in_flight - 1e-9) if held > 0 else 0
-    reason = (
+    need = math.ceil(held / target - 1e-9) if held > 0 else 0
+    return need, (
         f"{stage.stage}: {stage.in_flight} in flight, {stage.arrival_rate:.3g} req/s x "
         f"{stage.time_in_stage:.3g} s in stage = {expected:.3g} expected, "
-        f"{target_in_flight:g} per replica -> {need}"
+        f"{target:g} per replica -> {need}"
     )
-    return need, reason
+
+
+def _latency_need(
+    stage: StageObservation, objective: LatencyObjective, ready: int
+) -> tuple[int, str]:
+    name = f"p{objective.percentile}"
+    observed = stage.time_in_stage_percentiles.get(objective.percentile)
+    if observed is None:
+        # Nothing finished in the window: requests still in the stage keep what serves them.
+        need = ready if stage.in_flight > 0 else 0
+        return need, f"{stage.stage}: no request finished, {stage.in_flight} in flight -> {need}"
+    ratio = observed / objective.seconds
+    within = abs(ratio - 1) <= LATENCY_TOLERANCE
+    need = ready if within else math.ceil(ready * ratio - 1e-9)
+    return need, (
+        f"{stage.stage}: {name} {observed:.3g} s in stage against {objective.seconds:g} s "
+        f"on {ready} ready -> {need}"
+    )
 
 
 def plan(
@@ -101,12 +148,17 @@ def plan(
     kept: dict[str, list[Recommendation]] = {}
     for state in groups:
         settings = state.settings
-        needs = [stage_need(stage, settings.target_in_flight) for stage in state.stages]
+        ready = state.replicas if state.ready_replicas is None else state.ready_replicas
+        needs = [stage_need(stage, settings, ready) for stage in state.stages]
         need, why = max(needs, default=(0, "no load observed"))
         raw = min(max(need, settings.min_replicas), settings.max_replicas)
         horizon = max(settings.scale_up_window_s, settings.scale_down_window_s)
-        past = [r for r in history.get(state.group, ()) if now - r.at <= horizon]
-        recent = [*past, Recommendation(now, raw)]
+        past = list(history.get(state.group, ()))
+        inside = [r for r in past if now - r.at <= horizon]
+        # The newest one older than every window: not counted, but it shows how long the
+        # group has been watched.
+        older = [r for r in past if now - r.at > horizon][-1:]
+        recent = [*older, *inside, Recommendation(now, raw)]
         kept[state.group] = recent
         desired, reason = _stabilised(state, raw, recent, now, why)
         decisions.append(Decision(state.group, state.replicas, desired, reason))
@@ -132,6 +184,12 @@ def _stabilised(
     if raw < current:
         if not state.complete:
             return current, f"holding {current}: not every router was scraped"
+        watched = now - recent[0].at
+        if watched < settings.scale_down_window_s:
+            return current, (
+                f"holding {current}: {why}; watched {watched:.0f} s of the "
+                f"{settings.scale_down_window_s:g} s scale-down window"
+            )
         window = [r.replicas for r in recent if now - r.at <= settings.scale_down_window_s]
         desired = min(current, max(window))
         if desired == current:

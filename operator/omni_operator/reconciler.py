@@ -20,8 +20,9 @@ from omni_runtime.config import PipelineConfigError
 from omni_runtime.config.errors import join_path
 from omni_runtime.kube import KubeApiError, KubeClient, object_path, resource_path_for
 
-from .api import API_VERSION, PLURAL, OmniPipelineSpec, OmniPipelineStatus
-from .placement import check_spec, placement_groups
+from .api import API_VERSION, PLURAL, OmniPipelineSpec, OmniPipelineStatus, StageScalingStatus
+from .autoscaler import initial_replicas, set_replicas
+from .placement import PlacementGroup, check_spec, placement_groups
 from .render import (
     ANNOTATION_CONFIG_HASH,
     CHILD_KINDS,
@@ -83,24 +84,55 @@ class Reconciler:
     kube: KubeClient
     default_image: str
     default_gpu_image: str
+    # Where the operator's own pods run, when in the cluster (render.py's NetworkPolicy).
+    operator_namespace: str | None = None
     # Per pipeline: serialises status writes, and remembers what was last written so that
     # an unchanged status is not written again.
     _locks: dict[tuple[str, str], asyncio.Lock] = field(default_factory=dict)
+    _replicas_locks: dict[tuple[str, str], asyncio.Lock] = field(default_factory=dict)
     _written: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
     _applied: dict[tuple[str, str], _Applied] = field(default_factory=dict)
     # The pipelines seen by converge, with their spec as given, for child watches to use.
     _seen: dict[tuple[str, str], tuple[PipelineRef, dict[str, Any]]] = field(default_factory=dict)
+    # The autoscaler's last word per pipeline: per stage, and the Deployments it scaled up
+    # (with their replicas before) whose new pods are not all ready yet.
+    _scaling: dict[tuple[str, str], dict[str, StageScalingStatus]] = field(default_factory=dict)
+    _scaled_up_from: dict[tuple[str, str], dict[str, int]] = field(default_factory=dict)
 
     def lock(self, ref: PipelineRef) -> asyncio.Lock:
         return self._locks.setdefault((ref.namespace, ref.name), asyncio.Lock())
+
+    def replicas_lock(self, ref: PipelineRef) -> asyncio.Lock:
+        """Held while replicas of autoscaled Deployments may be written: by a converge
+        (which hands them over) and by the planner, so that neither writes a count the
+        other read before it changed."""
+        return self._replicas_locks.setdefault((ref.namespace, ref.name), asyncio.Lock())
 
     def forget(self, namespace: str, name: str) -> None:
         """Drop what is remembered of a deleted pipeline."""
         key = (namespace, name)
         self._seen.pop(key, None)
         self._locks.pop(key, None)
+        self._replicas_locks.pop(key, None)
         self._written.pop(key, None)
         self._applied.pop(key, None)
+        self._scaling.pop(key, None)
+        self._scaled_up_from.pop(key, None)
+
+    def applied_spec(self, namespace: str, name: str) -> OmniPipelineSpec | None:
+        """The spec last applied for ``namespace/name``; None before one was."""
+        applied = self._applied.get((namespace, name))
+        return applied.spec if applied is not None else None
+
+    def set_scaling(
+        self,
+        ref: PipelineRef,
+        stages: Mapping[str, StageScalingStatus],
+        scaled_up_from: Mapping[str, int],
+    ) -> None:
+        """What the next status report says of the autoscaling (autoscaler.py)."""
+        self._scaling[(ref.namespace, ref.name)] = dict(stages)
+        self._scaled_up_from[(ref.namespace, ref.name)] = dict(scaled_up_from)
 
     def known(self, namespace: str, name: str) -> PipelineRef | None:
         """The pipeline ``namespace/name`` as last converged, or None."""
@@ -109,6 +141,22 @@ class Reconciler:
 
     def count(self) -> int:
         return len(self._seen)
+
+    def known_refs(self) -> list[PipelineRef]:
+        return [ref for ref, _ in self._seen.values()]
+
+    def autoscaled(self, ref: PipelineRef) -> bool:
+        """Whether ``ref``'s applied spec gives a stage autoscaling."""
+        spec = self.applied_spec(ref.namespace, ref.name)
+        return spec is not None and any(stage.autoscaling for stage in spec.stages)
+
+    async def deployments(self, ref: PipelineRef) -> dict[str, dict[str, Any]]:
+        """``ref``'s Deployments now, by name."""
+        listed = await self.kube.list(
+            object_path("apps/v1", "deployments", ref.namespace),
+            label_selector=f"{LABEL_PIPELINE}={ref.name}",
+        )
+        return {item["metadata"]["name"]: item for item in listed.get("items", [])}
 
     async def reconverge(self, ref: PipelineRef, event: EventSink) -> None:
         """Converge ``ref`` again with the spec it was last converged with."""
@@ -140,41 +188,10 @@ class Reconciler:
             await self._write_status(ref, invalid_status(str(e), ref.generation, before, _now()))
             return
         await self._ensure_stage_keys(ref, event)
-        existing = await self._list_children(ref)
-        current_hash = config_hash(config_data(spec))
-        desired = render(
-            ref.name,
-            ref.namespace,
-            ref.uid,
-            spec,
-            default_image=self.default_image,
-            default_gpu_image=self.default_gpu_image,
-            config_generation=config_generation(current_hash, existing.values(), ref.generation),
-        )
-        applied: dict[ObjectKey, dict[str, Any]] = {}
-        for obj in desired:
-            key = object_key(obj)
-            try:
-                result = await self.kube.apply(obj, field_manager=FIELD_MANAGER)
-            except KubeApiError as e:
-                event("Warning", "ApplyFailed", f"{key[1]} {key[2]}: {e}")
-                if refused_for_good(e):
-                    # The same spec renders the same object: the spec must change first,
-                    # and until then child changes must not overwrite this status.
-                    self._applied.pop((ref.namespace, ref.name), None)
-                    message = f"the apiserver refused {key[1]} {key[2]}: {e.message}"
-                    last = self._written.get((ref.namespace, ref.name))
-                    before = _status(last if last is not None else previous)
-                    await self._write_status(
-                        ref, invalid_status(message, ref.generation, before, _now())
-                    )
-                raise
-            applied[key] = result
-            found = existing.get(key)
-            if found is None:
-                event("Normal", "Created", f"created {key[1]} {key[2]}")
-            elif _version(found) != _version(result):
-                event("Normal", "Updated", f"updated {key[1]} {key[2]}")
+        async with self.replicas_lock(ref):
+            existing, desired, applied, current_hash = await self._apply_children(
+                ref, spec, previous, event
+            )
         for obj in prune_set(desired, list(existing.values())):
             key = object_key(obj)
             try:
@@ -191,6 +208,96 @@ class Reconciler:
         )
         deployments = {key[2]: body for key, body in applied.items() if key[1] == "Deployment"}
         await self.report(ref, deployments, previous, event)
+
+    async def _apply_children(
+        self,
+        ref: PipelineRef,
+        spec: OmniPipelineSpec,
+        previous: Mapping[str, Any] | None,
+        event: EventSink,
+    ) -> tuple[
+        dict[ObjectKey, dict[str, Any]],
+        list[dict[str, Any]],
+        dict[ObjectKey, dict[str, Any]],
+        str,
+    ]:
+        """Apply every child ``spec`` renders; returns the children found before, those
+        rendered, those applied (as the apiserver returned them) and the config hash."""
+        existing = await self._list_children(ref)
+        current_hash = config_hash(config_data(spec))
+        desired = render(
+            ref.name,
+            ref.namespace,
+            ref.uid,
+            spec,
+            default_image=self.default_image,
+            default_gpu_image=self.default_gpu_image,
+            config_generation=config_generation(current_hash, existing.values(), ref.generation),
+            operator_namespace=self.operator_namespace,
+        )
+        autoscaled = {
+            group_object_name(ref.name, group): group
+            for group in placement_groups(spec)
+            if group.autoscaling is not None
+        }
+        applied: dict[ObjectKey, dict[str, Any]] = {}
+        for obj in desired:
+            key = object_key(obj)
+            found = existing.get(key)
+            group = autoscaled.get(key[2]) if key[1] == "Deployment" else None
+            try:
+                if group is not None and found is not None:
+                    await self._hand_over_replicas(ref, group, found, event)
+                result = await self.kube.apply(obj, field_manager=FIELD_MANAGER)
+                if group is not None and found is None:
+                    result = await self._hand_over_replicas(ref, group, None, event) or result
+            except KubeApiError as e:
+                event("Warning", "ApplyFailed", f"{key[1]} {key[2]}: {e}")
+                if refused_for_good(e):
+                    # The same spec renders the same object: the spec must change first,
+                    # and until then child changes must not overwrite this status.
+                    self._applied.pop((ref.namespace, ref.name), None)
+                    message = f"the apiserver refused {key[1]} {key[2]}: {e.message}"
+                    last = self._written.get((ref.namespace, ref.name))
+                    before = _status(last if last is not None else previous)
+                    await self._write_status(
+                        ref, invalid_status(message, ref.generation, before, _now())
+                    )
+                raise
+            applied[key] = result
+            if found is None:
+                event("Normal", "Created", f"created {key[1]} {key[2]}")
+            elif _version(found) != _version(result):
+                event("Normal", "Updated", f"updated {key[1]} {key[2]}")
+        return existing, desired, applied, current_hash
+
+    async def _hand_over_replicas(
+        self,
+        ref: PipelineRef,
+        group: PlacementGroup,
+        live: Mapping[str, Any] | None,
+        event: EventSink,
+    ) -> dict[str, Any] | None:
+        """Give an autoscaled group's Deployment (``live``; None: just made) its replicas
+        under the autoscaler's field manager, before the operator's own apply leaves them
+        out (a field no manager applies any more would be removed, and the replicas fall
+        back to 1). The planner keeps what runs now, within min/max; in mode external the
+        value is never forced: where another autoscaler holds a different one (a 409
+        conflict), it stays the other's."""
+        scaling = group.autoscaling
+        assert scaling is not None
+        name = group_object_name(ref.name, group)
+        current = (live or {}).get("spec", {}).get("replicas") if live is not None else None
+        replicas = initial_replicas(group, int(current) if current is not None else None)
+        try:
+            return await set_replicas(
+                self.kube, ref.namespace, name, replicas, force=scaling.mode == "planner"
+            )
+        except KubeApiError as e:
+            if e.status == 409 and scaling.mode == "external":
+                return None
+            event("Warning", "ApplyFailed", f"Deployment {name} replicas: {e}")
+            raise
 
     async def _ensure_stage_keys(self, ref: PipelineRef, event: EventSink) -> None:
         """Create the pipeline's stage-keys Secret unless it exists. Create-only: the
@@ -251,6 +358,8 @@ class Reconciler:
                 endpoint=endpoint_url(ref.name, ref.namespace, spec.router.port),
                 previous=before,
                 now=_now(),
+                scaling=self._scaling.get((ref.namespace, ref.name)),
+                scaled_up_from=self._scaled_up_from.get((ref.namespace, ref.name)),
             )
             if before is None or before.phase != status.phase:
                 kind = "Warning" if status.phase in ("Degraded", "Failed") else "Normal"

@@ -101,6 +101,12 @@ from .placement import (
 from .revision_gate import READINESS_GATE
 
 FIELD_MANAGER = "omni-operator"
+# The field manager of the replicas of autoscaled Deployments (autoscaler.py), kept apart
+# from FIELD_MANAGER so that applying the rest of a Deployment never moves them.
+REPLICAS_FIELD_MANAGER = "omni-operator-autoscaler"
+# The operator's own pods (manifests/base/deployment.yaml), let through to read /metrics.
+OPERATOR_POD_LABEL = "app.kubernetes.io/name"
+OPERATOR_POD_LABEL_VALUE = "omni-operator"
 MANAGED_BY = "omni-operator"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 LABEL_PART_OF = "app.kubernetes.io/part-of"
@@ -530,6 +536,7 @@ class _Context:
     default_gpu_image: str
     config_hash: str
     config_generation: int = 0
+    operator_namespace: str | None = None
 
     def labels(self, component: str, group: PlacementGroup | None = None) -> dict[str, str]:
         return _child_labels(self.name, component, group)
@@ -582,6 +589,7 @@ def render(
     default_image: str,
     default_gpu_image: str | None = None,
     config_generation: int = 0,
+    operator_namespace: str | None = None,
 ) -> list[dict[str, Any]]:
     """Every child object of pipeline ``name`` (uid ``uid``) in ``namespace``, in the order
     to apply them: config and RBAC first, then each placement group, then the router.
@@ -592,6 +600,12 @@ def render(
     Where neither the spec nor a placement names an image, GPU pods run
     ``default_gpu_image`` (the runtime's CUDA build; ``default_image`` if not given) and the
     others ``default_image``. Assumes a spec that ``placement.check_spec`` passes.
+
+    A placement group with ``autoscaling`` gets a Deployment without ``replicas``: those
+    are the autoscaler's (the planner's, or another's in mode external), written under a
+    field manager of their own, so that applying the rest never moves them.
+    ``operator_namespace``, where the operator runs in the cluster, lets its pods through
+    the router's NetworkPolicy to read /metrics when a stage uses the planner.
     """
     data = config_data(spec)
     ctx = _Context(
@@ -603,6 +617,7 @@ def render(
         default_gpu_image or default_image,
         config_hash(data),
         config_generation,
+        operator_namespace,
     )
     groups = placement_groups(spec)
     objects: list[dict[str, Any]] = [
@@ -613,7 +628,7 @@ def render(
     for group in groups:
         objects.append(_group_service(ctx, group))
         objects.append(_group_deployment(ctx, group))
-        if group.replicas > 1:
+        if group.max_replicas > 1:
             objects.append(_pdb(ctx, group_object_name(name, group), _group_labels(ctx, group)))
     objects.append(_router_service(ctx))
     objects.append(_router_deployment(ctx, groups))
@@ -710,7 +725,8 @@ def _group_deployment(ctx: _Context, group: PlacementGroup) -> dict[str, Any]:
     # ready pod in every placement group: see revision_gate.py.
     pod["readinessGates"] = [{"conditionType": READINESS_GATE}]
     name = group_object_name(ctx.name, group)
-    return _deployment(ctx, name, labels, group.replicas, _strategy(group.gpu_count > 0), pod)
+    replicas = None if group.autoscaling is not None else group.replicas
+    return _deployment(ctx, name, labels, replicas, _strategy(group.gpu_count > 0), pod)
 
 
 def _strategy(gpu: bool) -> dict[str, Any]:
@@ -894,7 +910,7 @@ def _deployment(
     ctx: _Context,
     name: str,
     labels: dict[str, str],
-    replicas: int,
+    replicas: int | None,
     strategy: dict[str, Any],
     pod: dict[str, Any],
 ) -> dict[str, Any]:
@@ -903,7 +919,7 @@ def _deployment(
         "kind": "Deployment",
         "metadata": ctx.metadata(name, labels),
         "spec": {
-            "replicas": replicas,
+            **({"replicas": replicas} if replicas is not None else {}),
             "revisionHistoryLimit": 3,
             "strategy": strategy,
             "selector": {"matchLabels": _selector(labels)},
@@ -1086,7 +1102,8 @@ def _network_policies(ctx: _Context, groups: Sequence[PlacementGroup]) -> list[d
       requests) and its stage pods (connector pulls, whose ports a pipeline may leave to
       the system to pick).
     - Router pods: the router's port, from ``router.allowedFrom`` (default: the pods of
-      the pipeline's namespace).
+      the pipeline's namespace), and from the operator's pods where a stage uses the
+      planner (it reads /metrics) and the operator's namespace is known.
 
     Egress is not restricted: stages may need to reach model stores.
     """
@@ -1101,6 +1118,9 @@ def _network_policies(ctx: _Context, groups: Sequence[PlacementGroup]) -> list[d
     stage_selector = {LABEL_COMPONENT: COMPONENT_STAGES, LABEL_PIPELINE: label_value(ctx.name)}
     router = ctx.spec.router
     allowed = router.allowed_from if router.allowed_from is not None else [{"podSelector": {}}]
+    planned = any(g.autoscaling and g.autoscaling.mode == "planner" for g in groups)
+    if planned and ctx.operator_namespace is not None:
+        allowed = [*allowed, _operator_pods(ctx.operator_namespace)]
     policies = [
         _network_policy(
             ctx,
@@ -1118,6 +1138,13 @@ def _network_policies(ctx: _Context, groups: Sequence[PlacementGroup]) -> list[d
         ),
     ]
     return policies if groups else policies[1:]
+
+
+def _operator_pods(namespace: str) -> dict[str, Any]:
+    return {
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": namespace}},
+        "podSelector": {"matchLabels": {OPERATOR_POD_LABEL: OPERATOR_POD_LABEL_VALUE}},
+    }
 
 
 def _network_policy(

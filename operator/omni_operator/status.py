@@ -19,7 +19,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .api import Condition, ConditionStatus, OmniPipelineStatus, Phase, RouterStatus, StageStatus
+from .api import (
+    Condition,
+    ConditionStatus,
+    OmniPipelineStatus,
+    Phase,
+    RouterStatus,
+    StageScalingStatus,
+    StageStatus,
+)
 
 
 @dataclass(frozen=True)
@@ -92,9 +100,18 @@ def pipeline_status(
     endpoint: str,
     previous: OmniPipelineStatus | None,
     now: str,
+    scaling: Mapping[str, StageScalingStatus] | None = None,
+    scaled_up_from: Mapping[str, int] | None = None,
 ) -> OmniPipelineStatus:
     """The status of a valid pipeline whose Deployments (by name) are ``deployments``;
-    a Deployment not there yet counts as wanted but with nothing ready."""
+    a Deployment not there yet counts as wanted but with nothing ready.
+
+    ``scaling`` is the autoscaler's last word per stage (by name). ``scaled_up_from`` names
+    the Deployments the planner scaled up, with the replicas they had: while their new
+    pods come up, with at least as many ready as before, they are scaling (Progressing),
+    not missing replicas (Degraded)."""
+    scaling = scaling or {}
+    scaled_up_from = scaled_up_from or {}
     states = {name: DeploymentState.of(body) for name, body in deployments.items()}
     missing = DeploymentState(0, 0, 0, 0, observed=False)
     stage_statuses: list[StageStatus] = []
@@ -110,8 +127,11 @@ def pipeline_status(
                 replicas=state.replicas,
                 ready_replicas=state.ready_replicas,
                 updated_replicas=state.updated_replicas,
+                autoscaling=scaling.get(stage.name),
             )
         )
+        if _scaling_up(state, scaled_up_from.get(stage.deployment)):
+            continue
         if not state.all_ready:
             not_ready.append(f"stage {stage.name}: {state.ready_replicas}/{state.replicas} ready")
     for name in sorted({s.deployment for s in stages} | {router_deployment}):
@@ -120,6 +140,11 @@ def pipeline_status(
             rolling.append(f"{name}: not created yet")
         elif state.rolling:
             rolling.append(f"{name}: {state.updated_replicas}/{state.replicas} updated")
+        elif _scaling_up(state, scaled_up_from.get(name)):
+            rolling.append(
+                f"{name}: scaling up from {scaled_up_from[name]} to {state.replicas}, "
+                f"{state.ready_replicas} ready"
+            )
     router = states.get(router_deployment, missing)
     if not router.all_ready:
         not_ready.append(f"router: {router.ready_replicas}/{router.replicas} ready")
@@ -177,6 +202,15 @@ def pipeline_status(
             ready_replicas=router.ready_replicas,
             ready=router.ready_replicas > 0,
         ),
+    )
+
+
+def _scaling_up(state: DeploymentState, scaled_from: int | None) -> bool:
+    return (
+        scaled_from is not None
+        and not state.all_ready
+        and state.replicas > scaled_from
+        and state.ready_replicas >= scaled_from
     )
 
 

@@ -8,6 +8,7 @@ from omni_operator.planner import (
     Autoscaling,
     Decision,
     GroupState,
+    LatencyObjective,
     Recommendation,
     StageObservation,
     plan,
@@ -115,7 +116,69 @@ def test_an_up_window_takes_the_smallest_recent_need() -> None:
     assert run([dit(40.0, settings=slow_up)], 41.0, history)[0].desired == 3
 
 
-def test_old_recommendations_are_dropped() -> None:
-    history: dict[str, list[Recommendation]] = {"dit": [Recommendation(0.0, 8)]}
-    run([dit(0.0)], 1000.0, history)
-    assert [r.at for r in history["dit"]] == [1000.0]
+def test_old_recommendations_are_dropped_but_the_newest_shows_how_long_it_watched() -> None:
+    history: dict[str, list[Recommendation]] = {
+        "dit": [Recommendation(0.0, 8), Recommendation(500.0, 8)]
+    }
+    (decision,) = run([dit(0.0, replicas=3)], 1000.0, history)
+    # The 8s are older than the window: they neither count nor hold the replicas up.
+    assert decision.desired == 1
+    assert [r.at for r in history["dit"]] == [500.0, 1000.0]
+
+
+def test_a_planner_that_just_started_does_not_scale_down_before_a_whole_window() -> None:
+    # An operator restarted mid-burst has no history: the window's peak is unknown.
+    history: dict[str, list[Recommendation]] = {}
+    (decision,) = run([dit(0.0, replicas=4)], 1000.0, history)
+    assert decision.desired == 4
+    assert "watched 0 s of the 300 s scale-down window" in decision.reason
+    assert run([dit(0.0, replicas=4)], 1299.0, history)[0].desired == 4
+    assert run([dit(0.0, replicas=4)], 1300.0, history)[0].desired == 1
+    # Scaling up needs no history.
+    assert run([dit(80.0, replicas=1)], 0.0, {})[0].desired == 5
+
+
+LATENCY = Autoscaling(
+    min_replicas=1,
+    max_replicas=10,
+    target_in_flight=None,
+    scale_down_window_s=0,
+    latency=LatencyObjective(percentile=90, seconds=1.0),
+)
+
+
+def timed(
+    p90: float | None, replicas: int, ready: int | None = None, in_flight: int = 0
+) -> GroupState:
+    percentiles = {} if p90 is None else {90: p90, 50: p90 / 2}
+    stage = StageObservation("dit", 10.0, 0.5, in_flight, percentiles)
+    return GroupState("dit", replicas, LATENCY, [stage], ready_replicas=ready)
+
+
+def test_a_latency_objective_scales_by_how_far_the_percentile_is_from_it() -> None:
+    (decision,) = run([timed(2.5, replicas=2)], 0.0, {})
+    assert decision.desired == 5  # 2 x 2.5 s / 1 s
+    assert "p90 2.5 s in stage against 1 s on 2 ready -> 5" in decision.reason
+    # Well under the objective: fewer replicas would do.
+    assert run([timed(0.4, replicas=5)], 0.0, {})[0].desired == 2
+    # Within the tolerance: nothing moves.
+    assert run([timed(1.08, replicas=3)], 0.0, {})[0].desired == 3
+    assert run([timed(0.92, replicas=3)], 0.0, {})[0].desired == 3
+
+
+def test_a_latency_objective_scales_from_ready_replicas_not_from_those_starting() -> None:
+    # 4 wanted, 2 ready: the latency is what 2 give, so 2 x 2 = 4, not 4 x 2 = 8.
+    assert run([timed(2.0, replicas=4, ready=2)], 0.0, {})[0].desired == 4
+
+
+def test_with_nothing_finished_requests_in_flight_hold_the_replicas() -> None:
+    assert run([timed(None, replicas=3, in_flight=2)], 0.0, {})[0].desired == 3
+    assert run([timed(None, replicas=3, in_flight=0)], 0.0, {})[0].desired == 1
+
+
+def test_both_targets_take_the_larger_need() -> None:
+    both = Autoscaling(1, 10, 2, scale_down_window_s=0, latency=LatencyObjective(90, 1.0))
+    # Little's law: 10 req/s x 0.5 s = 5 held, 2 per replica -> 3; latency on 2 ready -> 2.
+    stage = StageObservation("dit", 10.0, 0.5, 0, {90: 1.0})
+    (decision,) = run([GroupState("dit", 2, both, [stage])], 0.0, {})
+    assert decision.desired == 3

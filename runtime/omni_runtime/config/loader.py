@@ -25,7 +25,7 @@ _RESOURCE_FIELDS = ("apiVersion", "kind", "metadata", "spec", "status")
 # (omni_operator.api); a local run, and the config a pod loads, has none of it.
 KUBERNETES_ONLY_FIELDS = {
     "spec": ("image", "imagePullPolicy"),
-    "stage": ("placement",),
+    "stage": ("placement", "autoscaling"),
     "router": ("replicas", "serviceType", "placement", "apiKeySecretRef", "allowedFrom"),
 }
 _STAGE_TYPE = re.compile(r"stages\[[0-9]+\]\.type")

@@ -1,0 +1,191 @@
+"""Each stage's load, from what the pipeline's routers report on /metrics.
+
+Every router replica counts the stage requests it sent (``omni_stage_requests``), how long
+each took (``omni_stage_request_duration_seconds``: a histogram of the time in stage,
+queue and execution) and how many are in each stage now (``omni_stage_in_flight``). Two
+scrapes of one router give, per stage, the requests that entered (finished plus the growth
+of those in flight) and the time they spent; summed over the routers, that is the stage's
+arrival rate and mean time in stage that the planner (planner.py) sizes it from.
+
+Pure: text in, numbers out; fetching is the autoscaler's (autoscaler.py).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from .planner import StageObservation
+
+FINISHED = "omni_stage_requests_total"
+TIME_IN_STAGE = "omni_stage_request_duration_seconds"
+IN_FLIGHT = "omni_stage_in_flight"
+PERCENTILES = (50, 90, 95, 99)
+
+
+class MetricsError(ValueError):
+    """A router's /metrics could not be read as Prometheus text."""
+
+
+@dataclass(frozen=True)
+class StageCounters:
+    """One router's numbers for one stage: cumulative counts since it started, and the
+    requests in the stage now."""
+
+    finished: float = 0.0
+    time_sum: float = 0.0
+    time_count: float = 0.0
+    # (upper bound, cumulative count), ascending; the last bound is +Inf.
+    buckets: tuple[tuple[float, float], ...] = ()
+    in_flight: float = 0.0
+
+
+@dataclass(frozen=True)
+class RouterScrape:
+    """One router replica's /metrics at one moment (monotonic seconds)."""
+
+    at: float
+    stages: Mapping[str, StageCounters]
+
+
+def parse_router_metrics(text: str) -> dict[str, StageCounters]:
+    """Per stage, what a router's /metrics says of it."""
+    finished: dict[str, float] = {}
+    time_sum: dict[str, float] = {}
+    time_count: dict[str, float] = {}
+    buckets: dict[str, dict[float, float]] = {}
+    in_flight: dict[str, float] = {}
+    try:
+        families = list(text_string_to_metric_families(text))
+    except ValueError as e:
+        raise MetricsError(f"not Prometheus text: {e}") from None
+    for family in families:
+        for sample in family.samples:
+            stage = sample.labels.get("stage")
+            if stage is None:
+                continue
+            if sample.name == FINISHED:
+                finished[stage] = finished.get(stage, 0.0) + sample.value
+            elif sample.name == f"{TIME_IN_STAGE}_sum":
+                time_sum[stage] = sample.value
+            elif sample.name == f"{TIME_IN_STAGE}_count":
+                time_count[stage] = sample.value
+            elif sample.name == f"{TIME_IN_STAGE}_bucket":
+                bound = float(sample.labels.get("le", "+Inf"))
+                buckets.setdefault(stage, {})[bound] = sample.value
+            elif sample.name == IN_FLIGHT:
+                in_flight[stage] = sample.value
+    names = set(finished) | set(time_count) | set(in_flight)
+    return {
+        name: StageCounters(
+            finished=finished.get(name, 0.0),
+            time_sum=time_sum.get(name, 0.0),
+            time_count=time_count.get(name, 0.0),
+            buckets=tuple(sorted(buckets.get(name, {}).items())),
+            in_flight=in_flight.get(name, 0.0),
+        )
+        for name in names
+    }
+
+
+def observe(
+    stages: Sequence[str],
+    before: Mapping[str, RouterScrape],
+    after: Mapping[str, RouterScrape],
+) -> tuple[list[StageObservation], bool]:
+    """Each stage's load between two rounds of scrapes (router -> scrape), and whether it
+    is whole: False when a router has no earlier scrape to compare with (it just appeared),
+    so that its arrivals are unknown and only its requests in flight count."""
+    complete = True
+    totals = {name: _Window() for name in stages}
+    for router, now in after.items():
+        then = before.get(router)
+        if then is None or now.at <= then.at:
+            complete = False
+        for name, window in totals.items():
+            counters = now.stages.get(name, StageCounters())
+            window.in_flight += counters.in_flight
+            if then is None or now.at <= then.at:
+                continue
+            earlier = then.stages.get(name, StageCounters())
+            window.add(_delta(earlier, counters), now.at - then.at)
+    return [window.observation(name) for name, window in totals.items()], complete
+
+
+@dataclass
+class _Delta:
+    finished: float
+    time_sum: float
+    time_count: float
+    buckets: tuple[tuple[float, float], ...]
+    in_flight_change: float
+
+
+def _delta(then: StageCounters, now: StageCounters) -> _Delta:
+    # A counter that went down belongs to a restarted router: all of it is new.
+    restarted = now.finished < then.finished or now.time_count < then.time_count
+    base = StageCounters(in_flight=then.in_flight) if restarted else then
+    earlier = dict(base.buckets)
+    return _Delta(
+        finished=now.finished - base.finished,
+        time_sum=now.time_sum - base.time_sum,
+        time_count=now.time_count - base.time_count,
+        buckets=tuple((bound, count - earlier.get(bound, 0.0)) for bound, count in now.buckets),
+        in_flight_change=now.in_flight - then.in_flight,
+    )
+
+
+@dataclass
+class _Window:
+    arrival_rate: float = 0.0
+    time_sum: float = 0.0
+    time_count: float = 0.0
+    in_flight: float = 0.0
+    buckets: dict[float, float] | None = None
+
+    def add(self, delta: _Delta, seconds: float) -> None:
+        entered = max(0.0, delta.finished + delta.in_flight_change)
+        self.arrival_rate += entered / seconds
+        self.time_sum += delta.time_sum
+        self.time_count += delta.time_count
+        merged = self.buckets if self.buckets is not None else {}
+        for bound, count in delta.buckets:
+            merged[bound] = merged.get(bound, 0.0) + count
+        self.buckets = merged
+
+    def observation(self, stage: str) -> StageObservation:
+        mean = self.time_sum / self.time_count if self.time_count > 0 else 0.0
+        buckets = sorted((self.buckets or {}).items())
+        percentiles = {p: q for p in PERCENTILES if (q := quantile(p / 100, buckets)) is not None}
+        return StageObservation(
+            stage=stage,
+            arrival_rate=self.arrival_rate,
+            time_in_stage=mean,
+            in_flight=round(self.in_flight),
+            time_in_stage_percentiles=percentiles,
+        )
+
+
+def quantile(q: float, buckets: Sequence[tuple[float, float]]) -> float | None:
+    """The ``q`` quantile of a cumulative histogram ((upper bound, count) ascending, the
+    last +Inf), interpolating linearly within the bucket it falls in, as Prometheus'
+    histogram_quantile does; None for an empty one. In the +Inf bucket: the highest finite
+    bound (the histogram knows no more)."""
+    if not buckets or buckets[-1][1] <= 0:
+        return None
+    rank = q * buckets[-1][1]
+    lower_bound, lower_count = 0.0, 0.0
+    for bound, count in buckets:
+        if count >= rank:
+            if math.isinf(bound):
+                return lower_bound
+            if count == lower_count:
+                return bound
+            return lower_bound + (bound - lower_bound) * (rank - lower_count) / (
+                count - lower_count
+            )
+        lower_bound, lower_count = bound, count
+    return lower_bound
