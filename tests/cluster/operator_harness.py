@@ -3,6 +3,7 @@ objects several cluster tests make by hand."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -12,6 +13,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +23,7 @@ REPO = Path(__file__).resolve().parents[2]
 CRD_FILE = REPO / "crds" / "omnipipelines.yaml"
 EXAMPLES = REPO / "manifests" / "examples"
 TEST_RUNTIME_IMAGE = "omni-operator/omni-runtime:test"
+CLI = [sys.executable, "-m", "omni_runtime.entrypoints.cli"]
 OUR_KINDS = (
     "configmaps",
     "services",
@@ -147,3 +150,43 @@ def endpoint_slice(namespace: str, address: tuple[str, int], ready: bool) -> dic
         "endpoints": [{"addresses": [address[0]], "conditions": {"ready": ready}}],
         "ports": [{"name": "stage-0", "port": address[1], "protocol": "TCP"}],
     }
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within 30 s."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@contextlib.contextmanager
+def stage_process(pipeline_file: Path, host: str, timeout: float = 240) -> Iterator[int]:
+    """A real stage process serving stage 0 of ``pipeline_file`` on ``host`` (what a stage
+    pod would serve), for as long as the context lasts; yields its port."""
+    ready = pipeline_file.parent / "stage.ready"
+    log = pipeline_file.parent / "stage.log"
+    ready.unlink(missing_ok=True)
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [
+                *CLI, "stage", "-f", str(pipeline_file), "--stages", "0",
+                "--host", host, "--port", "0=0", "--health-port", "none",
+                "--ready-file", str(ready), "--exit-with-parent",
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+    try:
+        deadline = time.monotonic() + timeout
+        while not ready.exists():
+            assert proc.poll() is None, f"stage exited {proc.returncode}:\n{log.read_text()}"
+            assert time.monotonic() < deadline, f"stage not ready:\n{log.read_text()[-3000:]}"
+            time.sleep(0.2)
+        yield int(json.loads(ready.read_text())["stages"]["0"])
+    finally:
+        stop(proc)

@@ -15,10 +15,8 @@ import contextlib
 import io
 import ipaddress
 import json
-import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -29,7 +27,7 @@ import httpx
 import openai
 import psutil
 import pytest
-from operator_harness import endpoint_slice
+from operator_harness import CLI, endpoint_slice, stage_process, stop
 from PIL import Image
 
 from omni_runtime.kube import (
@@ -45,7 +43,6 @@ if TYPE_CHECKING:
     from conftest import Kube
 
 Eventually = Callable[..., Any]
-CLI = [sys.executable, "-m", "omni_runtime.entrypoints.cli"]
 MANAGER = "omni-test"
 
 
@@ -199,16 +196,6 @@ def local_address() -> str:
     pytest.skip("no non-loopback IPv4 address here to put in an EndpointSlice")
 
 
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 @pytest.fixture(scope="module")
 def pipeline_file(tiny_models: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("discovery") / "pipeline.json"
@@ -232,28 +219,8 @@ def pipeline_file(tiny_models: Path, tmp_path_factory: pytest.TempPathFactory) -
 def stage_address(pipeline_file: Path) -> Iterator[tuple[str, int]]:
     """A real diffusion stage process on this machine: what a stage pod would serve."""
     host = local_address()
-    ready = pipeline_file.parent / "stage.ready"
-    log = pipeline_file.parent / "stage.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [
-                *CLI, "stage", "-f", str(pipeline_file), "--stages", "0",
-                "--host", host, "--port", "0=0", "--health-port", "none",
-                "--ready-file", str(ready), "--exit-with-parent",
-            ],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-        )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 240
-        while not ready.exists():
-            assert proc.poll() is None, f"stage exited {proc.returncode}:\n{log.read_text()}"
-            assert time.monotonic() < deadline, f"stage not ready:\n{log.read_text()[-3000:]}"
-            time.sleep(0.2)
-        yield host, int(json.loads(ready.read_text())["stages"]["0"])
-    finally:
-        stop(proc)
+    with stage_process(pipeline_file, host) as port:
+        yield host, port
 
 
 class Router:

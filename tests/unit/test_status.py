@@ -165,3 +165,42 @@ def test_an_invalid_spec_fails_and_keeps_the_last_counts() -> None:
     spec_valid = next(c for c in failed.conditions if c.type == "SpecValid")
     assert (spec_valid.status, spec_valid.reason) == ("False", "InvalidSpec")
     assert "stages[1].replicas" in spec_valid.message
+
+
+def test_a_planner_scale_up_is_progress_not_a_degraded_pipeline() -> None:
+    from omni_operator.api import StageScalingStatus
+
+    serving = status_of(all_ready())
+    assert serving.phase == "Ready"
+    scaled = {**all_ready(), "p-vae": deployment(replicas=5, ready=2)}
+    why = StageScalingStatus(mode="planner", desired_replicas=5, reason="scaling up 2 -> 5")
+    status = pipeline_status(
+        stages=STAGES,
+        router_deployment="p-router",
+        deployments=scaled,
+        generation=4,
+        endpoint="http://p.ns.svc:8000",
+        previous=serving,
+        now="2026-11-30T00:00:00Z",
+        scaling={"vae": why},
+        scaled_up_from={"p-vae": 2},
+    )
+    assert status.phase == "Progressing"
+    assert conditions(status)["Degraded"][0] == "False"
+    progressing = next(c for c in status.conditions if c.type == "Progressing")
+    assert "p-vae: scaling up from 2 to 5, 2 ready" in progressing.message
+    vae = next(s for s in status.stages if s.name == "vae")
+    assert vae.autoscaling == why
+    # Fewer ready than before the scale-up: replicas were lost, whatever the planner did.
+    lost = {**scaled, "p-vae": deployment(replicas=5, ready=1)}
+    status = pipeline_status(
+        stages=STAGES,
+        router_deployment="p-router",
+        deployments=lost,
+        generation=4,
+        endpoint="http://p.ns.svc:8000",
+        previous=serving,
+        now="2026-11-30T00:00:00Z",
+        scaled_up_from={"p-vae": 2},
+    )
+    assert status.phase == "Degraded"
