@@ -36,7 +36,7 @@ from .planner import (
     Decision,
     GroupState,
     LatencyObjective,
-    Recommendation,
+    Memory,
     StageObservation,
     plan,
 )
@@ -141,7 +141,7 @@ class TickResult:
 @dataclass
 class _PipelineState:
     scrapes: dict[str, RouterScrape] = field(default_factory=dict)
-    history: dict[str, list[Recommendation]] = field(default_factory=dict)
+    memory: Memory = field(default_factory=Memory)
     last_scale: dict[str, str] = field(default_factory=dict)
     scaled_up_from: dict[str, int] = field(default_factory=dict)
     unreachable: frozenset[str] = frozenset()
@@ -212,7 +212,7 @@ class Autoscaler:
                     ready_replicas=_ready(body),
                 )
             )
-        decisions, state.history = plan(group_states, now, state.history)
+        decisions, state.memory = plan(group_states, now, state.memory)
         for decision in decisions:
             group = next(g for g in planned if g.name == decision.group)
             deployment = group_object_name(name, group)

@@ -27,6 +27,7 @@ import logging
 import os
 import re
 from collections.abc import Iterable, Mapping
+from datetime import UTC, datetime
 from typing import Any, cast
 
 import httpx
@@ -38,6 +39,7 @@ from omni_runtime.kube import (
     KubeConfig,
     KubeConfigError,
     load_kube_config,
+    object_path,
 )
 
 from .api import (
@@ -327,7 +329,7 @@ async def _plan_pipeline(reconciler: Reconciler, autoscaler: Autoscaler, ref: Pi
     spec = reconciler.applied_spec(ref.namespace, ref.name)
     if spec is None:
         return
-    events = _events(_pipeline_body(ref))
+    events = _api_events(autoscaler.kube, ref)
     try:
         async with reconciler.replicas_lock(ref):
             deployments = await reconciler.deployments(ref)
@@ -424,6 +426,58 @@ def _events(body: Mapping[str, Any]) -> EventSink:
             kopf.info(kopf.Body(cast(kopf.RawBody, dict(body))), reason=reason, message=message)
 
     return post
+
+
+# Events posted outside kopf's handlers (kopf.info works only within them), kept
+# referenced until sent.
+_posting: set[asyncio.Task[None]] = set()
+EVENT_MESSAGE_LIMIT = 1024
+
+
+def _api_events(kube: KubeClient, ref: PipelineRef) -> EventSink:
+    """An EventSink for the planner's task: each Event is created through the API, as
+    kopf's are, in a task of its own; a failure is logged, never raised."""
+
+    def post(type_: str, reason: str, message: str) -> None:
+        log = logger.warning if type_ == "Warning" else logger.info
+        log("%s/%s: %s: %s", ref.namespace, ref.name, reason, message)
+        task = asyncio.get_running_loop().create_task(
+            _post_event(kube, ref, type_, reason, message)
+        )
+        _posting.add(task)
+        task.add_done_callback(_posting.discard)
+
+    return post
+
+
+async def _post_event(
+    kube: KubeClient, ref: PipelineRef, type_: str, reason: str, message: str
+) -> None:
+    now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    body = {
+        "apiVersion": "v1",
+        "kind": "Event",
+        "metadata": {"generateName": f"{ref.name}.", "namespace": ref.namespace},
+        "involvedObject": {
+            "apiVersion": API_VERSION,
+            "kind": KIND,
+            "name": ref.name,
+            "namespace": ref.namespace,
+            "uid": ref.uid,
+        },
+        "type": type_,
+        "reason": reason,
+        "message": message[:EVENT_MESSAGE_LIMIT],
+        "source": {"component": MANAGED_BY},
+        "reportingComponent": MANAGED_BY,
+        "firstTimestamp": now,
+        "lastTimestamp": now,
+        "count": 1,
+    }
+    try:
+        await kube.request("POST", object_path("v1", "events", ref.namespace), body=body)
+    except KubeApiError as e:
+        logger.warning("%s/%s: posting Event %s: %s", ref.namespace, ref.name, reason, e)
 
 
 @kopf.on.probe(id="pipelines")

@@ -199,7 +199,8 @@ def event_messages(kube: Kube, namespace: str, reason: str) -> list[str]:
 
 def replicas_owners(kube: Kube, namespace: str) -> set[str]:
     """The field managers that own the Deployment's spec.replicas."""
-    fields = deployment(kube, namespace)["metadata"]["managedFields"]
+    body = kube.get_json("deployment", DEPLOYMENT, "--show-managed-fields", namespace=namespace)
+    fields = body["metadata"]["managedFields"]
     return {
         entry["manager"]
         for entry in fields
@@ -236,9 +237,9 @@ def test_the_dit_scales_up_with_load_and_down_after_it_and_external_is_left_alon
     def router_pod_ip() -> str:
         listed = kube.get_json("pods", "-l", "omni.dev/component=router", namespace=namespace)
         ips = [p["status"].get("podIP") for p in listed["items"]]
-        (ip,) = ips
-        assert ip, f"router pod IPs: {ips}"
-        return str(ip)
+        assert len(ips) == 1, f"router pod IPs: {ips}"
+        assert ips[0], f"router pod IPs: {ips}"
+        return str(ips[0])
 
     address = eventually(router_pod_ip, timeout=60, what="the router pod's IP")
     with (
@@ -262,13 +263,18 @@ def test_the_dit_scales_up_with_load_and_down_after_it_and_external_is_left_alon
                 what=f"scaled up to {MAX_REPLICAS}",
             )
             reaction_s = time.monotonic() - started
-            scaling = dit_scaling(kube, namespace)
-            assert scaling["desiredReplicas"] == MAX_REPLICAS
-            assert "(min 1, max 3)" in scaling["reason"]
-            assert scaling.get("lastScaleTime")
-            (scaled_up, *_) = event_messages(kube, namespace, "ScaledUp")
-            assert f"Deployment {DEPLOYMENT}: scaling up 1 -> " in scaled_up
-            assert "in flight" in scaled_up
+
+            def reported() -> bool:
+                scaling = dit_scaling(kube, namespace)
+                assert scaling.get("desiredReplicas") == MAX_REPLICAS, scaling
+                assert "(min 1, max 3)" in scaling["reason"], scaling
+                assert scaling.get("lastScaleTime"), scaling
+                (scaled_up, *_) = event_messages(kube, namespace, "ScaledUp")
+                assert f"Deployment {DEPLOYMENT}: scaling up 1 -> " in scaled_up
+                assert "in flight" in scaled_up
+                return True
+
+            eventually(reported, timeout=30, what="the scale-up in the status and Events")
             # The maximum holds under a load that would need more.
             held_until = time.monotonic() + 3
             while time.monotonic() < held_until:

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import pytest
+
 from omni_operator.planner import (
     Autoscaling,
     Decision,
     GroupState,
     LatencyObjective,
+    Memory,
     Recommendation,
     StageObservation,
     plan,
@@ -32,9 +35,10 @@ def dit(
 def run(
     states: Sequence[GroupState], now: float, history: dict[str, list[Recommendation]]
 ) -> list[Decision]:
-    decisions, kept = plan(states, now, history)
+    """One look, with ``history`` as the recommendations remembered (updated in place)."""
+    decisions, kept = plan(states, now, Memory(recommendations=history))
     history.clear()
-    history.update(kept)
+    history.update({group: list(r) for group, r in kept.recommendations.items()})
     return decisions
 
 
@@ -46,9 +50,52 @@ def test_a_step_up_scales_at_once_to_littles_law() -> None:
     assert "40 req/s" in decision.reason
 
 
-def test_requests_in_flight_count_when_more_than_the_rate_says() -> None:
-    (decision,) = run([dit(1.0, in_flight=9)], 0.0, {})
+def test_a_backlog_adds_the_replicas_that_drain_it_within_the_drain_time() -> None:
+    gpu_dit = Autoscaling(1, 100, target_in_flight=1, scale_down_window_s=0, drain_s=120)
+    # 1 req/s x 6 s = 6 replicas serving; 100 in flight on 4 ready: 96 queued x 6 s of
+    # work over 120 s = 4.8 more.
+    stage = StageObservation("dit", 1.0, 6.0, in_flight=100)
+    (decision,) = run([GroupState("dit", 4, gpu_dit, [stage])], 0.0, {})
+    assert decision.desired == 11
+    assert "96 queued over 120 s = 4.8" in decision.reason
+
+
+def test_requests_in_flight_hold_the_replicas_that_hold_them() -> None:
+    quick = Autoscaling(1, 8, target_in_flight=2, scale_down_window_s=0)
+    # Nothing arrives any more, but 9 requests are in the stage: 5 replicas hold them.
+    (decision,) = run([dit(0.0, in_flight=9, replicas=6, settings=quick)], 0.0, {})
     assert decision.desired == 5
+    assert "the requests in flight need them" in decision.reason
+    (decision,) = run([dit(0.0, in_flight=9, replicas=5, settings=quick)], 0.0, {})
+    assert decision.desired == 5
+
+
+def test_the_service_time_is_remembered_from_looks_without_a_backlog() -> None:
+    gpu_dit = Autoscaling(1, 1000, target_in_flight=1, scale_down_window_s=300, drain_s=120)
+    # Steady: 3 req/s, 6 s each, 18 in flight on 24 replicas: no backlog, so 6 s is the
+    # service time.
+    calm = StageObservation("dit", 3.0, 6.0, in_flight=18)
+    decisions, memory = plan([GroupState("dit", 24, gpu_dit, [calm])], 0.0, Memory())
+    assert memory.service_time == {"dit": 6.0}
+    # The load doubles: the queue grows while new replicas start, and the time in stage
+    # (30 s) is mostly that queue. Sized from it, 6 x 30 = 180 replicas; from the service
+    # time, 6 x 6 = 36 serving and 276 queued x 6 s over 120 s = 13.8 draining.
+    busy = StageObservation("dit", 6.0, 30.0, in_flight=300)
+    decisions, memory = plan([GroupState("dit", 24, gpu_dit, [busy])], 15.0, memory)
+    assert decisions[0].desired == 50
+    assert memory.service_time == {"dit": 6.0}  # a backlog teaches nothing of it
+    # Unqueued again, a slower service time moves the memory part of the way.
+    slower = StageObservation("dit", 3.0, 8.0, in_flight=20)
+    _, memory = plan([GroupState("dit", 50, gpu_dit, [slower])], 30.0, memory)
+    assert memory.service_time["dit"] == pytest.approx(6.6)
+
+
+def test_a_need_within_ten_percent_of_the_replicas_keeps_them() -> None:
+    # 40 req/s x 0.124 s / 0.5 = 9.92: within 10 % of 10, so 10 stay (and 9 would go up).
+    half = Autoscaling(1, 20, target_in_flight=0.5, scale_down_window_s=0)
+    assert run([dit(40.0, replicas=10, settings=half)], 0.0, {})[0].desired == 10
+    assert run([dit(40.0, replicas=11, settings=half)], 0.0, {})[0].desired == 11
+    assert run([dit(40.0, replicas=8, settings=half)], 0.0, {})[0].desired == 10
 
 
 def test_a_step_down_waits_out_the_window_then_goes() -> None:
@@ -158,7 +205,9 @@ def timed(
 def test_a_latency_objective_scales_by_how_far_the_percentile_is_from_it() -> None:
     (decision,) = run([timed(2.5, replicas=2)], 0.0, {})
     assert decision.desired == 5  # 2 x 2.5 s / 1 s
-    assert "p90 2.5 s in stage against 1 s on 2 ready -> 5" in decision.reason
+    assert "p90 2.5 s in stage against 1 s on 2 ready of 2 -> 5" in decision.reason
+    # At most double or +4 a look, as the HPA: 2 x 10 = 20 would overshoot.
+    assert run([timed(10.0, replicas=2)], 0.0, {})[0].desired == 6
     # Well under the objective: fewer replicas would do.
     assert run([timed(0.4, replicas=5)], 0.0, {})[0].desired == 2
     # Within the tolerance: nothing moves.
@@ -166,9 +215,11 @@ def test_a_latency_objective_scales_by_how_far_the_percentile_is_from_it() -> No
     assert run([timed(0.92, replicas=3)], 0.0, {})[0].desired == 3
 
 
-def test_a_latency_objective_scales_from_ready_replicas_not_from_those_starting() -> None:
-    # 4 wanted, 2 ready: the latency is what 2 give, so 2 x 2 = 4, not 4 x 2 = 8.
+def test_a_latency_objective_waits_for_the_replicas_still_starting() -> None:
+    # 4 wanted, 2 ready: the latency is what 2 give; the 2 starting will lower it.
     assert run([timed(2.0, replicas=4, ready=2)], 0.0, {})[0].desired == 4
+    # Down it goes from the ready ones: 2 ready x 0.4 = 1.
+    assert run([timed(0.4, replicas=4, ready=2)], 0.0, {})[0].desired == 1
 
 
 def test_with_nothing_finished_requests_in_flight_hold_the_replicas() -> None:
