@@ -294,6 +294,33 @@ INVALID: list[tuple[str, Breaker, list[str]]] = [
         ["spec.stages", "GPU 1 is over-subscribed", "(stages [0, 1]) sum to 1.1, more than 1"],
     ),
     (
+        # The thinker and the DiT share GPU 0: one Deployment, scaled as one.
+        "autoscaling-unequal-in-a-placement-group",
+        _both(_set(0, autoscaling={"maxReplicas": 4}), _set(1, autoscaling={"maxReplicas": 8})),
+        ["spec.stages", "stages 0 and 1 share a GPU", "give them equal autoscaling"],
+    ),
+    (
+        "autoscaling-planner-without-a-maximum",
+        _both(_set(0, autoscaling={"minReplicas": 2}), _set(1, autoscaling={"minReplicas": 2})),
+        ["spec.stages[0].autoscaling.maxReplicas", "mode planner needs maxReplicas"],
+    ),
+    (
+        "autoscaling-maximum-below-minimum",
+        _both(
+            _set(0, autoscaling={"minReplicas": 3, "maxReplicas": 2}),
+            _set(1, autoscaling={"minReplicas": 3, "maxReplicas": 2}),
+        ),
+        ["spec.stages[0].autoscaling.maxReplicas", "maxReplicas (2) is below minReplicas (3)"],
+    ),
+    (
+        "autoscaling-external-with-planner-fields",
+        _both(
+            _set(0, autoscaling={"mode": "external", "maxReplicas": 2}),
+            _set(1, autoscaling={"mode": "external", "maxReplicas": 2}),
+        ),
+        ["spec.stages[0].autoscaling", "mode external leaves replicas to another autoscaler"],
+    ),
+    (
         "pipeline-name-not-dns-1035",
         lambda m: m["metadata"].update(name="1-bagel"),
         ["metadata.name", "'1-bagel' names the pipeline's Service", "starting with a letter"],
@@ -358,6 +385,21 @@ def test_invalid_pipeline_is_refused(
     name = manifest["metadata"]["name"]
     missing = kube.kubectl("get", "omnipipeline", name, namespace=ns, check=False)
     assert "NotFound" in missing.stderr, missing.stdout
+
+
+def test_equal_autoscaling_in_a_placement_group_is_admitted(kube: Kube, ns: str) -> None:
+    manifest = base_pipeline("scaled")
+    scaling = {"maxReplicas": 4, "latencyObjective": {"seconds": 8}}
+    for index in (0, 1):
+        stage(manifest, index)["autoscaling"] = dict(scaling)
+    result = apply(kube, manifest, ns)
+    assert result.returncode == 0, result.stderr
+    stored = kube.get_json("omnipipeline", "scaled", namespace=ns)
+    assert stored["spec"]["stages"][1]["autoscaling"] == {
+        "mode": "planner",
+        "maxReplicas": 4,
+        "latencyObjective": {"percentile": 90, "seconds": 8},
+    }
 
 
 def test_enough_invalid_cases() -> None:
