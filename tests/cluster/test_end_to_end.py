@@ -94,8 +94,9 @@ class Figures:
 
 
 def write_overlay(directory: Path, node: RealNode) -> Path:
-    """A kustomize overlay of manifests/base whose only change is where the operator's pod
-    runs: the real node's label and taint (a user's cluster would need neither)."""
+    """A kustomize overlay of manifests/base whose changes are where the operator's pod runs
+    (the real node's label and taint; a user's cluster would need neither) and how often its
+    planner looks."""
     directory.mkdir(parents=True, exist_ok=True)
     patch = {
         "apiVersion": "apps/v1",
@@ -106,6 +107,14 @@ def write_overlay(directory: Path, node: RealNode) -> Path:
                 "spec": {
                     "nodeSelector": dict(node.node_selector),
                     "tolerations": [dict(node.toleration)],
+                    # The planner looks every 2 s instead of 15, so that the autoscaling
+                    # test's figures are the pods', not the wait between looks.
+                    "containers": [
+                        {
+                            "name": "operator",
+                            "env": [{"name": "OMNI_PLANNER_INTERVAL_SECONDS", "value": "2"}],
+                        }
+                    ],
                 }
             }
         },
@@ -694,9 +703,13 @@ def serve_through_a_relay(
     namespace: str,
     eventually: Eventually,
     figures: Figures,
+    dit_autoscaling: dict[str, Any] | None = None,
 ) -> Serving:
     real_node.load_image(RUNTIME_IMAGE)
-    body = tiny_pipeline(real_node, dit_replicas=2)
+    body = tiny_pipeline(real_node, dit_replicas=1 if dit_autoscaling else 2)
+    if dit_autoscaling is not None:
+        dit = next(s for s in body["spec"]["stages"] if s["name"] == "dit")
+        dit["autoscaling"] = dict(dit_autoscaling)
     kube.apply(body, namespace=namespace)
     eventually(pipeline_ready(kube, namespace), timeout=240, interval=1, what="tiny Ready")
     deployments_rolled(kube, namespace)
@@ -935,6 +948,94 @@ def test_rollouts_a_pod_delete_and_a_scale_down_under_a_closed_loop_lose_no_requ
         # Each completed request ran its last stage once, on its own revision.
         assert served.get(("dit", revision), 0) >= completed, (revision, served)
         assert served.get(("thinker", revision), 0) >= completed, (revision, served)
+
+
+# The DiT between 1 and 2 pods (what the node's 2 cores hold beside the rest), one request
+# per pod, and back down 15 s after the need is gone.
+DIT_AUTOSCALING = {
+    "minReplicas": 1,
+    "maxReplicas": 2,
+    "targetInFlight": 1,
+    "scaleDownWindowSeconds": 15,
+}
+
+
+def dit_scaling(kube: Kube, namespace: str) -> dict[str, Any]:
+    status = kube.get_json("omnipipeline", PIPELINE, namespace=namespace).get("status", {})
+    dit = next((s for s in status.get("stages", []) if s["name"] == "dit"), {})
+    scaling: dict[str, Any] = dit.get("autoscaling") or {}
+    return scaling
+
+
+def dit_deployment_at(kube: Kube, namespace: str, replicas: int) -> Callable[[], bool]:
+    def check() -> bool:
+        body = kube.get_json("deployment", f"{PIPELINE}-dit", namespace=namespace)
+        assert body["spec"].get("replicas") == replicas, body["spec"].get("replicas")
+        assert body.get("status", {}).get("readyReplicas") == replicas, body.get("status")
+        return True
+
+    return check
+
+
+@pytest.mark.timeout(900)
+def test_the_planner_adds_a_dit_pod_for_a_load_step_and_removes_it_after(
+    kube: Kube,
+    real_node: RealNode,
+    operator_installed: InstalledOperator,
+    namespace: str,
+    eventually: Eventually,
+) -> None:
+    """Autoscaling on real pods: the operator, from its own pod, finds the router pod
+    through its Service's EndpointSlices, reads its /metrics, and sizes the DiT. A closed
+    loop of clients is a load step; the figure is its reaction: from the first request to
+    a second DiT pod Ready (the planner's look, the Deployment, the pod's start and model
+    load, the readiness gate). When the loop stops, the DiT goes back to one pod after the
+    scale-down window; no request fails meanwhile."""
+    figures = Figures()
+    serving = serve_through_a_relay(
+        kube, real_node, namespace, eventually, figures, dit_autoscaling=DIT_AUTOSCALING
+    )
+
+    def idle() -> bool:
+        scaling = dit_scaling(kube, namespace)
+        assert scaling.get("desiredReplicas") == 1, scaling
+        assert "(min 1, max 2)" in scaling.get("reason", ""), scaling
+        return True
+
+    eventually(idle, timeout=120, interval=1, what="the planner's first look")
+    with (
+        real_node.unix_socket_to(serving.relay_ip, 8000) as relay,
+        ClosedLoop("http://endpoint-relay/v1", uds=relay) as loop,
+    ):
+        t0 = time.monotonic()
+        eventually(
+            dit_deployment_at(kube, namespace, 2),
+            timeout=300,
+            interval=1,
+            what="a second DiT pod Ready",
+        )
+        figures.values["load step -> 2nd DiT pod Ready (s)"] = round(time.monotonic() - t0, 1)
+        answers_go_on(loop, eventually, "scale-up")
+    counts = loop.snapshot()
+    t0 = time.monotonic()
+    eventually(
+        dit_deployment_at(kube, namespace, 1),
+        timeout=180,
+        interval=1,
+        what="the DiT back to one pod",
+    )
+    figures.values["load stop -> DiT back to 1 (s)"] = round(time.monotonic() - t0, 1)
+    for reason in ("ScaledUp", "ScaledDown"):
+        listed = kube.get_json(
+            "events",
+            f"--field-selector=involvedObject.kind=OmniPipeline,reason={reason}",
+            namespace=namespace,
+        )
+        messages = [e.get("message", "") for e in listed["items"]]
+        assert any(f"Deployment {PIPELINE}-dit" in m for m in messages), (reason, messages)
+    figures.values.update(answered=counts.answered, failed=counts.failed)
+    figures.show("autoscaling on the real node")
+    assert counts.failed == 0, counts.errors
 
 
 def revision_order(revision: str) -> int:
