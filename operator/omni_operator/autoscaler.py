@@ -136,6 +136,9 @@ class TickResult:
 
     stages: dict[str, StageScalingStatus]
     scaled_up_from: dict[str, int]
+    # Per Deployment: the generation the planner's last scale gave it. Until the
+    # Deployment controller has observed it, that change is a scale, not a rollout.
+    scaled_generations: dict[str, int]
 
 
 @dataclass
@@ -144,6 +147,7 @@ class _PipelineState:
     memory: Memory = field(default_factory=Memory)
     last_scale: dict[str, str] = field(default_factory=dict)
     scaled_up_from: dict[str, int] = field(default_factory=dict)
+    scaled_generations: dict[str, int] = field(default_factory=dict)
     unreachable: frozenset[str] = frozenset()
 
 
@@ -185,7 +189,7 @@ class Autoscaler:
                 planned.append(group)
         if not planned:
             self.forget(namespace, name)
-            return TickResult(statuses, {})
+            return TickResult(statuses, {}, {})
         state = self._pipelines.setdefault((namespace, name), _PipelineState())
         scrapes, complete = await self._scrape(namespace, name, state, event)
         before, state.scrapes = state.scrapes, scrapes
@@ -219,7 +223,8 @@ class Autoscaler:
             if _all_ready(deployments.get(deployment)):
                 state.scaled_up_from.pop(deployment, None)
             if decision.desired != decision.current:
-                await self._scale(namespace, name, group, decision, event)
+                generation = await self._scale(namespace, name, group, decision, event)
+                state.scaled_generations[deployment] = generation
                 state.last_scale[group.name] = _now()
                 if decision.desired > decision.current:
                     state.scaled_up_from.setdefault(deployment, decision.current)
@@ -232,7 +237,7 @@ class Autoscaler:
                     reason=decision.reason,
                     last_scale_time=state.last_scale.get(group.name),
                 )
-        return TickResult(statuses, dict(state.scaled_up_from))
+        return TickResult(statuses, dict(state.scaled_up_from), dict(state.scaled_generations))
 
     async def _scrape(
         self, namespace: str, name: str, state: _PipelineState, event: EventSink
@@ -281,15 +286,19 @@ class Autoscaler:
         group: PlacementGroup,
         decision: Decision,
         event: EventSink,
-    ) -> None:
+    ) -> int:
+        """Set the group's replicas; returns the Deployment's generation after."""
         deployment = group_object_name(name, group)
         try:
-            await set_replicas(self.kube, namespace, deployment, decision.desired, force=True)
+            body = await set_replicas(
+                self.kube, namespace, deployment, decision.desired, force=True
+            )
         except KubeApiError as e:
             event("Warning", "ScaleFailed", f"Deployment {deployment}: {e}")
             raise
         reason = "ScaledUp" if decision.desired > decision.current else "ScaledDown"
         event("Normal", reason, f"Deployment {deployment}: {decision.reason}")
+        return int((body.get("metadata") or {}).get("generation") or 0)
 
 
 async def set_replicas(

@@ -334,7 +334,7 @@ async def _plan_pipeline(reconciler: Reconciler, autoscaler: Autoscaler, ref: Pi
         async with reconciler.replicas_lock(ref):
             deployments = await reconciler.deployments(ref)
             result = await autoscaler.tick(ref.namespace, ref.name, spec, deployments, events)
-        reconciler.set_scaling(ref, result.stages, result.scaled_up_from)
+        reconciler.set_scaling(ref, result.stages, result.scaled_up_from, result.scaled_generations)
         await reconciler.report(ref, deployments, None, events)
     except KubeApiError as e:
         # The next look tries again; an Event named a failed scale.

@@ -98,6 +98,7 @@ class Reconciler:
     # (with their replicas before) whose new pods are not all ready yet.
     _scaling: dict[tuple[str, str], dict[str, StageScalingStatus]] = field(default_factory=dict)
     _scaled_up_from: dict[tuple[str, str], dict[str, int]] = field(default_factory=dict)
+    _scaled_generations: dict[tuple[str, str], dict[str, int]] = field(default_factory=dict)
 
     def lock(self, ref: PipelineRef) -> asyncio.Lock:
         return self._locks.setdefault((ref.namespace, ref.name), asyncio.Lock())
@@ -118,6 +119,7 @@ class Reconciler:
         self._applied.pop(key, None)
         self._scaling.pop(key, None)
         self._scaled_up_from.pop(key, None)
+        self._scaled_generations.pop(key, None)
 
     def applied_spec(self, namespace: str, name: str) -> OmniPipelineSpec | None:
         """The spec last applied for ``namespace/name``; None before one was."""
@@ -129,10 +131,13 @@ class Reconciler:
         ref: PipelineRef,
         stages: Mapping[str, StageScalingStatus],
         scaled_up_from: Mapping[str, int],
+        scaled_generations: Mapping[str, int],
     ) -> None:
         """What the next status report says of the autoscaling (autoscaler.py)."""
-        self._scaling[(ref.namespace, ref.name)] = dict(stages)
-        self._scaled_up_from[(ref.namespace, ref.name)] = dict(scaled_up_from)
+        key = (ref.namespace, ref.name)
+        self._scaling[key] = dict(stages)
+        self._scaled_up_from[key] = dict(scaled_up_from)
+        self._scaled_generations[key] = dict(scaled_generations)
 
     def known(self, namespace: str, name: str) -> PipelineRef | None:
         """The pipeline ``namespace/name`` as last converged, or None."""
@@ -360,6 +365,7 @@ class Reconciler:
                 now=_now(),
                 scaling=self._scaling.get((ref.namespace, ref.name)),
                 scaled_up_from=self._scaled_up_from.get((ref.namespace, ref.name)),
+                scaled_generations=self._scaled_generations.get((ref.namespace, ref.name)),
             )
             if before is None or before.phase != status.phase:
                 kind = "Warning" if status.phase in ("Degraded", "Failed") else "Normal"

@@ -42,16 +42,22 @@ class DeploymentState:
     observed: bool
 
     @classmethod
-    def of(cls, deployment: Mapping[str, Any]) -> DeploymentState:
+    def of(
+        cls, deployment: Mapping[str, Any], scaled_generation: int | None = None
+    ) -> DeploymentState:
+        """``scaled_generation``: the generation a scale by the planner gave it; a
+        Deployment one generation behind that has only had its replicas changed."""
         spec = deployment.get("spec") or {}
         status = deployment.get("status") or {}
-        generation = (deployment.get("metadata") or {}).get("generation", 0)
+        generation = int((deployment.get("metadata") or {}).get("generation", 0))
+        observed_generation = int(status.get("observedGeneration", 0))
+        scaled_only = generation == scaled_generation and observed_generation == generation - 1
         return cls(
             replicas=int(spec.get("replicas", 1)),
             ready_replicas=int(status.get("readyReplicas", 0)),
             updated_replicas=int(status.get("updatedReplicas", 0)),
             available_replicas=int(status.get("availableReplicas", 0)),
-            observed=int(status.get("observedGeneration", 0)) >= int(generation),
+            observed=observed_generation >= generation or scaled_only,
         )
 
     @property
@@ -102,6 +108,7 @@ def pipeline_status(
     now: str,
     scaling: Mapping[str, StageScalingStatus] | None = None,
     scaled_up_from: Mapping[str, int] | None = None,
+    scaled_generations: Mapping[str, int] | None = None,
 ) -> OmniPipelineStatus:
     """The status of a valid pipeline whose Deployments (by name) are ``deployments``;
     a Deployment not there yet counts as wanted but with nothing ready.
@@ -109,10 +116,16 @@ def pipeline_status(
     ``scaling`` is the autoscaler's last word per stage (by name). ``scaled_up_from`` names
     the Deployments the planner scaled up, with the replicas they had: while their new
     pods come up, with at least as many ready as before, they are scaling (Progressing),
-    not missing replicas (Degraded)."""
+    not missing replicas (Degraded). ``scaled_generations`` are the generations the
+    planner's last scales gave its Deployments: one not yet observed is scaling, not rolling
+    out (a scale-down would otherwise flap the phase to Progressing and back)."""
     scaling = scaling or {}
     scaled_up_from = scaled_up_from or {}
-    states = {name: DeploymentState.of(body) for name, body in deployments.items()}
+    scaled_generations = scaled_generations or {}
+    states = {
+        name: DeploymentState.of(body, scaled_generations.get(name))
+        for name, body in deployments.items()
+    }
     missing = DeploymentState(0, 0, 0, 0, observed=False)
     stage_statuses: list[StageStatus] = []
     not_ready: list[str] = []

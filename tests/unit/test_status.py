@@ -204,3 +204,26 @@ def test_a_planner_scale_up_is_progress_not_a_degraded_pipeline() -> None:
         scaled_up_from={"p-vae": 2},
     )
     assert status.phase == "Degraded"
+
+
+def test_a_planner_scale_down_not_yet_observed_is_not_a_rollout() -> None:
+    serving = status_of(all_ready())
+    # The planner took p-vae from 2 to 1: generation 2, which the controller has not seen.
+    scaled = {**all_ready(), "p-vae": deployment(replicas=1, ready=2, generation=2, observed=1)}
+
+    def status(generations: dict[str, int]) -> OmniPipelineStatus:
+        return pipeline_status(
+            stages=STAGES,
+            router_deployment="p-router",
+            deployments=scaled,
+            generation=4,
+            endpoint="http://p.ns.svc:8000",
+            previous=serving,
+            now="2026-11-30T00:00:00Z",
+            scaled_generations=generations,
+        )
+
+    assert status({"p-vae": 2}).phase == "Ready"
+    # Anyone else's change of generation 2 (a template, say) is a rollout until observed.
+    assert status({}).phase == "Progressing"
+    assert status({"p-vae": 3}).phase == "Progressing"
