@@ -27,7 +27,8 @@ The model:
     objective instead (``--latency-percentile``: that percentile of time in stage against
     ``--latency-multiple`` x the stage's mean service time). Its observations are built as
     the operator builds them: the simulated router's cumulative counters (requests finished,
-    total time in stage, in flight now) scraped at each look and turned into a
+    total time in stage, in flight now, and the replicas' reported execution time unless
+    ``--no-execution-time``) scraped at each look and turned into a
     ``StageObservation`` by router_load's own ``observe()``; only the percentiles are exact
     (from the times of the requests finished in the interval) instead of a histogram's.
     What the planner remembers (recommendations, service times) is kept between calls as
@@ -191,6 +192,9 @@ class SimConfig:
     target_in_flight: float = 1.0
     scale_down_window_s: float = 300.0
     drain_s: float = 60.0
+    # Whether the simulated replicas report their execution time, as the runtime's do
+    # (omni_stage_execution_seconds); without it the planner infers the service time.
+    reports_execution: bool = True
     latency_percentile: int | None = None
     latency_multiple: float = 1.5
 
@@ -455,6 +459,8 @@ class StageSim:
     finished: int = 0
     time_sum: float = 0.0
     in_flight: int = 0
+    # What the replicas report they worked on the finished requests (their service times).
+    execution_sum: float = 0.0
     # Times in stage of the requests finished since the last look.
     window_times: list[float] = field(default_factory=list)
     busy_serving: int = 0
@@ -612,6 +618,7 @@ class Simulation:
         spent = now - event.entered_at
         stage.finished += 1
         stage.time_sum += spent
+        stage.execution_sum += self.workload.service_s[replica.stage][event.request]
         stage.window_times.append(spent)
         stage.in_flight -= 1
         if replica.draining:
@@ -687,6 +694,8 @@ class Simulation:
                 time_sum=s.time_sum,
                 time_count=s.finished,
                 in_flight=s.in_flight,
+                execution_sum=s.execution_sum if self.config.reports_execution else 0.0,
+                execution_count=s.finished if self.config.reports_execution else 0.0,
             )
             for s in self.stages
         }
@@ -905,6 +914,11 @@ def main() -> int:
         default=1.5,
         help="the latency objective, as a multiple of the stage's mean service time",
     )
+    parser.add_argument(
+        "--no-execution-time",
+        action="store_true",
+        help="the replicas report no execution time: the planner infers the service time",
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
@@ -920,6 +934,7 @@ def main() -> int:
         target_in_flight=args.target_in_flight,
         scale_down_window_s=args.scale_down_window_s,
         drain_s=args.drain_s,
+        reports_execution=not args.no_execution_time,
         latency_percentile=args.latency_percentile,
         latency_multiple=args.latency_multiple,
     )

@@ -8,12 +8,13 @@ A stage's need is the larger of two rules, each where its target is set:
 - in flight: the replicas that serve the arrival rate, each holding ``target_in_flight``
   requests at once (Little's law: ``arrival_rate * service_time / target``), plus those
   that drain the backlog (requests beyond what the ready replicas hold) within
-  ``drain_s``. The service time is the stage's time in stage when it is not queueing: the
-  planner remembers it (a moving average over the looks where the requests in flight fit
-  the ready replicas), because under a backlog the time in stage is mostly queue, and
-  sizing from it would ask one replica per queued request while new ones start (minutes
-  on GPU nodes), hundreds too many (bench/autoscaling_sim.py measured 578 for 45). Within
-  10 % of the replicas there are, it keeps them, so that noise moves nothing.
+  ``drain_s``. The service time is what the replicas report they worked on a request
+  (``execution_time``), else the stage's time in stage when it is not queueing; the
+  planner remembers it (a moving average), because under a backlog the time in stage is
+  mostly queue, and sizing from it would ask one replica per queued request while new
+  ones start (minutes on GPU nodes), hundreds too many (bench/autoscaling_sim.py measured
+  578 for 45). Within 10 % of the replicas there are, it keeps them, so that noise moves
+  nothing.
 - latency: the ready replicas scaled by how far the observed percentile of time in stage
   is from the objective (``ready * observed / objective``), as Kubernetes' HPA scales on a
   metric, with its 10 % tolerance, and up by at most double or +4 a look (the HPA's
@@ -59,6 +60,9 @@ class StageObservation:
     # Percentile (50, 90, ...) -> seconds in stage, over the window; empty when no request
     # finished in it.
     time_in_stage_percentiles: Mapping[int, float] = field(default_factory=dict)
+    # Mean seconds the replicas said they worked on a request (no queue), over the window;
+    # None where they report none or none finished.
+    execution_time: float | None = None
 
 
 @dataclass(frozen=True)
@@ -199,16 +203,20 @@ def _latency_need(
 def remembered_service_time(
     stage: StageObservation, target: float | None, ready: int, before: float | None
 ) -> float | None:
-    """The stage's service time after this look: moved toward the time in stage of a look
-    without a backlog (requests finished, and no more in flight than the ready replicas
-    hold at ``target`` each), else kept."""
-    if target is None or stage.time_in_stage <= 0 or ready <= 0:
-        return before
-    if stage.in_flight > ready * target:
-        return before
+    """The stage's service time after this look: moved toward the execution time the
+    replicas reported, else toward the time in stage of a look without a backlog (requests
+    finished, and no more in flight than the ready replicas hold at ``target`` each), else
+    kept."""
+    if stage.execution_time is not None and stage.execution_time > 0:
+        seen = stage.execution_time
+    else:
+        queued = target is None or ready <= 0 or stage.in_flight > ready * target
+        if queued or stage.time_in_stage <= 0:
+            return before
+        seen = stage.time_in_stage
     if before is None:
-        return stage.time_in_stage
-    return before + SERVICE_TIME_WEIGHT * (stage.time_in_stage - before)
+        return seen
+    return before + SERVICE_TIME_WEIGHT * (seen - before)
 
 
 def plan(groups: Sequence[GroupState], now: float, memory: Memory) -> tuple[list[Decision], Memory]:
@@ -223,13 +231,13 @@ def plan(groups: Sequence[GroupState], now: float, memory: Memory) -> tuple[list
         floor = 0
         for stage in state.stages:
             known = service_time.get(stage.stage)
+            known = remembered_service_time(stage, settings.target_in_flight, ready, known)
+            if known is not None:
+                service_time[stage.stage] = known
             needs.append(stage_need(stage, settings, state.replicas, ready, known))
             if settings.target_in_flight is not None:
                 held = stage.in_flight / settings.target_in_flight
                 floor = max(floor, math.ceil(held - 1e-9))
-            updated = remembered_service_time(stage, settings.target_in_flight, ready, known)
-            if updated is not None:
-                service_time[stage.stage] = updated
         need, why = max(needs, default=(0, "no load observed"))
         raw = min(max(need, settings.min_replicas), settings.max_replicas)
         horizon = max(settings.scale_up_window_s, settings.scale_down_window_s)

@@ -5,7 +5,9 @@ each took (``omni_stage_request_duration_seconds``: a histogram of the time in s
 queue and execution) and how many are in each stage now (``omni_stage_in_flight``). Two
 scrapes of one router give, per stage, the requests that entered (finished plus the growth
 of those in flight) and the time they spent; summed over the routers, that is the stage's
-arrival rate and mean time in stage that the planner (planner.py) sizes it from.
+arrival rate and mean time in stage that the planner (planner.py) sizes it from. Where the
+replicas report the time they worked on each request (``omni_stage_execution_seconds``),
+its mean is the stage's service time, free of the queue.
 
 Pure: text in, numbers out; fetching is the autoscaler's (autoscaler.py).
 """
@@ -23,6 +25,7 @@ from .planner import StageObservation
 FINISHED = "omni_stage_requests_total"
 TIME_IN_STAGE = "omni_stage_request_duration_seconds"
 IN_FLIGHT = "omni_stage_in_flight"
+EXECUTION = "omni_stage_execution_seconds"
 PERCENTILES = (50, 90, 95, 99)
 
 
@@ -41,6 +44,8 @@ class StageCounters:
     # (upper bound, cumulative count), ascending; the last bound is +Inf.
     buckets: tuple[tuple[float, float], ...] = ()
     in_flight: float = 0.0
+    execution_sum: float = 0.0
+    execution_count: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -58,6 +63,8 @@ def parse_router_metrics(text: str) -> dict[str, StageCounters]:
     time_count: dict[str, float] = {}
     buckets: dict[str, dict[float, float]] = {}
     in_flight: dict[str, float] = {}
+    execution_sum: dict[str, float] = {}
+    execution_count: dict[str, float] = {}
     try:
         families = list(text_string_to_metric_families(text))
     except ValueError as e:
@@ -78,6 +85,10 @@ def parse_router_metrics(text: str) -> dict[str, StageCounters]:
                 buckets.setdefault(stage, {})[bound] = sample.value
             elif sample.name == IN_FLIGHT:
                 in_flight[stage] = sample.value
+            elif sample.name == f"{EXECUTION}_sum":
+                execution_sum[stage] = sample.value
+            elif sample.name == f"{EXECUTION}_count":
+                execution_count[stage] = sample.value
     names = set(finished) | set(time_count) | set(in_flight)
     return {
         name: StageCounters(
@@ -86,6 +97,8 @@ def parse_router_metrics(text: str) -> dict[str, StageCounters]:
             time_count=time_count.get(name, 0.0),
             buckets=tuple(sorted(buckets.get(name, {}).items())),
             in_flight=in_flight.get(name, 0.0),
+            execution_sum=execution_sum.get(name, 0.0),
+            execution_count=execution_count.get(name, 0.0),
         )
         for name in names
     }
@@ -122,6 +135,8 @@ class _Delta:
     time_count: float
     buckets: tuple[tuple[float, float], ...]
     in_flight_change: float
+    execution_sum: float
+    execution_count: float
 
 
 def _delta(then: StageCounters, now: StageCounters) -> _Delta:
@@ -135,6 +150,8 @@ def _delta(then: StageCounters, now: StageCounters) -> _Delta:
         time_count=now.time_count - base.time_count,
         buckets=tuple((bound, count - earlier.get(bound, 0.0)) for bound, count in now.buckets),
         in_flight_change=now.in_flight - then.in_flight,
+        execution_sum=now.execution_sum - base.execution_sum,
+        execution_count=now.execution_count - base.execution_count,
     )
 
 
@@ -145,12 +162,16 @@ class _Window:
     time_count: float = 0.0
     in_flight: float = 0.0
     buckets: dict[float, float] | None = None
+    execution_sum: float = 0.0
+    execution_count: float = 0.0
 
     def add(self, delta: _Delta, seconds: float) -> None:
         entered = max(0.0, delta.finished + delta.in_flight_change)
         self.arrival_rate += entered / seconds
         self.time_sum += delta.time_sum
         self.time_count += delta.time_count
+        self.execution_sum += delta.execution_sum
+        self.execution_count += delta.execution_count
         merged = self.buckets if self.buckets is not None else {}
         for bound, count in delta.buckets:
             merged[bound] = merged.get(bound, 0.0) + count
@@ -160,12 +181,14 @@ class _Window:
         mean = self.time_sum / self.time_count if self.time_count > 0 else 0.0
         buckets = sorted((self.buckets or {}).items())
         percentiles = {p: q for p in PERCENTILES if (q := quantile(p / 100, buckets)) is not None}
+        execution = self.execution_sum / self.execution_count if self.execution_count > 0 else None
         return StageObservation(
             stage=stage,
             arrival_rate=self.arrival_rate,
             time_in_stage=mean,
             in_flight=round(self.in_flight),
             time_in_stage_percentiles=percentiles,
+            execution_time=execution,
         )
 
 

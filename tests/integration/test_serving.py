@@ -32,6 +32,7 @@ from serving import (
     wait_until,
 )
 
+from omni_operator.router_load import parse_router_metrics
 from omni_runtime.config import PipelineConfig, dump_pipeline
 from omni_runtime.tiny_models import DIFFUSION_SUBDIR, LLM_SUBDIR
 
@@ -522,6 +523,11 @@ async def test_a_killed_replica_fails_only_its_requests_and_traffic_moves_on(
                 metrics = (await http.get("/metrics")).text
                 assert 'omni_stage_live_replicas{stage="dit"} 1.0' in metrics
                 assert "omni_stage_request_duration_seconds_bucket" in metrics
+                # The replicas' own time per request, which the autoscaling planner takes
+                # as the stage's service time.
+                stages = parse_router_metrics(metrics)
+                assert stages["dit"].execution_count >= 3
+                assert 0 < stages["dit"].execution_sum <= stages["dit"].time_sum
     finally:
         doomed.stop()
 

@@ -233,3 +233,12 @@ def test_both_targets_take_the_larger_need() -> None:
     stage = StageObservation("dit", 10.0, 0.5, 0, {90: 1.0})
     (decision,) = run([GroupState("dit", 2, both, [stage])], 0.0, {})
     assert decision.desired == 3
+
+
+def test_a_reported_execution_time_is_the_service_time_even_under_a_backlog() -> None:
+    gpu_dit = Autoscaling(1, 1000, target_in_flight=1, scale_down_window_s=300, drain_s=120)
+    # No calm look yet, but the replicas say 6 s of the 30 s in stage was their work.
+    busy = StageObservation("dit", 6.0, 30.0, in_flight=300, execution_time=6.0)
+    decisions, memory = plan([GroupState("dit", 24, gpu_dit, [busy])], 0.0, Memory())
+    assert decisions[0].desired == 50  # 6 x 6 = 36, + 276 x 6 / 120 = 13.8
+    assert memory.service_time == {"dit": 6.0}

@@ -38,13 +38,16 @@ class FakePool:
         ]
 
 
-def router_text(finished: dict[str, list[float]], in_flight: dict[str, int]) -> str:
-    """/metrics of a router whose stages finished requests taking ``finished`` seconds."""
+def router_text(
+    finished: dict[str, list[float]], in_flight: dict[str, int], executing: float = 0.0
+) -> str:
+    """/metrics of a router whose stages finished requests taking ``finished`` seconds, of
+    which the replicas said they worked ``executing`` (0: they said nothing)."""
     pools = {name: FakePool(n) for name, n in in_flight.items()}
     metrics = RouterMetrics(lambda: pools)  # type: ignore[arg-type, return-value]
     for stage, times in finished.items():
         for seconds in times:
-            metrics.stage_request_done(stage, 0, seconds, failed=False)
+            metrics.stage_request_done(stage, 0, seconds, False, executing)
     return generate_latest(metrics.registry).decode()
 
 
@@ -116,3 +119,17 @@ def test_quantile_interpolates_within_a_bucket_as_prometheus_does() -> None:
     assert quantile(0.25, buckets) == pytest.approx(0.3)
     assert quantile(0.9, [(1.0, 1.0), (float("inf"), 10.0)]) == 1.0
     assert quantile(0.9, [(1.0, 0.0), (float("inf"), 0.0)]) is None
+
+
+def test_the_replicas_own_time_is_the_execution_time_free_of_the_queue() -> None:
+    before = {"r0": RouterScrape(0.0, parse_router_metrics(router_text({}, {"dit": 0})))}
+    # 10 requests, 2 s each in the stage, of which 0.5 s the replica worked on them.
+    text = router_text({"dit": [2.0] * 10}, {"dit": 0}, executing=0.5)
+    after = {"r0": RouterScrape(10.0, parse_router_metrics(text))}
+    (dit,), _ = observe(["dit"], before, after)
+    assert dit.time_in_stage == pytest.approx(2.0)
+    assert dit.execution_time == pytest.approx(0.5)
+    # A router whose replicas report nothing: no execution time, not a zero one.
+    silent = {"r0": RouterScrape(10.0, parse_router_metrics(router_text({"dit": [2.0]}, {})))}
+    (dit,), _ = observe(["dit"], before, silent)
+    assert dit.execution_time is None

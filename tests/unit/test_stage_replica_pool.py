@@ -107,11 +107,23 @@ class FakeReplica(StageCoreClientBase):
         self._outputs.put_nowait(StageServerOutputs(outputs=list(outputs)))
 
     def answer(
-        self, request_id: str, text: str = "done", *, error: StageError | None = None
+        self,
+        request_id: str,
+        text: str = "done",
+        *,
+        error: StageError | None = None,
+        execute_time: float = 0.0,
     ) -> None:
         reason = "error" if error else "stop"
         self.emit(
-            StageServerOutput(request_id, text, finished=True, finish_reason=reason, error=error)
+            StageServerOutput(
+                request_id,
+                text,
+                finished=True,
+                finish_reason=reason,
+                error=error,
+                execute_time=execute_time,
+            )
         )
 
     def step(self, request_id: str, text: str) -> StageServerOutput:
@@ -228,7 +240,7 @@ async def test_outputs_reach_their_own_requests(make_pool: PoolFactory) -> None:
 
 async def test_a_dead_replica_fails_only_its_requests(make_pool: PoolFactory) -> None:
     done: list[tuple[str, int, bool]] = []
-    pool, (r0, r1) = make_pool(2, on_request_done=lambda s, i, _lat, f: done.append((s, i, f)))
+    pool, (r0, r1) = make_pool(2, on_request_done=lambda s, i, _lat, f, _ex: done.append((s, i, f)))
     on_r0 = await pool.add_request(req("a"))
     on_r1 = await pool.add_request(req("b"))
     r0.emit(r0.step("a", "partial"))
@@ -429,12 +441,12 @@ async def test_cancelling_add_request_aborts_on_the_replica(make_pool: PoolFacto
 
 
 async def test_counters_and_the_done_hook(make_pool: PoolFactory) -> None:
-    done: list[tuple[str, int, float, bool]] = []
+    done: list[tuple[str, int, float, bool, float]] = []
     pool, (r0, r1) = make_pool(2, on_request_done=lambda *args: done.append(args))
     ok = await pool.add_request(req("ok"))
     bad = await pool.add_request(req("bad"))
     await pool.add_request(req("waiting"))
-    r0.answer("ok")
+    r0.answer("ok", execute_time=0.25)
     height = StageError.bad_request("params.height: Expected int >= 1", "height")
     r1.answer("bad", error=height)
     await collect(ok)
@@ -450,11 +462,13 @@ async def test_counters_and_the_done_hook(make_pool: PoolFactory) -> None:
     assert s0.mean_latency_s == s0.latency_total_s >= 0.0
     assert pool.in_flight == 1
     assert pool.live_replica_count == 2
-    assert [(stage, replica, failed) for stage, replica, _, failed in done] == [
+    assert [(stage, replica, failed) for stage, replica, _, failed, _ in done] == [
         ("dit", 0, False),
         ("dit", 1, True),
     ]
-    assert all(latency >= 0.0 for _, _, latency, _ in done)
+    assert all(latency >= 0.0 for _, _, latency, _, _ in done)
+    # What the replica said it worked on the request reaches the hook (0: said nothing).
+    assert [execute_s for *_, execute_s in done] == [0.25, 0.0]
 
 
 async def test_a_broken_done_hook_does_not_stop_outputs(make_pool: PoolFactory) -> None:

@@ -55,6 +55,15 @@ class RouterMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         )
+        self.stage_execution = Histogram(
+            "omni_stage_execution_seconds",
+            "Time a stage replica said it worked on a request, by stage: its engine's time, "
+            "without the replica's own queue for a diffusion stage (an LLM stage's includes "
+            "the wait for a batch slot). Requests that finished without error.",
+            ["stage"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
         self.retries = Counter(
             "omni_router_retries",
             "Stage requests the router sent again, invisibly to the caller, by stage and "
@@ -87,11 +96,15 @@ class RouterMetrics:
     def request_revision(self, revision: str) -> None:
         self.revision_requests.labels(revision).inc()
 
-    def stage_request_done(self, stage: str, replica_id: int, latency: float, failed: bool) -> None:
+    def stage_request_done(
+        self, stage: str, replica_id: int, latency: float, failed: bool, execute_s: float = 0.0
+    ) -> None:
         """The pools' per-request hook."""
         outcome = "error" if failed else "ok"
         self.stage_requests.labels(stage, str(replica_id), outcome).inc()
         self.stage_latency.labels(stage).observe(latency)
+        if execute_s > 0 and not failed:
+            self.stage_execution.labels(stage).observe(execute_s)
 
 
 class _PoolCollector(Collector):

@@ -58,9 +58,11 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-# (stage_name, replica_id, latency_s, failed), called once per request that finished or
-# failed on a replica (not for requests the caller aborted): what /metrics records.
-RequestDoneHook = Callable[[str, int, float, bool], None]
+# (stage_name, replica_id, latency_s, failed, execute_s), called once per request that
+# finished or failed on a replica (not for requests the caller aborted): what /metrics
+# records. execute_s is what the replica said it spent on the request (its engine's time,
+# without its own queue for a diffusion stage); 0 where it said nothing.
+RequestDoneHook = Callable[[str, int, float, bool, float], None]
 
 DEFAULT_DRAIN_TIMEOUT_S = 30.0
 
@@ -514,7 +516,10 @@ class StageReplicaPool:
             return
         pool_request._deliver(output)
         if final:
-            self._finish(replica, pool_request, failed=is_failed_output(output))
+            execute_s = float(getattr(output, "execute_time", 0.0) or 0.0)
+            self._finish(
+                replica, pool_request, failed=is_failed_output(output), execute_s=execute_s
+            )
 
     def _unbind(self, replica: _Replica, pool_request: PoolRequest) -> bool:
         """Forget where ``pool_request`` runs; False if it was not bound."""
@@ -535,6 +540,7 @@ class StageReplicaPool:
         *,
         failed: bool,
         error: ReplicaLostError | None = None,
+        execute_s: float = 0.0,
     ) -> None:
         if not self._unbind(replica, pool_request):
             return
@@ -548,7 +554,9 @@ class StageReplicaPool:
         pool_request._close(error)
         if self.on_request_done is not None:
             try:
-                self.on_request_done(self.stage_name, replica.replica_id, latency, failed)
+                self.on_request_done(
+                    self.stage_name, replica.replica_id, latency, failed, execute_s
+                )
             except Exception:
                 # A metrics hook must not stop outputs reaching their requests.
                 logger.exception("stage %r: on_request_done failed", self.stage_name)
