@@ -172,3 +172,13 @@ def test_an_omnipipeline_yaml_with_autoscaling_still_runs_locally() -> None:
 
     raw = {"model": "m", "stages": [{"stageId": 0, "type": "llm", "autoscaling": PLANNER}]}
     assert "autoscaling" not in strip_kubernetes_fields(raw)["stages"][0]
+
+
+def test_the_planners_interval_comes_from_the_environment_within_bounds() -> None:
+    from omni_operator.handlers import PLANNER_INTERVAL_ENV, planner_interval
+
+    assert planner_interval({}) == 15.0
+    assert planner_interval({PLANNER_INTERVAL_ENV: "2"}) == 2.0
+    for bad in ("0", "abc", "601"):
+        with pytest.raises(ValueError, match=re.escape("from 0.1 to 600")):
+            planner_interval({PLANNER_INTERVAL_ENV: bad})
