@@ -14,7 +14,10 @@ A stage's need is the larger of two rules, each where its target is set:
   mostly queue, and sizing from it would ask one replica per queued request while new
   ones start (minutes on GPU nodes), hundreds too many (bench/autoscaling_sim.py measured
   578 for 45). Within 10 % of the replicas there are, it keeps them, so that noise moves
-  nothing.
+  nothing. A queue that stands (every replica ready, more in flight than they hold by
+  over 10 % at this look and the last, and no fewer than then: a closed loop of clients at
+  the stage's capacity, which a rate alone never shows) asks for ``in_flight / target``,
+  at most double or +4 a look.
 - latency: the ready replicas scaled by how far the observed percentile of time in stage
   is from the objective (``ready * observed / objective``), as Kubernetes' HPA scales on a
   metric, with its 10 % tolerance, and up by at most double or +4 a look (the HPA's
@@ -117,6 +120,8 @@ class Memory:
     recommendations: Mapping[str, Sequence[Recommendation]] = field(default_factory=dict)
     # Per stage: seconds a request takes in it without queueing (see the module docstring).
     service_time: Mapping[str, float] = field(default_factory=dict)
+    # Per stage: the requests in it at the last look.
+    in_flight: Mapping[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -134,16 +139,18 @@ def stage_need(
     current: int,
     ready: int,
     service_time: float | None,
+    in_flight_before: int | None = None,
 ) -> tuple[int, str]:
     """The replicas ``stage`` needs for its load, and how that was found. ``service_time``
-    is the remembered one (None: not known yet, the time in stage stands in)."""
+    is the remembered one (None: not known yet, the time in stage stands in);
+    ``in_flight_before`` the requests in the stage at the last look."""
     needs: list[tuple[int, str]] = []
     if settings.target_in_flight is not None:
-        needs.append(
-            _in_flight_need(
-                stage, settings.target_in_flight, current, ready, service_time, settings.drain_s
-            )
-        )
+        target = settings.target_in_flight
+        needs.append(_in_flight_need(stage, target, current, ready, service_time, settings.drain_s))
+        standing = _standing_queue_need(stage, target, current, ready, in_flight_before)
+        if standing is not None:
+            needs.append(standing)
     if settings.latency is not None:
         needs.append(_latency_need(stage, settings.latency, current, ready))
     return max(needs, default=(0, f"{stage.stage}: no target"))
@@ -173,6 +180,21 @@ def _in_flight_need(
     if backlog:
         why += f", + {backlog:.0f} queued over {drain_s:g} s = {draining:.3g}"
     return need, f"{why} ({stage.in_flight} in flight) -> {need}"
+
+
+def _standing_queue_need(
+    stage: StageObservation, target: float, current: int, ready: int, before: int | None
+) -> tuple[int, str] | None:
+    over = ready * target * (1 + TOLERANCE)
+    if before is None or ready < current or min(stage.in_flight, before) <= over:
+        return None  # not over at this look and the last
+    if stage.in_flight < before:
+        return None  # draining: the replicas there are catching up
+    need = min(math.ceil(stage.in_flight / target - 1e-9), max(2 * current, current + 4))
+    return need, (
+        f"{stage.stage}: {stage.in_flight} in flight on {ready} ready, {target:g} per replica, "
+        f"not fewer than the {before} of the last look -> {need}"
+    )
 
 
 def _latency_need(
@@ -224,6 +246,7 @@ def plan(groups: Sequence[GroupState], now: float, memory: Memory) -> tuple[list
     decisions: list[Decision] = []
     kept: dict[str, list[Recommendation]] = {}
     service_time = dict(memory.service_time)
+    in_flight = dict(memory.in_flight)
     for state in groups:
         settings = state.settings
         ready = state.replicas if state.ready_replicas is None else state.ready_replicas
@@ -234,7 +257,9 @@ def plan(groups: Sequence[GroupState], now: float, memory: Memory) -> tuple[list
             known = remembered_service_time(stage, settings.target_in_flight, ready, known)
             if known is not None:
                 service_time[stage.stage] = known
-            needs.append(stage_need(stage, settings, state.replicas, ready, known))
+            before = in_flight.get(stage.stage)
+            in_flight[stage.stage] = stage.in_flight
+            needs.append(stage_need(stage, settings, state.replicas, ready, known, before))
             if settings.target_in_flight is not None:
                 held = stage.in_flight / settings.target_in_flight
                 floor = max(floor, math.ceil(held - 1e-9))
@@ -256,7 +281,7 @@ def plan(groups: Sequence[GroupState], now: float, memory: Memory) -> tuple[list
                 desired = held
                 reason = f"holding {held}: the requests in flight need them; {why}"
         decisions.append(Decision(state.group, state.replicas, desired, reason))
-    return decisions, Memory(kept, service_time)
+    return decisions, Memory(kept, service_time, in_flight)
 
 
 def _stabilised(

@@ -242,3 +242,21 @@ def test_a_reported_execution_time_is_the_service_time_even_under_a_backlog() ->
     decisions, memory = plan([GroupState("dit", 24, gpu_dit, [busy])], 0.0, Memory())
     assert decisions[0].desired == 50  # 6 x 6 = 36, + 276 x 6 / 120 = 13.8
     assert memory.service_time == {"dit": 6.0}
+
+
+def test_a_queue_that_stands_asks_for_what_holds_it() -> None:
+    # A closed loop of 5 clients on one DiT: it serves at its capacity (8 req/s x 0.124 s
+    # = 1 replica busy), and 4 wait. The rate alone asks for nothing more.
+    settings = Autoscaling(1, 8, target_in_flight=1, scale_down_window_s=300)
+    loop = StageObservation("dit", 8.0, 0.62, in_flight=5, execution_time=0.124)
+    decisions, memory = plan([GroupState("dit", 1, settings, [loop])], 0.0, Memory())
+    assert decisions[0].desired == 1  # once may be a burst
+    decisions, memory = plan([GroupState("dit", 1, settings, [loop])], 15.0, memory)
+    assert decisions[0].desired == 5
+    assert "5 in flight on 1 ready, 1 per replica, not fewer than the 5" in decisions[0].reason
+    # While the new replicas start, or once the queue drains, it asks nothing more.
+    starting = GroupState("dit", 5, settings, [loop], ready_replicas=1)
+    assert plan([starting], 30.0, memory)[0][0].desired == 5
+    fewer = StageObservation("dit", 8.0, 0.3, in_flight=3, execution_time=0.124)
+    decisions, _ = plan([GroupState("dit", 2, settings, [fewer])], 30.0, memory)
+    assert decisions[0].desired == 2
