@@ -102,6 +102,65 @@ async def test_hand_backs_are_bounded_then_the_request_restarts_then_fails() -> 
     assert [e for e in events if e[0] == "revision"] == []
 
 
+class LostInputReplica(FakeReplica):
+    """Cannot fetch the hand-off its request names, as a DiT whose thinker replica went
+    away in a rollout before the hidden states were fetched; answers later requests."""
+
+    def __init__(self, name: str, losses: int = 1) -> None:
+        super().__init__(name)
+        self.losses = losses
+
+    async def add_request_async(self, request: object) -> None:
+        await super().add_request_async(request)  # type: ignore[arg-type]
+        if self.losses > 0:
+            self.losses -= 1
+            lost = StageError(
+                StageErrorCode.STAGE_FAILED,
+                "prompt_embeds: cannot fetch key 'r1': 10.0.0.9:7000 closed the connection",
+                "prompt_embeds",
+            )
+            self.answer(self.received[-1], error=lost)
+        else:
+            self.answer(self.received[-1], "image")
+
+
+async def test_a_lost_hand_off_restarts_the_request_once_then_fails_with_a_503() -> None:
+    pool = StageReplicaPool("dit")
+    replica = LostInputReplica("a")
+    pool.add_replica(replica, "a", revision="1-a")
+    run, events = orchestrator(pool)
+    outputs = await asyncio.wait_for(run.complete(PipelineRequest("r1", prompt="p")), 5)
+    assert outputs[-1].text == "image"
+    assert len(replica.received) == 2
+    assert ("retry", "dit", "input_lost") in events
+    # Lost again on the restart: a 503 (try again), never a 500 for a rollout's race.
+    pool = StageReplicaPool("dit")
+    pool.add_replica(LostInputReplica("b", losses=2), "b", revision="1-a")
+    run, _ = orchestrator(pool)
+    with pytest.raises(PipelineError) as failed:
+        await asyncio.wait_for(run.complete(PipelineRequest("r2", prompt="p")), 5)
+    assert failed.value.status == 503
+    assert "cannot fetch key" in str(failed.value)
+
+
+async def test_a_stage_failure_that_names_no_hand_off_is_not_retried() -> None:
+    class Broken(FakeReplica):
+        async def add_request_async(self, request: object) -> None:
+            await super().add_request_async(request)  # type: ignore[arg-type]
+            error = StageError(StageErrorCode.STAGE_FAILED, "the engine failed this request")
+            self.answer(self.received[-1], error=error)
+
+    pool = StageReplicaPool("dit")
+    broken = Broken("a")
+    pool.add_replica(broken, "a", revision="1-a")
+    run, events = orchestrator(pool)
+    with pytest.raises(PipelineError) as failed:
+        await asyncio.wait_for(run.complete(PipelineRequest("r1", prompt="p")), 5)
+    assert failed.value.status == 500
+    assert broken.received == ["r1"]
+    assert not [e for e in events if e[0] == "retry"]
+
+
 async def test_no_complete_revision_is_a_503_saying_so() -> None:
     pool = StageReplicaPool("dit")
     run, _ = orchestrator(pool)

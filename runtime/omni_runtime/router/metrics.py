@@ -67,8 +67,8 @@ class RouterMetrics:
         self.retries = Counter(
             "omni_router_retries",
             "Stage requests the router sent again, invisibly to the caller, by stage and "
-            "reason: handed_back (a draining replica returned it unstarted), replica_lost "
-            "or revision_gone (the request restarted from the first stage).",
+            "reason: handed_back (a draining replica returned it unstarted), replica_lost, "
+            "revision_gone or input_lost (the request restarted from the first stage).",
             ["stage", "reason"],
             registry=self.registry,
         )

@@ -26,9 +26,11 @@ status the router answers with. Retries are invisible to the caller and bounded:
   ``HANDBACK_RETRIES`` times per stage request; a request a replica accepted and runs is
   never sent elsewhere, it finishes there;
 - a replica lost before the caller received anything (its connection died; nothing it did
-  reached the caller), or a revision whose replicas of a later stage went away meanwhile,
-  restarts the request from the first stage, once (hidden states handed to a dead replica
-  are gone with it), on the revision then newest.
+  reached the caller), a revision whose replicas of a later stage went away meanwhile, or
+  a stage that could not fetch its input from the replica that produced it (gone in a
+  rollout before the hand-off was fetched: a STAGE_FAILED error whose ``param`` names the
+  input), restarts the request from the first stage, once (hidden states handed to a dead
+  replica are gone with it), on the revision then newest.
 Each retry is reported to ``on_retry`` (/metrics). Cancelling the consumer (a client that
 disconnected) aborts the request in the stage running it.
 """
@@ -77,7 +79,8 @@ _ATTEMPTS = 2
 HANDBACK_RETRIES = 3
 
 # (stage name, why): "handed_back" (a draining replica returned it unstarted),
-# "replica_lost" or "revision_gone" (the request restarted from the first stage).
+# "replica_lost", "revision_gone" or "input_lost" (the request restarted from the first
+# stage).
 RetryHook = Callable[[str, str], None]
 # (stage name, replica id, revision): a stage request that a replica answered in full.
 ServedHook = Callable[[str, int, str], None]
@@ -91,6 +94,22 @@ _HTTP_ERRORS: dict[StageErrorCode, tuple[int, str]] = {
     # Only once the hand-back retries are spent: every replica tried was draining.
     StageErrorCode.DRAINING: (503, "service_unavailable"),
 }
+
+
+# A stage's inputs that an upstream replica hands off (StageServerRequest's fields): a
+# STAGE_FAILED error naming one of them says the hand-off was lost, not that the stage broke.
+_HANDED_OFF_INPUTS = frozenset(
+    {"prompt_embeds", "negative_prompt_embeds", "context_kv", "no_image_context_kv"}
+)
+
+
+class _InputLost(Exception):
+    """A stage could not fetch the input an upstream replica handed off (that replica went
+    away first): run the request again from the first stage."""
+
+    def __init__(self, stage_name: str, message: str) -> None:
+        super().__init__(message)
+        self.stage_name = stage_name
 
 
 class _RevisionGone(Exception):
@@ -225,11 +244,17 @@ class PipelineOrchestrator:
                         yield output
                 self._report(self.on_revision, attempt.revision)
                 return
-            except (ReplicaLostError, _RevisionGone) as e:
+            except (ReplicaLostError, _RevisionGone, _InputLost) as e:
                 if yielded or number + 1 == _ATTEMPTS:
                     raise PipelineError(503, str(e), kind="service_unavailable") from None
                 logger.warning("request %s: %s; retrying", request.request_id, e)
-                reason = "replica_lost" if isinstance(e, ReplicaLostError) else "revision_gone"
+                reason = (
+                    "replica_lost"
+                    if isinstance(e, ReplicaLostError)
+                    else "input_lost"
+                    if isinstance(e, _InputLost)
+                    else "revision_gone"
+                )
                 self._report(self.on_retry, e.stage_name, reason)
             except TimeoutError:
                 raise PipelineError(
@@ -471,6 +496,9 @@ class PipelineOrchestrator:
                                 handed_back = True
                                 tracing.fail(span, output.error.message)
                                 break
+                            if _input_lost(output.error):
+                                message = f"stage {stage.name!r}: {output.error.message}"
+                                raise _InputLost(stage.name, message)
                             raise _stage_error(stage, output.error)
                         finished = output.finished
                         if finished:
@@ -521,6 +549,10 @@ class PipelineOrchestrator:
         except Exception:
             # Metrics must not fail a request that succeeded.
             logger.exception("an orchestrator hook failed")
+
+
+def _input_lost(error: StageError) -> bool:
+    return error.code is StageErrorCode.STAGE_FAILED and error.param in _HANDED_OFF_INPUTS
 
 
 def _stage_error(stage: StageConfig, error: StageError) -> PipelineError:

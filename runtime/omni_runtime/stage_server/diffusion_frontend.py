@@ -65,9 +65,11 @@ class StageDiffusionFrontend(StageFrontend):
             try:
                 fetched[name] = None if handle is None else await self._fetch(handle, spans)
             except (ConnectorError, KeyError) as e:
-                # The upstream stage's hand-off is gone or unreachable: not this request's
-                # fault, and not one a resend fixes.
-                failed = StageError(StageErrorCode.STAGE_FAILED, f"{name}: {e}")
+                # The upstream stage's hand-off is gone or unreachable (its replica went
+                # away before this one fetched it): not this request's fault, and not one
+                # a resend here fixes. ``param`` names the lost input, so that the router
+                # can run the request again from the first stage (orchestrator.py).
+                failed = StageError(StageErrorCode.STAGE_FAILED, f"{name}: {e}", name)
                 return [refusal(request_id, failed)]
         if spans is not None:
             spans.queued()
