@@ -36,8 +36,11 @@ def deployment(
 
 
 def status_of(
-    deployments: dict[str, dict[str, Any]], previous: OmniPipelineStatus | None = None
+    deployments: dict[str, dict[str, Any]],
+    previous: OmniPipelineStatus | None = None,
+    **autoscaling: Any,
 ) -> OmniPipelineStatus:
+    """The status of ``deployments``; ``autoscaling``: pipeline_status's autoscaler inputs."""
     return pipeline_status(
         stages=STAGES,
         router_deployment="p-router",
@@ -46,6 +49,7 @@ def status_of(
         endpoint="http://p.ns.svc:8000",
         previous=previous,
         now="2026-11-30T00:00:00Z",
+        **autoscaling,
     )
 
 
@@ -174,14 +178,9 @@ def test_a_planner_scale_up_is_progress_not_a_degraded_pipeline() -> None:
     assert serving.phase == "Ready"
     scaled = {**all_ready(), "p-vae": deployment(replicas=5, ready=2)}
     why = StageScalingStatus(mode="planner", desired_replicas=5, reason="scaling up 2 -> 5")
-    status = pipeline_status(
-        stages=STAGES,
-        router_deployment="p-router",
-        deployments=scaled,
-        generation=4,
-        endpoint="http://p.ns.svc:8000",
-        previous=serving,
-        now="2026-11-30T00:00:00Z",
+    status = status_of(
+        scaled,
+        serving,
         scaling={"vae": why},
         scaled_up_from={"p-vae": 2},
     )
@@ -193,14 +192,9 @@ def test_a_planner_scale_up_is_progress_not_a_degraded_pipeline() -> None:
     assert vae.autoscaling == why
     # Fewer ready than before the scale-up: replicas were lost, whatever the planner did.
     lost = {**scaled, "p-vae": deployment(replicas=5, ready=1)}
-    status = pipeline_status(
-        stages=STAGES,
-        router_deployment="p-router",
-        deployments=lost,
-        generation=4,
-        endpoint="http://p.ns.svc:8000",
-        previous=serving,
-        now="2026-11-30T00:00:00Z",
+    status = status_of(
+        lost,
+        serving,
         scaled_up_from={"p-vae": 2},
     )
     assert status.phase == "Degraded"
@@ -212,14 +206,9 @@ def test_a_planner_scale_down_not_yet_observed_is_not_a_rollout() -> None:
     scaled = {**all_ready(), "p-vae": deployment(replicas=1, ready=2, generation=2, observed=1)}
 
     def status(generations: dict[str, int]) -> OmniPipelineStatus:
-        return pipeline_status(
-            stages=STAGES,
-            router_deployment="p-router",
-            deployments=scaled,
-            generation=4,
-            endpoint="http://p.ns.svc:8000",
-            previous=serving,
-            now="2026-11-30T00:00:00Z",
+        return status_of(
+            scaled,
+            serving,
             scaled_generations=generations,
         )
 
