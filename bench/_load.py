@@ -15,7 +15,6 @@ import importlib
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -33,11 +32,10 @@ LOG_TAIL_LINES = 40
 
 
 def free_port() -> int:
-    """A loopback port nobody listens on now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+    """A loopback port for a server this script starts, leased as the tests lease theirs
+    (tests/port_leases.py: outside the kernel's ephemeral range, never handed out twice)."""
+    port: int = _test_helpers("port_leases", "tests").lease_port()
+    return port
 
 
 def exit_on_sigterm() -> None:
@@ -262,8 +260,8 @@ def ratio_cell(value: float, target: float, higher_is_better: bool) -> str:
     return f"{value:.2f}x {'ok' if met else 'MISS'}"
 
 
-def _test_helpers(module: str) -> Any:
-    directory = str(Path(__file__).resolve().parents[1] / "tests" / "integration")
+def _test_helpers(module: str, folder: str = "tests/integration") -> Any:
+    directory = str(Path(__file__).resolve().parents[1] / folder)
     if directory not in sys.path:
         sys.path.append(directory)
     return importlib.import_module(module)

@@ -4,10 +4,11 @@ and the chat completion that asks it for an image."""
 from __future__ import annotations
 
 import base64
+import queue
 import signal
-import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -23,16 +24,24 @@ CLI = [sys.executable, "-m", "omni_runtime.entrypoints.cli"]
 
 @contextmanager
 def serving(pipeline: Path, port: int = 0, timeout: float = 600.0) -> Iterator[str]:
-    """Build the tiny models (once), serve ``pipeline`` on ``port`` (0: a free one) until
-    healthy, yield its OpenAI base URL, and stop it on the way out."""
-    port = port or _free_port()
+    """Build the tiny models (once), serve ``pipeline`` on ``port`` (0: whichever port the
+    server binds, read from its "serving" line) until healthy, yield its OpenAI base URL,
+    and stop it on the way out."""
     subprocess.run([*CLI, "make-tiny-models"], check=True)
     print(f"starting: omni-runtime serve -f {pipeline.name} --port {port}")
-    # The server's own progress lines (stages ready, where it serves) show as they come.
-    server = subprocess.Popen([*CLI, "serve", "-f", str(pipeline), "--port", str(port)])
+    server = subprocess.Popen(
+        [*CLI, "serve", "-f", str(pipeline), "--port", str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    announced: queue.Queue[str] = queue.Queue()
+    echo = threading.Thread(target=_echo, args=(server, announced), daemon=True)
+    echo.start()
     try:
-        _wait_healthy(f"http://127.0.0.1:{port}/health", server, timeout)
-        yield f"http://127.0.0.1:{port}/v1"
+        base_url = _wait_announced(announced, server, timeout)
+        _wait_healthy(base_url.removesuffix("/v1") + "/health", server, timeout)
+        yield base_url
     finally:
         server.send_signal(signal.SIGINT)
         try:
@@ -40,10 +49,35 @@ def serving(pipeline: Path, port: int = 0, timeout: float = 600.0) -> Iterator[s
         except subprocess.TimeoutExpired:
             server.kill()
             server.wait()
+        echo.join(timeout=10)
         print("stopped the pipeline")
 
 
-def _wait_healthy(url: str, server: subprocess.Popen[bytes], timeout: float) -> None:
+def _echo(server: subprocess.Popen[str], announced: queue.Queue[str]) -> None:
+    """The server's own progress lines, shown as they come; the URL of its "serving" line
+    (the one place that says which port it bound) handed to ``announced``."""
+    assert server.stdout is not None
+    for line in server.stdout:
+        print(line, end="", flush=True)
+        if line.startswith("serving http://"):
+            announced.put(line.split()[1])
+
+
+def _wait_announced(
+    announced: queue.Queue[str], server: subprocess.Popen[str], timeout: float
+) -> str:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise SystemExit(f"omni-runtime serve exited with code {server.returncode}")
+        try:
+            return announced.get(timeout=0.5)
+        except queue.Empty:
+            pass
+    raise SystemExit(f"the pipeline was not serving within {timeout:.0f} s")
+
+
+def _wait_healthy(url: str, server: subprocess.Popen[str], timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if server.poll() is not None:
@@ -56,12 +90,6 @@ def _wait_healthy(url: str, server: subprocess.Popen[bytes], timeout: float) -> 
             pass
         time.sleep(0.5)
     raise SystemExit(f"the pipeline was not healthy within {timeout:.0f} s")
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def chat_image(

@@ -7,7 +7,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from port_leases import lease_port
 
 REPO = Path(__file__).resolve().parents[2]
 CRD_FILE = REPO / "crds" / "omnipipelines.yaml"
@@ -37,13 +38,6 @@ OUR_KINDS = (
 )
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
-
-
 class OperatorProcess:
     """`kopf run --standalone --namespace NS -m omni_operator.handlers`, with a liveness
     endpoint; its log goes to a file whose tail failures print."""
@@ -52,7 +46,7 @@ class OperatorProcess:
         self.env = {**env, "OMNI_RUNTIME_IMAGE": TEST_RUNTIME_IMAGE}
         self.namespace = namespace
         self.log_path = log_path
-        self.port = free_port()
+        self.port = lease_port()
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property

@@ -25,9 +25,10 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 import pytest
-from operator_harness import CLI, CRD_FILE, OperatorProcess, free_port, stage_process, stop
+from operator_harness import CLI, CRD_FILE, OperatorProcess, stage_process, stop
 
 from omni_runtime.tiny_models import DIFFUSION_SUBDIR
+from port_leases import lease_port
 
 if TYPE_CHECKING:
     from conftest import Kube
@@ -230,7 +231,7 @@ def test_the_dit_scales_up_with_load_and_down_after_it_and_external_is_left_alon
     dit_stage: int,
     eventually: Eventually,
 ) -> None:
-    router_port = free_port()
+    router_port = lease_port()
     kube.apply(spec(router_port, PLANNER), namespace=namespace)
     eventually(replicas_are(kube, namespace, 1, ready=True), timeout=90, what="dit at 1")
 

@@ -20,9 +20,10 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 import yaml
-from operator_harness import CRD_FILE, OperatorProcess, endpoint_slice, example, free_port
+from operator_harness import CRD_FILE, OperatorProcess, endpoint_slice, example
 
 from omni_runtime.kube import KubeApiError, KubeClient, load_kube_config
+from port_leases import lease_port
 
 if TYPE_CHECKING:
     from conftest import Kube
@@ -211,7 +212,7 @@ def router_log(
         proc = subprocess.Popen(
             [
                 *CLI, "router", "-f", str(pipeline_file), "--host", "127.0.0.1",
-                "--port", str(free_port()), "--discover-namespace", namespace,
+                "--port", str(lease_port()), "--discover-namespace", namespace,
                 "--stage-service", "0=stages",
             ],
             stdout=out,

@@ -38,6 +38,7 @@ from omni_runtime.kube import (
     resource_path_for,
 )
 from omni_runtime.tiny_models import DIFFUSION_SUBDIR
+from port_leases import lease_port
 
 if TYPE_CHECKING:
     from conftest import Kube
@@ -176,12 +177,6 @@ async def test_the_apiservers_message_surfaces_in_the_error(kube: Kube, namespac
 # --- discovery end to end ----------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def local_address() -> str:
     """An IPv4 address of this machine that the apiserver takes in an EndpointSlice (it
     refuses loopback and link-local ones, so 127.0.0.1 will not do)."""
@@ -240,7 +235,7 @@ class Router:
 
 @pytest.fixture
 def router(kube: Kube, namespace: str, pipeline_file: Path, tmp_path: Path) -> Iterator[Router]:
-    port = free_port()
+    port = lease_port()
     log = tmp_path / "router.log"
     env = {k: v for k, v in kube.env().items() if not k.startswith("OMNI_STAGE_SERVICE_")}
     with open(log, "wb") as out:

@@ -43,12 +43,6 @@ def mooncake_unavailable() -> str | None:
     return (probe.stderr.strip().splitlines() or ["?"])[-1]
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def served_base_url(proc: subprocess.Popen[bytes], log: Path, timeout: float) -> str:
     """The OpenAI base URL that ``omni-runtime serve --port 0`` (``proc``, printing to
     ``log``) announces once it listens; AssertionError with the log if it exits first."""
@@ -231,13 +225,17 @@ def running_router(
     wait_for_replicas: bool = True,
     api_keys: ApiKeys | None = None,
 ) -> Iterator[RunningRouter]:
-    """The router app on a free port, served by uvicorn in a thread of its own."""
+    """The router app on a port of its own (bound here and handed to uvicorn, so that
+    nothing can take it in between), served by uvicorn in a thread of its own."""
     app, replicas = build_router(pipeline, addresses, limits=limits, api_keys=api_keys)
-    port = free_port()
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = int(listener.getsockname()[1])
     server = uvicorn.Server(
         uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
     )
-    thread = threading.Thread(target=server.run, daemon=True, name=f"router-{port}")
+    thread = threading.Thread(
+        target=server.run, kwargs={"sockets": [listener]}, daemon=True, name=f"router-{port}"
+    )
     thread.start()
     try:
         wait_until(lambda: server.started, 30, "router started")
@@ -255,6 +253,7 @@ def running_router(
     finally:
         server.should_exit = True
         thread.join(timeout=30)
+        listener.close()
 
 
 def pipeline_from(data: dict[str, Any]) -> PipelineConfig:

@@ -25,11 +25,12 @@ from typing import Any
 import openai
 import pytest
 import yaml
-from serving import free_port, wait_until
+from serving import wait_until
 
 from omni_operator.api import OmniPipelineSpec
 from omni_operator.render import render, stage_keys_secret_name
 from omni_operator.stage_keys import generate_stage_keys
+from port_leases import lease_port
 
 pytestmark = pytest.mark.integration
 
@@ -75,11 +76,11 @@ def _translate(
             for item in source["secret"]["items"]:
                 (local / item["path"]).write_text(data[item["key"]])
         paths[mount["mountPath"]] = str(local)
-    ports = {p["containerPort"]: free_port() for p in container.get("ports", [])}
+    ports = {p["containerPort"]: lease_port() for p in container.get("ports", [])}
     for probe in ("livenessProbe", "readinessProbe", "startupProbe"):
         port = container.get(probe, {}).get("httpGet", {}).get("port")
         if isinstance(port, int) and port not in ports:
-            ports[port] = free_port()
+            ports[port] = lease_port()
 
     # One pass, longest path first, whole path components only: a local directory is
     # itself under /tmp, which must not be mapped a second time.

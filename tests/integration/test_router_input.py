@@ -8,7 +8,9 @@ import json
 
 import httpx
 import pytest
-from serving import free_port, pipeline_from, running_router
+from serving import pipeline_from, running_router
+
+from port_leases import lease_port
 
 pytestmark = pytest.mark.integration
 
@@ -37,7 +39,7 @@ def deep_object(depth: int) -> bytes:
 def test_deep_json_is_a_400_naming_the_limit_and_the_connection_lives_on(body: bytes) -> None:
     # No replica is listening: nothing here may need a stage.
     with running_router(
-        PIPELINE, {0: [f"127.0.0.1:{free_port()}"]}, wait_for_replicas=False
+        PIPELINE, {0: [f"127.0.0.1:{lease_port()}"]}, wait_for_replicas=False
     ) as router:
         host, port = router.url.removeprefix("http://").split(":")
         conn = http.client.HTTPConnection(host, int(port), timeout=30)
@@ -64,7 +66,7 @@ def test_deep_json_is_a_400_naming_the_limit_and_the_connection_lives_on(body: b
 
 def test_nesting_within_the_limit_reaches_validation() -> None:
     with (
-        running_router(PIPELINE, {0: [f"127.0.0.1:{free_port()}"]}, wait_for_replicas=False) as r,
+        running_router(PIPELINE, {0: [f"127.0.0.1:{lease_port()}"]}, wait_for_replicas=False) as r,
         httpx.Client(base_url=r.url, timeout=30) as http,
     ):
         response = http.post(

@@ -9,7 +9,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from serving import free_port, wait_until
+from serving import wait_until
+
+from port_leases import lease_port
 
 pytestmark = pytest.mark.integration
 
@@ -26,8 +28,8 @@ sys.exit(main(sys.argv[1:]))
 
 
 def test_router_serves_with_the_ml_libraries_blocked() -> None:
-    port = free_port()
-    stage_port = free_port()  # nothing listens there: the stage has no live replica
+    port = lease_port()
+    stage_port = lease_port()  # nothing listens there: the stage has no live replica
     command = [sys.executable, "-c", _RUN_ROUTER, "router", "-f", "examples/tiny-chat.yaml"]
     command += ["--replicas", f"0=127.0.0.1:{stage_port}", "--host", "127.0.0.1"]
     command += ["--port", str(port)]

@@ -645,9 +645,11 @@ async def test_a_client_that_disconnects_aborts_its_request_in_the_stage(
 def test_probes_answer_liveness_and_readiness(config_file: Path, workdir: Path) -> None:
     import subprocess
 
-    from serving import CLI, free_port
+    from serving import CLI
 
-    health_port = free_port()
+    from port_leases import lease_port
+
+    health_port = lease_port()
     ready = workdir / "probe.ready"
     log = workdir / "probe.log"
     with open(log, "wb") as out:

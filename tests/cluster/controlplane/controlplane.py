@@ -39,7 +39,6 @@ import re
 import secrets
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import sys
@@ -54,6 +53,12 @@ from typing import IO, Any
 
 # Beside this file, which is on sys.path when run as a script.
 import realnode
+
+# tests/port_leases.py, shared with the suites and the benchmarks (pytest puts tests/ on
+# sys.path; run as a script, this puts it there).
+if str(Path(__file__).resolve().parents[2]) not in sys.path:
+    sys.path.append(str(Path(__file__).resolve().parents[2]))
+import port_leases
 
 HERE = Path(__file__).resolve().parent
 KWOK_DIR = HERE / "kwok"
@@ -414,22 +419,10 @@ def write_kubeconfig(path: Path, pki: Path, server: str) -> None:
 
 
 def free_ports(names: list[str]) -> dict[str, int]:
-    """Ports free on 127.0.0.1 right now, all distinct.
-
-    The sockets stay bound until every port is chosen, so the kernel cannot
-    hand the same port out twice; a component that still loses a race exits
-    with "address already in use", which start reports with its log.
-    """
-    socks = []
-    try:
-        for _ in names:
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return {n: s.getsockname()[1] for n, s in zip(names, socks, strict=True)}
-    finally:
-        for s in socks:
-            s.close()
+    """Distinct ports for the named components, leased (tests/port_leases.py) from
+    outside the kernel's ephemeral range: a port chosen by binding 0 and closing could be
+    handed to any process's bind(0) or connect() before the component binds it."""
+    return dict(zip(names, port_leases.lease_ports(len(names)), strict=True))
 
 
 # Health probes go to 127.0.0.1 only; an HTTP(S)_PROXY from the environment
