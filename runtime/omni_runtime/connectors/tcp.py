@@ -16,6 +16,13 @@ Plain blocking sockets, one thread per consumer connection: measured against a Z
 they add nothing to a bare socket's rate, and a large ``sendall`` runs without the GIL.
 Consumers keep their connections to a producer open for the next gets.
 
+No peer holds a producer's thread or socket for long: a connection idle between requests
+closes after ``idle_seconds``; once a request's first byte is in, the request, the reply,
+the array and its acknowledgement must all be through within ``timeout_seconds`` (what
+the consumer's get waits, too); past ``max_connections`` a new one takes the place of the
+connection idle longest, or is closed when none is idle. A consumer whose kept connection
+was closed meanwhile takes a fresh one, as it does after a producer's restart.
+
 Frames: a request is ``u32 length + msgpack [key]``; a reply is ``u32 length + msgpack
 header`` then, if the header says so, exactly ``nbytes`` raw bytes, which the consumer
 acknowledges with one byte: the producer drops the key only then, so that a consumer that
@@ -23,7 +30,8 @@ timed out (or died) mid-transfer leaves the key to a retry.
 
 extra: ``host`` (what consumers connect to; "auto" or absent: this machine's address),
 ``bind_host`` (default 0.0.0.0), ``port`` (default 0: any free port), ``timeout_seconds``
-(how long a get waits, default 30), ``ttl_seconds`` (base).
+(how long a get waits, default 30), ``idle_seconds`` (default 60), ``max_connections``
+(default 256), ``ttl_seconds`` (base).
 """
 
 from __future__ import annotations
@@ -58,6 +66,12 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_SECONDS = 30.0
+# A consumer's kept connection saves a connect (well under a millisecond in a cluster);
+# a minute of idleness means its stage is quiet, and reconnecting then costs nothing.
+DEFAULT_IDLE_SECONDS = 60.0
+# Consumers keep a connection or a few per producer each; 256 is many DiT replicas' worth,
+# and far below a process's descriptors (the engine holds its own).
+DEFAULT_MAX_CONNECTIONS = 256
 _LENGTH = struct.Struct("!I")
 # Requests and headers are a few dozen bytes; anything far larger is not this protocol.
 _MAX_MESSAGE = 1 << 16
@@ -95,8 +109,20 @@ class _Entry:
 class _Server:
     """The producer's side: the arrays it holds, and the thread that serves them."""
 
-    def __init__(self, bind_host: str, port: int, ttl: float) -> None:
+    def __init__(
+        self,
+        bind_host: str,
+        port: int,
+        ttl: float,
+        *,
+        timeout: float = DEFAULT_TIMEOUT_SECONDS,
+        idle: float = DEFAULT_IDLE_SECONDS,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+    ) -> None:
         self.ttl = ttl
+        self.timeout = timeout
+        self.idle = idle
+        self.max_connections = max_connections
         self.lock = threading.Lock()
         self.entries: dict[str, _Entry] = {}
         self.closed = False
@@ -112,7 +138,8 @@ class _Server:
         # accept() wakes this often to expire keys nobody fetched.
         self.listener.settimeout(min(max(ttl / 4, 0.02), 1.0))
         self.port = int(self.listener.getsockname()[1])
-        self.connections: set[socket.socket] = set()
+        # Each connection, and since when it has waited for a request (None: serving one).
+        self.connections: dict[socket.socket, float | None] = {}
         self.threads: list[threading.Thread] = []
         self.acceptor = threading.Thread(
             target=self._accept, name=f"omni-tcp-server-{self.port}", daemon=True
@@ -149,7 +176,11 @@ class _Server:
                 if self.closed:
                     conn.close()
                     return
-                self.connections.add(conn)
+                if len(self.connections) >= self.max_connections and not self._make_room():
+                    _FullLog.note(self.max_connections)
+                    conn.close()
+                    continue
+                self.connections[conn] = time.monotonic()
                 self.threads = [t for t in self.threads if t.is_alive()]
                 thread = threading.Thread(
                     target=self._serve, args=(conn,), name="omni-tcp-conn", daemon=True
@@ -158,14 +189,41 @@ class _Server:
             thread.start()
             self._expire()
 
+    def _make_room(self) -> bool:
+        """Close the connection idle longest (under the lock); False when none is idle."""
+        idle = [(since, conn) for conn, since in self.connections.items() if since is not None]
+        if not idle:
+            return False
+        _, oldest = min(idle, key=lambda pair: pair[0])
+        del self.connections[oldest]
+        # Wakes its thread's recv(); the thread closes it.
+        with contextlib.suppress(OSError):
+            oldest.shutdown(socket.SHUT_RDWR)
+        return True
+
+    def _set_idle(self, conn: socket.socket, idle: bool) -> None:
+        with self.lock:
+            if conn in self.connections:
+                self.connections[conn] = time.monotonic() if idle else None
+
     def _serve(self, conn: socket.socket) -> None:
-        conn.settimeout(None)
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
             while True:
-                body = _recv_message(conn)
-                if body is None:
+                self._set_idle(conn, True)
+                # A request's first byte may take up to ``idle``; from then on everything
+                # until the acknowledgement is within ``timeout``.
+                conn.settimeout(self.idle)
+                prefix = bytearray(_LENGTH.size)
+                try:
+                    got = conn.recv_into(prefix)
+                except TimeoutError:
                     return
+                if got == 0:
+                    return
+                self._set_idle(conn, False)
+                deadline = time.monotonic() + self.timeout
+                body = _recv_message(conn, deadline, prefix, got)
                 request = _decode_request(body)
                 key = request.key
                 with self.lock:
@@ -178,16 +236,19 @@ class _Server:
                     elif entry is not None:
                         del self.entries[key]
                 if entry is None:
-                    _send_message(conn, _Reply(error=f"unknown key {key!r} (fetched or expired)"))
+                    reply = _Reply(error=f"unknown key {key!r} (fetched or expired)")
+                    _send_message(conn, reply, deadline)
                     continue
                 try:
                     header = _Reply(
                         dtype=entry.dtype, shape=entry.shape, nbytes=entry.payload.nbytes
                     )
-                    _send_message(conn, header)
+                    _send_message(conn, header, deadline)
+                    conn.settimeout(_remaining(deadline))
                     conn.sendall(entry.payload)
                     # Only a consumer that has it all says so; one that gave up (timed out,
                     # died) closes instead, and the key stays for another try.
+                    conn.settimeout(_remaining(deadline))
                     if conn.recv(1) != _ACK:
                         raise ConnectionError("no acknowledgement")
                 except OSError:
@@ -196,10 +257,10 @@ class _Server:
                             self.entries.setdefault(key, entry)
                     raise
         except (OSError, msgspec.DecodeError, ValueError):
-            pass  # a consumer that went away or spoke another protocol
+            pass  # a consumer that went away, stalled past its deadline or spoke another protocol
         finally:
             with self.lock:
-                self.connections.discard(conn)
+                self.connections.pop(conn, None)
             conn.close()
 
     def close(self) -> None:
@@ -218,6 +279,28 @@ class _Server:
         for thread in [self.acceptor, *threads]:
             if thread is not threading.current_thread():
                 thread.join(timeout=5)
+
+
+class _FullLog:
+    """Connections closed at accept for want of room, logged at most every
+    ``_REFUSAL_LOG_INTERVAL`` seconds with a count."""
+
+    count = 0
+    logged_at = float("-inf")
+
+    @classmethod
+    def note(cls, limit: int) -> None:
+        cls.count += 1
+        now = time.monotonic()
+        if now - cls.logged_at < _REFUSAL_LOG_INTERVAL:
+            return
+        logger.warning(
+            "tcp connector: %d connection(s) closed at once: all %d are serving requests",
+            cls.count,
+            limit,
+        )
+        cls.count = 0
+        cls.logged_at = now
 
 
 class _RefusalLog:
@@ -248,38 +331,47 @@ class _RefusalLog:
         cls.logged_at = now
 
 
-def _send_message(conn: socket.socket, message: msgspec.Struct) -> None:
+def _remaining(deadline: float) -> float:
+    """Seconds left until ``deadline``; TimeoutError when none are."""
+    remaining = deadline - time.monotonic()
+    if remaining <= 0:
+        raise TimeoutError
+    return remaining
+
+
+def _send_message(conn: socket.socket, message: msgspec.Struct, deadline: float) -> None:
     body = _encode(message)
+    conn.settimeout(_remaining(deadline))
     conn.sendall(_LENGTH.pack(len(body)) + body)
 
 
-def _recv_message(conn: socket.socket) -> bytes | None:
-    """One length-prefixed message; None if the peer closed the connection before it."""
-    prefix = _recv_exactly(conn, _LENGTH.size, eof_ok=True)
-    if prefix is None:
-        return None
+def _recv_message(
+    conn: socket.socket, deadline: float, prefix: bytearray | None = None, got: int = 0
+) -> bytes:
+    """One length-prefixed message, all of it by ``deadline`` (TimeoutError), the first
+    ``got`` bytes of its prefix already in ``prefix``; ConnectionError if the peer closes
+    before its end."""
+    prefix = prefix if prefix is not None else bytearray(_LENGTH.size)
+    rest = memoryview(prefix)[got:]
+    if rest.nbytes and _recv_into(conn, rest, deadline) == 0:
+        raise ConnectionError("connection closed before a message")
     (length,) = _LENGTH.unpack(prefix)
     if length > _MAX_MESSAGE:
         raise ValueError(f"message of {length} bytes")
-    body = _recv_exactly(conn, length, eof_ok=False)
-    assert body is not None
-    return body
+    body = bytearray(length)
+    if _recv_into(conn, memoryview(body), deadline) == 0 and length:
+        raise ConnectionError(f"connection closed before a message of {length} bytes")
+    return bytes(body)
 
 
-def _recv_exactly(conn: socket.socket, n: int, eof_ok: bool) -> bytes | None:
-    buffer = bytearray(n)
-    if _recv_into(conn, memoryview(buffer)) == 0 and n:
-        if eof_ok:
-            return None
-        raise ConnectionError(f"connection closed before a message of {n} bytes")
-    return bytes(buffer)
-
-
-def _recv_into(conn: socket.socket, view: memoryview) -> int:
-    """Fill ``view``; ConnectionError if the peer closes after some of it, 0 if before."""
+def _recv_into(conn: socket.socket, view: memoryview, deadline: float) -> int:
+    """Fill ``view`` by ``deadline`` (TimeoutError); ConnectionError if the peer closes after
+    some of it, 0 if before."""
     got = 0
     total = view.nbytes
     while got < total:
+        # A socket's timeout is per call: a peer sending a byte at a time would restart it.
+        conn.settimeout(_remaining(deadline))
         n = conn.recv_into(view[got:])
         if n == 0:
             if got == 0:
@@ -327,6 +419,8 @@ class TCPConnector(OmniConnector):
         self.bind_host = str(self.extra.get("bind_host", "0.0.0.0"))
         self.port = int(self.extra.get("port", 0))
         self.timeout = float(self.extra.get("timeout_seconds", DEFAULT_TIMEOUT_SECONDS))
+        self.idle = float(self.extra.get("idle_seconds", DEFAULT_IDLE_SECONDS))
+        self.max_connections = int(self.extra.get("max_connections", DEFAULT_MAX_CONNECTIONS))
         host = advertise_host or str(self.extra.get("host", "auto"))
         if host == "auto" and self.bind_host not in _WILDCARD_HOSTS:
             host = self.bind_host
@@ -342,7 +436,14 @@ class TCPConnector(OmniConnector):
             if state.closed:
                 raise ConnectorError(f"connector {self.name} is closed")
             if state.server is None:
-                state.server = _Server(self.bind_host, self.port, self.ttl)
+                state.server = _Server(
+                    self.bind_host,
+                    self.port,
+                    self.ttl,
+                    timeout=self.timeout,
+                    idle=self.idle,
+                    max_connections=self.max_connections,
+                )
             return state.server
 
     def put(self, key: str, array: torch.Tensor | np.ndarray) -> ConnectorHandle:
@@ -377,7 +478,7 @@ class TCPConnector(OmniConnector):
             except _StaleConnection:
                 pass
         try:
-            conn = socket.create_connection(address, timeout=self._remaining(deadline))
+            conn = socket.create_connection(address, timeout=_remaining(deadline))
         except TimeoutError:
             raise self._timed_out(handle, producer) from None
         except OSError as e:
@@ -404,12 +505,8 @@ class TCPConnector(OmniConnector):
     ) -> torch.Tensor:
         """Ask ``conn`` for the key; _StaleConnection if it failed before any reply."""
         try:
-            conn.settimeout(self._remaining(deadline))
-            _send_message(conn, _Request(handle.key, handle.token))
-            body = _recv_message(conn)
-            if body is None:
-                raise ConnectionError("closed before replying")
-            reply = _decode_reply(body)
+            _send_message(conn, _Request(handle.key, handle.token), deadline)
+            reply = _decode_reply(_recv_message(conn, deadline))
         except TimeoutError:
             conn.close()
             raise self._timed_out(handle, producer) from None
@@ -430,9 +527,9 @@ class TCPConnector(OmniConnector):
             )
         try:
             target, tensor = _receive_buffer(handle, device)
-            conn.settimeout(self._remaining(deadline))
-            if target.nbytes and _recv_into(conn, target) == 0:
+            if target.nbytes and _recv_into(conn, target, deadline) == 0:
                 raise ConnectionError("closed before sending the array")
+            conn.settimeout(_remaining(deadline))
             conn.sendall(_ACK)
         except TimeoutError:
             conn.close()
@@ -445,13 +542,6 @@ class TCPConnector(OmniConnector):
             raise
         self._state.connections.give_back(address, conn)
         return tensor if device == "cpu" else _to_device(tensor, device)
-
-    @staticmethod
-    def _remaining(deadline: float) -> float:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise TimeoutError
-        return remaining
 
     def _timed_out(self, handle: ConnectorHandle, producer: str) -> ConnectorError:
         return ConnectorError(

@@ -34,8 +34,9 @@ from omni_runtime.config import PipelineConfig
 from omni_runtime.engine.stage.stage_replica_pool import StageReplicaPool
 from omni_runtime.kube import KubeClient, KubeConfig, load_kube_config
 from omni_runtime.router.app import create_app
-from omni_runtime.router.auth import ApiKeys
+from omni_runtime.router.auth import PROBE_PATHS, ApiKeys
 from omni_runtime.router.discovery import EndpointSliceDiscovery
+from omni_runtime.router.http_limits import descriptor_shortfall, guarded_http_protocol
 from omni_runtime.router.protocol import RouterLimits
 from omni_runtime.router.replicas import ReplicaConnector
 from omni_runtime.stage_keys import StageClientKeys
@@ -196,11 +197,20 @@ def drain_timeout(environ: Mapping[str, str]) -> float:
 
 def router_server_config(app: FastAPI, host: str, port: int) -> uvicorn.Config:
     """uvicorn's config for the router app: quiet logs, idle connections kept
-    ``KEEP_ALIVE_S``, requests in flight at a stop given ``drain_timeout`` to finish."""
+    ``KEEP_ALIVE_S``, requests in flight at a stop given ``drain_timeout`` to finish, and
+    the app's ``RouterLimits`` (``build_router``'s; the defaults for another app) on every
+    connection (``router.http_limits``: deadlines for a request's head and body, a bound
+    on connections)."""
+    serving = getattr(app.state, "router", None)
+    limits: RouterLimits = serving.limits if serving is not None else RouterLimits()
+    shortfall = descriptor_shortfall(limits)
+    if shortfall is not None:
+        logger.warning("%s", shortfall)
     return uvicorn.Config(
         app,
         host=host,
         port=port,
+        http=guarded_http_protocol(limits, PROBE_PATHS),
         log_level="warning",
         access_log=False,
         timeout_keep_alive=KEEP_ALIVE_S,

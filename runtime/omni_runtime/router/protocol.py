@@ -52,6 +52,24 @@ class RouterLimits:
     # cannot batch); beyond either, 429 with Retry-After.
     max_concurrent_requests: int = 256
     max_in_flight_per_replica: int = 64
+    # How long a client may take to send its request, and leave the answer unread
+    # (router.http_limits; past each, 408 or a close). A client sends its head in one write
+    # as it connects: 10 s is a congested link's few retransmits, and a connection that
+    # never sends one costs its descriptor for no longer. A body that moves no byte for
+    # 30 s, or a response left unread as long, has lost ~5 TCP retransmits in a row (1+2+4+
+    # 8+16 s). 64 KiB/s is 512 kbit/s, a slow uplink's rate: to hold every connection the
+    # router allows, bodies at that rate take 256 Mbit/s, no slow client's bandwidth; a
+    # body at the floor is done within 30 s + max_body_bytes / rate (9 min for 32 MiB).
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    min_body_bytes_per_s: float = 64 * 1024
+    send_timeout_s: float = 30.0
+    # HTTP connections one router process holds; past it a 503 (the probes still
+    # answered). Twice max_concurrent_requests leaves room for clients' idle kept-alive
+    # connections, and with the rest of the router it stays below the 1024 descriptors
+    # that a container's soft limit often is (containerd 2 leaves it at systemd's
+    # 1024:524288; 1.x set 1048576).
+    max_connections: int = 512
 
 
 class RequestError(Exception):
