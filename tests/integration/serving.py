@@ -20,7 +20,7 @@ import uvicorn
 
 from omni_runtime.config import PipelineConfig
 from omni_runtime.connectors.mooncake import with_mooncake_library_path
-from omni_runtime.entrypoints.router_process import build_router
+from omni_runtime.entrypoints.router_process import build_router, router_server_config
 from omni_runtime.router.auth import ApiKeys
 from omni_runtime.router.protocol import RouterLimits
 from omni_runtime.router.replicas import ReplicaConnector
@@ -230,9 +230,9 @@ def running_router(
     app, replicas = build_router(pipeline, addresses, limits=limits, api_keys=api_keys)
     listener = socket.create_server(("127.0.0.1", 0))
     port = int(listener.getsockname()[1])
-    server = uvicorn.Server(
-        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
-    )
+    # The server config `omni-runtime router` and `serve` run: its connection deadlines and
+    # bound are under test wherever a router is.
+    server = uvicorn.Server(router_server_config(app, "127.0.0.1", port))
     thread = threading.Thread(
         target=server.run, kwargs={"sockets": [listener]}, daemon=True, name=f"router-{port}"
     )

@@ -26,11 +26,10 @@ import numpy as np
 import pytest
 import torch  # noqa: F401  (a get makes a tensor: imported here, not in a timed get)
 import uvicorn
-from serving import pipeline_from, wait_until
+from serving import pipeline_from, running_router, wait_until
 
 from omni_runtime.connectors.base import ConnectorError, ConnectorHandle
 from omni_runtime.connectors.tcp import TCPConnector
-from omni_runtime.entrypoints.router_process import build_router, router_server_config
 from omni_runtime.router.protocol import RouterLimits
 from omni_runtime.stage_server.probes import start_probe_server
 
@@ -68,24 +67,11 @@ class Router:
 @contextmanager
 def router_with(limits: RouterLimits) -> Iterator[Router]:
     """The router with ``limits``, served as ``omni-runtime router`` serves it
-    (``router_server_config``), on a socket bound here and handed to uvicorn. Its one
-    stage has no replica: nothing here needs one."""
-    app, _ = build_router(PIPELINE, {}, limits=limits)
-    listener = socket.create_server(("127.0.0.1", 0))
-    port = int(listener.getsockname()[1])
-    server = uvicorn.Server(router_server_config(app, "127.0.0.1", port))
-    thread = threading.Thread(
-        target=server.run, kwargs={"sockets": [listener]}, daemon=True, name="slow-router"
-    )
-    thread.start()
-    try:
-        wait_until(lambda: server.started, 30, "router started")
-        yield Router("127.0.0.1", port, server)
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
-        listener.close()
-        assert not thread.is_alive(), "the router did not stop"
+    (``running_router`` uses ``router_server_config``). Its one stage has no replica:
+    nothing here needs one."""
+    with running_router(PIPELINE, {}, limits=limits, wait_for_replicas=False) as running:
+        host, port = running.url.removeprefix("http://").rsplit(":", 1)
+        yield Router(host, int(port), running.server)
 
 
 def read_to_close(sock: socket.socket) -> bytes:
