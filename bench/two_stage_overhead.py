@@ -11,13 +11,31 @@ reaches a diffusion stage through the shared-memory connector), on the tiny mode
   PNG encoding, HTTP back.
 - in-process: in this process, the pipeline's stage 0 through `start_stage_llm_client` (its
   vLLM core in its own process, as a stage has it) for the hidden states, then
-  `InlineStageDiffusionClient` (the diffusion engine in this process) fed them as
-  `prompt_embeds`, same params.
+  `InlineStageDiffusionClient` (the diffusion engine in this process, built from the
+  config a stage process builds, `diffusion_engine_config`) fed them as `prompt_embeds`,
+  same params.
+
+Placement, the same on both sides. The LLM core is started by the same
+StageLLMCoreProcManager on both, so vLLM's OMPProcessManager binds it alike (on x86: one CPU
+reserved for the other processes, OMP_NUM_THREADS = the CPUs left, every thread of the core
+on them; CPU 0 on 2 cores). The diffusion engine is not bound on either side, as in a pod:
+the operator renders no CPU or thread variable into a stage container (render.py), and a
+stage leaves torch its default intra-op threads (`DiffusionEngineConfig.num_threads` is
+never set; torch's default is one thread per CPU the process may run on, which a pod's CPU
+limit does not lower); nothing reserves a CPU for the servers beside it. Serve goes first;
+the torch threads its diffusion core got (read from its config, else what torch picks in
+its environment and CPU affinity) are given to the in-process engine
+(`torch.set_num_threads`), so the two run on the same thread count by construction. A
+placement column says what each side got, and a table shows where each process's threads
+may run; a side whose placement differs from the other's says so.
 
 Each side: `--warmup` requests not counted, then `--requests` sequential requests: p50 and
 mean latency, and the ratios serve / in-process (target: <= 1.05x). The two sides run one
-after the other, never together (2 cores). Prints a markdown table; `--json` prints the
-figures as JSON.
+after the other, never together (2 cores). Where serve's time goes: the CPU time (user +
+system) of each process over the measured requests, per request, by process role (serve:
+router, each stage server, the LLM core, the diffusion core; in-process: this script,
+which runs the diffusion engine, and the LLM core; this script is also serve's client).
+Prints markdown tables; `--json` prints the figures as JSON.
 
 Tracing (`--tracing`): `off` (the default) serves with no `OTEL_*` variable, so no process
 traces; `on` has serve's processes export every span over OTLP/HTTP to a sink in this
@@ -42,31 +60,44 @@ import json
 import math
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import msgspec
+import psutil
 from openai import AsyncOpenAI
 
 from _load import (
+    THIS_SCRIPT,
+    CpuSampler,
+    CpuWindow,
     ManagedProcess,
     ServerStartError,
     collect_results,
+    cpu_list,
     exit_on_sigterm,
     free_port,
     markdown_table,
     ms,
     otlp_sink,
     percentile,
+    placement_of,
+    process_role,
+    process_tree,
     ratio_cell,
+    role_order,
     running,
+    thread_affinities,
     wait_http_ok,
 )
 from omni_runtime.config import PipelineConfig, load_pipeline
 from omni_runtime.entrypoints.cli import DEFAULT_MODELS_DIR, TINY_MODELS_ENV
-from omni_runtime.entrypoints.stage_process import resolve_model
+from omni_runtime.entrypoints.stage_process import diffusion_engine_config, resolve_model
 from omni_runtime.tiny_models import ensure_tiny_models
 
 PIPELINE = Path(__file__).resolve().parent.parent / "examples" / "tiny-text-to-image.yaml"
@@ -85,13 +116,103 @@ def image_params(args: argparse.Namespace) -> dict[str, int]:
     }
 
 
-def side(name: str, startup_s: float, latencies: list[float]) -> dict[str, Any]:
+def side(
+    name: str,
+    startup_s: float,
+    latencies: list[float],
+    placement: dict[str, Any] | None = None,
+    cpu: CpuWindow | None = None,
+) -> dict[str, Any]:
     return {
         "system": name,
         "startup_s": startup_s,
         "first_s": latencies[0] if latencies else math.nan,
         "latencies_s": latencies,
+        "placement": placement or {},
+        "cpu_s_by_process": cpu.seconds if cpu is not None else {},
+        "processes_by_role": cpu.processes if cpu is not None else {},
     }
+
+
+# -- placement ----------------------------------------------------------------------------------
+
+
+def stage_labels(pipeline: PipelineConfig) -> dict[str, str]:
+    """serve's stage processes by their ``--stages``: ``stage server (thinker)``."""
+    return {str(stage.stage_id): f"stage server ({stage.name})" for stage in pipeline.stages}
+
+
+def roles(pipeline: PipelineConfig) -> Callable[[psutil.Process], str]:
+    labels = stage_labels(pipeline)
+    return lambda proc: process_role(proc, labels)
+
+
+def engine_cpus(proc: psutil.Process) -> set[int]:
+    """Every CPU some thread of ``proc`` may run on."""
+    cpus: set[int] = set()
+    for affinity in thread_affinities(proc):
+        cpus |= affinity
+    return cpus
+
+
+def torch_default_threads(proc: psutil.Process) -> int:
+    """The intra-op threads torch picks in ``proc``'s environment and CPU affinity (what a
+    diffusion core that sets none runs on): asked of a fresh interpreter placed alike."""
+    cpus = sorted(os.sched_getaffinity(proc.pid))
+    code = (
+        f"import os; os.sched_setaffinity(0, {cpus}); import torch; print(torch.get_num_threads())"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        env=proc.environ(),
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
+    return int(done.stdout.strip().splitlines()[-1])
+
+
+def diffusion_core_threads(proc: psutil.Process) -> int:
+    """The torch threads of serve's diffusion core: its config's, else torch's default."""
+    cmdline = proc.cmdline()
+    config = json.loads(cmdline[cmdline.index("--config") + 1])
+    threads = config.get("num_threads")
+    return int(threads) if threads is not None else torch_default_threads(proc)
+
+
+def observe(pipeline: PipelineConfig, diffusion_threads: int | None) -> dict[str, Any]:
+    """What this side's processes got, once up: where each one's threads may run, the LLM
+    core's CPUs and the diffusion engine's torch threads and CPUs (``diffusion_threads``:
+    in this process, when the engine runs here; else read from serve's diffusion core)."""
+    role_of = roles(pipeline)
+    processes: list[list[str]] = []
+    summary: dict[str, Any] = {}
+    for proc in process_tree():
+        try:
+            role = role_of(proc)
+            processes.append([role, placement_of(proc)])
+            if role == "LLM stage core":
+                summary["llm_core_cpus"] = cpu_list(engine_cpus(proc))
+            if role == "diffusion core" or (role == THIS_SCRIPT and diffusion_threads):
+                summary["diffusion_cpus"] = cpu_list(os.sched_getaffinity(proc.pid))
+                summary["diffusion_threads"] = (
+                    diffusion_threads if role == THIS_SCRIPT else diffusion_core_threads(proc)
+                )
+        except (psutil.Error, subprocess.SubprocessError, ValueError, KeyError):
+            continue
+    summary["processes"] = processes
+    return summary
+
+
+def placement_cell(placement: dict[str, Any]) -> str:
+    if not placement:
+        return "-"
+    return (
+        f"LLM core on CPU(s) {placement.get('llm_core_cpus', '?')}; diffusion "
+        f"{placement.get('diffusion_threads', '?')} torch threads on CPU(s) "
+        f"{placement.get('diffusion_cpus', '?')}"
+    )
 
 
 # -- serve --------------------------------------------------------------------------------------
@@ -113,9 +234,12 @@ async def send_one(client: AsyncOpenAI, model: str, args: argparse.Namespace) ->
     return latency
 
 
-async def load_serve(base_urls: list[str], args: argparse.Namespace) -> list[list[float]]:
+async def load_serve(
+    base_urls: list[str], args: argparse.Namespace, sampler: CpuSampler | None = None
+) -> tuple[list[list[float]], CpuWindow | None]:
     """``--warmup`` + ``--requests`` sequential requests to each server; with several,
-    they take turns, the first of each round alternating."""
+    they take turns, the first of each round alternating. ``sampler`` covers the
+    measured requests (after the warm-up)."""
     clients = [
         AsyncOpenAI(base_url=url, api_key="unused", max_retries=0, timeout=REQUEST_TIMEOUT_S)
         for url in base_urls
@@ -124,10 +248,12 @@ async def load_serve(base_urls: list[str], args: argparse.Namespace) -> list[lis
         models = [(await client.models.list()).data[0].id for client in clients]
         latencies: list[list[float]] = [[] for _ in clients]
         for round_ in range(args.warmup + args.requests):
+            if round_ == args.warmup and sampler is not None:
+                sampler.start()
             order = range(len(clients)) if round_ % 2 == 0 else reversed(range(len(clients)))
             for k in order:
                 latencies[k].append(await send_one(clients[k], models[k], args))
-        return latencies
+        return latencies, sampler.stop() if sampler is not None else None
     finally:
         for client in clients:
             await client.close()
@@ -170,6 +296,7 @@ def start_serve(
 
 
 def measure_serve(pipeline_file: Path, args: argparse.Namespace) -> dict[str, Any]:
+    pipeline = load_pipeline(pipeline_file)
     with (
         otlp_sink() as sink,
         tempfile.TemporaryDirectory(prefix="bench-two-stage-") as tmp,
@@ -177,9 +304,11 @@ def measure_serve(pipeline_file: Path, args: argparse.Namespace) -> dict[str, An
     ):
         traced_to = sink.endpoint if args.tracing == "on" else None
         url, startup_s = start_serve("serve", pipeline_file, Path(tmp), processes, traced_to)
-        (latencies,) = asyncio.run(load_serve([url], args))
+        placement = observe(pipeline, None)
+        sampler = CpuSampler(role_of=roles(pipeline))
+        (latencies,), cpu = asyncio.run(load_serve([url], args, sampler))
     name = "serve, traced" if args.tracing == "on" else "serve"
-    return side(name, startup_s, latencies)
+    return side(name, startup_s, latencies, placement, cpu)
 
 
 def measure_tracing(pipeline_file: Path, args: argparse.Namespace) -> dict[str, Any]:
@@ -194,7 +323,7 @@ def measure_tracing(pipeline_file: Path, args: argparse.Namespace) -> dict[str, 
             "traced", pipeline_file, Path(tmp), processes, sink.endpoint
         )
         before = sink.count  # spans of the startup (vLLM's own), not of a request
-        off, on = asyncio.run(load_serve([off_url, on_url], args))
+        (off, on), _ = asyncio.run(load_serve([off_url, on_url], args))
         # The processes export in batches (every 5 s by default): wait for the last.
         expected = before + SPANS_PER_REQUEST * (args.warmup + args.requests)
         deadline = time.monotonic() + 30
@@ -290,10 +419,13 @@ def tracing_code_cost(pipeline: PipelineConfig, sink: str, rounds: int = 200) ->
 # -- in-process -------------------------------------------------------------------------------
 
 
-async def run_in_process(pipeline: PipelineConfig, args: argparse.Namespace) -> dict[str, Any]:
+async def run_in_process(
+    pipeline: PipelineConfig, args: argparse.Namespace, threads: int | None
+) -> dict[str, Any]:
+    """The in-process side; ``threads``: the diffusion engine's torch threads (serve's
+    diffusion core's), None for torch's default."""
     # Imported here: vLLM and diffusers take seconds to import, and the serve side runs
     # in other processes without them.
-    from omni_runtime.diffusion.engine import DiffusionEngineConfig
     from omni_runtime.diffusion.stage.generate import generate
     from omni_runtime.diffusion.stage.inline_stage_diffusion_client import (
         InlineStageDiffusionClient,
@@ -306,20 +438,23 @@ async def run_in_process(pipeline: PipelineConfig, args: argparse.Namespace) -> 
     began = time.monotonic()
     llm = start_stage_llm_client(llm_stage, resolve_model(pipeline.stage_model(llm_stage)))
     try:
-        # The engine config a stage process builds for this stage (stage_process.py).
+        # The engine config a stage process builds for this stage, with serve's threads.
+        model = resolve_model(pipeline.stage_model(diffusion_stage))
+        config = diffusion_engine_config(pipeline, diffusion_stage, model)
         diffusion = InlineStageDiffusionClient(
-            DiffusionEngineConfig(
-                model=resolve_model(pipeline.stage_model(diffusion_stage)),
-                dtype=diffusion_stage.dtype or "float32",
-                default_params=dict(diffusion_stage.default_sampling_params),
-                device="cpu" if diffusion_stage.devices == "cpu" else "auto",
-            )
+            msgspec.structs.replace(config, num_threads=threads) if threads is not None else config
         )
         try:
             startup_s = time.monotonic() - began
             print(f"  ready in {startup_s:.1f} s", file=sys.stderr, flush=True)
+            import torch
+
+            placement = observe(pipeline, torch.get_num_threads())
+            sampler = CpuSampler(role_of=roles(pipeline))
             latencies = []
             for index in range(args.warmup + args.requests):
+                if index == args.warmup:
+                    sampler.start()
                 request_id = f"bench-{index}"
                 start = time.perf_counter()
                 await llm.add_prompt_async(
@@ -337,11 +472,12 @@ async def run_in_process(pipeline: PipelineConfig, args: argparse.Namespace) -> 
                 latencies.append(time.perf_counter() - start)
                 if image.error is not None or image.images is None:
                     raise RuntimeError(f"diffusion stage: {image.error or 'no image'}")
+            cpu = sampler.stop()
         finally:
             diffusion.shutdown()
     finally:
         llm.shutdown()
-    return side("in-process", startup_s, latencies)
+    return side("in-process", startup_s, latencies, placement, cpu)
 
 
 # -- the report -------------------------------------------------------------------------------
@@ -400,7 +536,9 @@ def main() -> None:
         except ServerStartError as e:
             raise SystemExit(f"serve: {e}") from None
     if args.only in (None, "in-process"):
-        results.append(summarise(asyncio.run(run_in_process(pipeline, args)), args.warmup))
+        # The threads serve's diffusion core ran on, given to the in-process engine.
+        threads = results[0]["placement"].get("diffusion_threads") if results else None
+        results.append(summarise(asyncio.run(run_in_process(pipeline, args, threads)), args.warmup))
     if args.json:
         print(json.dumps(results, indent=2))
         return
@@ -412,14 +550,60 @@ def main() -> None:
     rows: list[list[object]] = []
     for r in results:
         latencies = [ms(r[key]) for key in ("first_s", "p50_s", "mean_s", "min_s", "max_s")]
-        rows.append([r["system"], f"{r['startup_s']:.1f}", r["requests"], *latencies])
+        placement = placement_cell(r["placement"])
+        rows.append([r["system"], placement, f"{r['startup_s']:.1f}", r["requests"], *latencies])
     if len(results) == 2:
         serve, inline = results
         p50 = ratio_cell(serve["p50_s"] / inline["p50_s"], TARGET, False)
         mean = ratio_cell(serve["mean_s"] / inline["mean_s"], TARGET, False)
-        rows.append(["serve / in-process", "", "", "", p50, mean, "", ""])
-    headers = ["system", "startup s", "requests", "first ms", "p50 ms", "mean ms", "min", "max"]
+        rows.append(["serve / in-process", "", "", "", "", p50, mean, "", ""])
+    headers = [
+        "system", "placement", "startup s", "requests", "first ms", "p50 ms", "mean ms", "min",
+        "max",
+    ]  # fmt: skip
     print(markdown_table(headers, rows))
+    print_cpu_and_placement(results)
+
+
+def print_cpu_and_placement(results: list[dict[str, Any]]) -> None:
+    """The CPU time per request of each process, and where each process's threads ran."""
+    rows: list[list[object]] = []
+    for r in results:
+        seconds: dict[str, float] = r["cpu_s_by_process"]
+        if not seconds or not r["requests"]:
+            continue
+        served = r["system"].startswith("serve")
+        for role in sorted(seconds, key=role_order):
+            per_request = seconds[role] / r["requests"] * 1000
+            if per_request < 0.05:
+                continue  # the resource tracker
+            name = THIS_SCRIPT + (" (the client)" if served else "")
+            rows.append([r["system"], name if role == THIS_SCRIPT else role, f"{per_request:.1f}"])
+        # serve's total leaves its client out; in-process, this script is the system.
+        total = sum(v for role, v in seconds.items() if not (served and role == THIS_SCRIPT))
+        name = "all but the client" if served else "all"
+        rows.append([r["system"], name, f"{total / r['requests'] * 1000:.1f}"])
+    if rows:
+        print("\nms of CPU (user + system) per measured request, per process\n")
+        print(markdown_table(["system", "process", "ms CPU / request"], rows))
+    rows = [
+        [r["system"], role, where]
+        for r in results
+        for role, where in sorted(
+            r["placement"].get("processes", []), key=lambda item: (role_order(item[0]), item[1])
+        )
+    ]
+    if rows:
+        print("\nwhere each process's threads may run, once up\n")
+        print(markdown_table(["system", "process", "where its threads may run"], rows))
+    if len(results) == 2:
+        keys = ("llm_core_cpus", "diffusion_threads", "diffusion_cpus")
+        first, second = ({k: r["placement"].get(k) for k in keys} for r in results)
+        if first != second:
+            print(
+                f"\n- placements DIFFER: {results[0]['system']} {first}, "
+                f"{results[1]['system']} {second}"
+            )
 
 
 def report_tracing(result: dict[str, Any], args: argparse.Namespace) -> None:
