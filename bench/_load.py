@@ -271,6 +271,7 @@ ROLE_PATTERNS: tuple[tuple[str, str], ...] = (
     ("omni_runtime.entrypoints.cli serve", "router (serve)"),
     ("omni_runtime.entrypoints.cli stage", "stage server"),
     ("multiprocessing.resource_tracker", "resource tracker"),
+    ("vllm::router", "vllm-router"),  # its title once started
     ("vllm-router", "vllm-router"),
 )
 THIS_SCRIPT = "this script"

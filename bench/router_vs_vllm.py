@@ -390,11 +390,11 @@ def observe_placement(run: SystemRun, logs: Path) -> None:
     for log in sorted(logs.rglob("*.log")):
         for match in OMP_BINDING.finditer(log.read_text(errors="replace")):
             # An explicit list reserves the CPUs outside it (reserved_cpus stays empty).
-            reserved = match["reserved"] if match["mask"] == "auto" else "the others"
+            reserved = f"[{match['reserved']}]" if match["mask"] == "auto" else "the others"
             run.omp_bindings.append(
                 f"VLLM_CPU_OMP_THREADS_BIND={match['mask']!r}, reserve_cpu_num "
                 f"{match['reserve']}: OMP threads on CPU(s) [{match['cores']}], reserved: "
-                f"[{reserved}]"
+                f"{reserved}"
             )
 
 
