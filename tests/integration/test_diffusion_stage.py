@@ -318,15 +318,17 @@ async def test_sigterm_aborts_what_outlives_the_drain_timeout(
     try:
         core = psutil.Process(client.proc_manager.pid)
         idle_cpu = sum(core.cpu_times()[:2])
+        # Far more steps than the 0.5 s drain allows: the abort is the proof that the bound
+        # ended it, and the deadline only keeps a broken bound from hanging the test. How
+        # soon after the 0.5 s the core is gone is the next step boundary plus its exit,
+        # which on a loaded 2-core machine took 6.7 s (a 5 s bound here failed so).
         await client.add_request_async(request("long", num_inference_steps=500))
         await wait_running(client, idle_cpu)
-        start = time.monotonic()
         os.kill(client.proc_manager.pid, signal.SIGTERM)
-        outputs, death = await outputs_until_dead(client)
+        outputs, death = await outputs_until_dead(client, timeout=60)
         assert "exit code 0" in str(death)
         assert [o.request_id for o in outputs] == ["long"]
         assert outputs[0].aborted
-        assert time.monotonic() - start < 5
     finally:
         client.shutdown()
 
