@@ -202,10 +202,19 @@ def start_stage_processes(
 
 @dataclass
 class RunningRouter:
-    url: str
+    host: str
+    port: int
     app: Any
     replicas: ReplicaConnector
     server: uvicorn.Server
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def connect(self, timeout: float) -> socket.socket:
+        """A raw TCP connection to the router, for tests that speak HTTP byte by byte."""
+        return socket.create_connection((self.host, self.port), timeout=timeout)
 
     @property
     def base_url(self) -> str:
@@ -239,7 +248,7 @@ def running_router(
     thread.start()
     try:
         wait_until(lambda: server.started, 30, "router started")
-        router = RunningRouter(f"http://127.0.0.1:{port}", app, replicas, server)
+        router = RunningRouter("127.0.0.1", port, app, replicas, server)
         if wait_for_replicas:
             wanted = {stage_id: len(a) for stage_id, a in addresses.items()}
             wait_until(

@@ -18,15 +18,13 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import httpx
 import msgspec
 import numpy as np
 import pytest
 import torch  # noqa: F401  (a get makes a tensor: imported here, not in a timed get)
-import uvicorn
-from serving import pipeline_from, running_router, wait_until
+from serving import RunningRouter, pipeline_from, running_router, wait_until
 
 from omni_runtime.connectors.base import ConnectorError, ConnectorHandle
 from omni_runtime.connectors.tcp import TCPConnector
@@ -50,28 +48,13 @@ EARLY_S = 0.1
 READ_S = 15.0
 
 
-@dataclass
-class Router:
-    host: str
-    port: int
-    server: uvicorn.Server
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    def connect(self) -> socket.socket:
-        return socket.create_connection((self.host, self.port), timeout=READ_S)
-
-
 @contextmanager
-def router_with(limits: RouterLimits) -> Iterator[Router]:
+def router_with(limits: RouterLimits) -> Iterator[RunningRouter]:
     """The router with ``limits``, served as ``omni-runtime router`` serves it
     (``running_router`` uses ``router_server_config``). Its one stage has no replica:
     nothing here needs one."""
     with running_router(PIPELINE, {}, limits=limits, wait_for_replicas=False) as running:
-        host, port = running.url.removeprefix("http://").rsplit(":", 1)
-        yield Router(host, int(port), running.server)
+        yield running
 
 
 def read_to_close(sock: socket.socket) -> bytes:
@@ -132,12 +115,12 @@ STALLS = RouterLimits(
 def test_stalled_clients_end_by_their_deadlines_while_good_requests_are_served() -> None:
     with router_with(STALLS) as router, httpx.Client(base_url=router.url, timeout=5) as http:
         started = time.monotonic()
-        body = router.connect()
+        body = router.connect(READ_S)
         body.sendall(request_head("/v1/chat/completions", method="POST", length=100_000))
         body.sendall(b" " * 200)
-        head = router.connect()
+        head = router.connect(READ_S)
         head.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: router\r\nContent-")
-        idle = router.connect()
+        idle = router.connect(READ_S)
 
         # Served at once all the while, and before any stall has ended.
         for path, status in (("/v1/models", 200), ("/health", 503), ("/livez", 200)):
@@ -193,7 +176,7 @@ def test_a_stalled_multipart_body_at_images_edits_gets_a_408() -> None:
         "Content-Length: 100000\r\n\r\n"
     ).encode()
     with router_with(STALLS) as router:
-        sock = router.connect()
+        sock = router.connect(READ_S)
         sock.sendall(head + part)
         started = time.monotonic()
         status, _, payload = parse_response(read_to_close(sock))
@@ -209,8 +192,8 @@ def test_nine_hundred_idle_connections_all_end_by_their_deadline() -> None:
     limits = RouterLimits(header_timeout_s=2.0)
     with router_with(limits) as router:
         started = time.monotonic()
-        idle = [router.connect() for _ in range(900)]
-        probe = router.connect()
+        idle = [router.connect(READ_S) for _ in range(900)]
+        probe = router.connect(READ_S)
         probe.sendall(request_head("/livez"))
         assert parse_response(read_to_close(probe))[0] == 200
         probe.close()
@@ -224,7 +207,7 @@ def test_nine_hundred_idle_connections_all_end_by_their_deadline() -> None:
 
 def test_the_head_deadline_starts_again_with_the_next_requests_first_byte() -> None:
     with router_with(STALLS) as router:
-        sock = router.connect()
+        sock = router.connect(READ_S)
         status, _, _ = get_on(sock, "/v1/models")
         assert status == 200
         # Idle after an answer is keep-alive's (75 s), not the head's deadline.
@@ -244,7 +227,7 @@ def test_the_head_deadline_starts_again_with_the_next_requests_first_byte() -> N
 def test_blank_lines_between_requests_do_not_hold_the_connection() -> None:
     # The parser skips them, so without a clock of their own they would hold it forever.
     with router_with(STALLS) as router:
-        sock = router.connect()
+        sock = router.connect(READ_S)
         assert get_on(sock, "/v1/models")[0] == 200
         started = time.monotonic()
         sock.sendall(b"\r\n")
@@ -259,7 +242,7 @@ def test_a_slow_but_steady_body_is_read_and_a_trickle_below_the_rate_is_not() ->
     body += b" " * (12_000 - len(body))
     with router_with(limits) as router:
         # 4000 bytes/s, twice the floor, for 3 s: three times the longest pause allowed.
-        steady = router.connect()
+        steady = router.connect(READ_S)
         steady.sendall(request_head("/v1/chat/completions", method="POST", length=len(body)))
         started = time.monotonic()
         for offset in range(0, len(body), 200):
@@ -278,7 +261,7 @@ def test_a_slow_but_steady_body_is_read_and_a_trickle_below_the_rate_is_not() ->
 
         # 500 bytes/s, a quarter of the floor, never pausing for as long as 1 s: each 200
         # bytes buy 0.1 s, so its deadline moves 0.1 s per 0.4 s and is met about 1.2 s in.
-        slow = router.connect()
+        slow = router.connect(READ_S)
         slow.sendall(request_head("/v1/chat/completions", method="POST", length=len(body)))
         started = time.monotonic()
         status = 0
@@ -303,7 +286,7 @@ def test_an_early_answer_does_not_let_the_rest_of_the_body_hold_the_connection()
     # that follows still has its deadline.
     limits = RouterLimits(body_timeout_s=1.0, min_body_bytes_per_s=2000, max_body_bytes=1000)
     with router_with(limits) as router:
-        sock = router.connect()
+        sock = router.connect(READ_S)
         sock.sendall(request_head("/v1/chat/completions", method="POST", length=100_000))
         sock.settimeout(READ_S)
         status, _, _ = parse_response(sock.recv(65536))
@@ -343,9 +326,9 @@ def test_past_the_connection_bound_a_503_while_the_probes_answer() -> None:
     limits = RouterLimits(header_timeout_s=3.0, max_connections=8)
     with router_with(limits) as router:
         started = time.monotonic()
-        held = [router.connect() for _ in range(limits.max_connections)]
+        held = [router.connect(READ_S) for _ in range(limits.max_connections)]
 
-        over = router.connect()
+        over = router.connect(READ_S)
         over.sendall(request_head("/v1/models"))
         status, headers, payload = parse_response(read_to_close(over))
         assert status == 503, payload
@@ -357,14 +340,14 @@ def test_past_the_connection_bound_a_503_while_the_probes_answer() -> None:
         over.close()
 
         # The kubelet's probes are answered by the app itself, and the connection closes.
-        probe = router.connect()
+        probe = router.connect(READ_S)
         probe.sendall(request_head("/livez"))
         status, headers, payload = parse_response(read_to_close(probe))
         assert status == 200
         assert json.loads(payload) == {"status": "ok"}
         assert headers["connection"] == "close"
         probe.close()
-        probe = router.connect()
+        probe = router.connect(READ_S)
         probe.sendall(request_head("/health"))
         status, _, payload = parse_response(read_to_close(probe))
         # The app's own answer for a stage without a replica, not the bound's.
@@ -374,7 +357,7 @@ def test_past_the_connection_bound_a_503_while_the_probes_answer() -> None:
         assert time.monotonic() - started < limits.header_timeout_s, "too slow to tell"
 
         # Past the bound a head gets a second, not the header deadline.
-        late = router.connect()
+        late = router.connect(READ_S)
         t0 = time.monotonic()
         assert read_to_close(late) == b""
         assert_ended_by(time.monotonic() - t0, 1.0, "idle connection past the bound")
@@ -393,10 +376,10 @@ def test_past_the_bound_the_longest_waiting_head_gives_way_to_a_newer_one() -> N
     # flood of idle ones cannot keep a probe out.
     limits = RouterLimits(header_timeout_s=10.0, max_connections=2)
     with router_with(limits) as router:
-        held = [router.connect() for _ in range(limits.max_connections)]
+        held = [router.connect(READ_S) for _ in range(limits.max_connections)]
         first_waiting = time.monotonic()
-        waiting = [router.connect() for _ in range(16)]
-        probe = router.connect()
+        waiting = [router.connect(READ_S) for _ in range(16)]
+        probe = router.connect(READ_S)
         probe.sendall(request_head("/livez"))
         status, _, _ = parse_response(read_to_close(probe))
         assert status == 200
