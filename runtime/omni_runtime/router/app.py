@@ -38,7 +38,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from omni_runtime.config import PipelineConfig
 from omni_runtime.engine.stage.stage_replica_pool import StageReplicaPool
 from omni_runtime.router.auth import ApiKeys, RequireApiKey, open_paths
-from omni_runtime.router.metrics import RouterMetrics
+from omni_runtime.router.metrics import RouterMetrics, batch_slots
 from omni_runtime.router.openapi import openapi_document
 from omni_runtime.router.orchestrator import PipelineError
 from omni_runtime.router.protocol import (
@@ -51,7 +51,13 @@ from omni_runtime.router.protocol import (
     decode_json,
     parse_body,
 )
-from omni_runtime.router.serving import JSONBody, OpenAIServing, error_body, error_response
+from omni_runtime.router.serving import (
+    JSONBody,
+    OpenAIServing,
+    error_body,
+    error_response,
+    served_model_name,
+)
 from omni_runtime.tracing import TraceRequests
 
 
@@ -67,11 +73,15 @@ def create_app(
     """The router app over ``pools`` (one per stage id; the caller fills them), asking
     for one of ``api_keys`` (router.auth) when given."""
     names = {stage.stage_id: stage.name for stage in pipeline.stages}
-    metrics = RouterMetrics(lambda: {names[i]: pool for i, pool in pools.items()})
+    metrics = RouterMetrics(
+        lambda: {names[i]: pool for i, pool in pools.items()},
+        model_name=model_name or served_model_name(pipeline),
+        batch_slots={stage.name: batch_slots(stage) for stage in pipeline.stages},
+    )
     for pool in pools.values():
         pool.on_request_done = metrics.stage_request_done
     serving = OpenAIServing(pipeline, pools, metrics, limits=limits, model_name=model_name)
-    metrics.router_in_flight.set_function(lambda: serving.in_flight)
+    metrics.in_flight = lambda: serving.in_flight
 
     @asynccontextmanager
     async def _lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -2,6 +2,14 @@
 
 Counters and histograms are updated as requests end; per-stage gauges (requests in flight,
 live replicas) are read from the pools when Prometheus scrapes, so they are never stale.
+
+The pipeline's queue is also exported under the names vLLM's server gives its own
+(``vllm:num_requests_running`` and ``vllm:num_requests_waiting``, labelled ``model_name``),
+so that what reads vLLM's endpoints (KEDA queries, llm-d's and the Gateway API inference
+extension's endpoint pickers, dashboards) reads a pipeline's router the same way. Their
+sum is the router's requests in flight, as vLLM's sum is its engine's: a request counts as
+running while some stage replica works on it in one of its batch slots, and as waiting
+otherwise (behind a replica's full batch, or between stages).
 """
 
 from __future__ import annotations
@@ -12,6 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from omni_runtime.config import StageConfig
 from omni_runtime.engine.stage.stage_replica_pool import StageReplicaPool
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -20,7 +29,15 @@ _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 12
 class RouterMetrics:
     """Everything /metrics shows."""
 
-    def __init__(self, pools: Callable[[], Mapping[str, StageReplicaPool]]) -> None:
+    def __init__(
+        self,
+        pools: Callable[[], Mapping[str, StageReplicaPool]],
+        *,
+        model_name: str = "",
+        batch_slots: Mapping[str, int | None] | None = None,
+    ) -> None:
+        """``batch_slots``: requests one replica of each stage runs at once (None: as many
+        as it is sent, an LLM stage without ``maxNumSeqs``)."""
         self.registry = CollectorRegistry(auto_describe=True)
         self.requests = Counter(
             "omni_router_requests",
@@ -35,13 +52,15 @@ class RouterMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         )
-        # Read when scraped (the app sets the function): 0 once every request has ended,
+        # Read when scraped (the app sets ``in_flight``): 0 once every request has ended,
         # however it ended, as a test or an operator draining the router can check.
+        self.in_flight: Callable[[], int] = lambda: 0
         self.router_in_flight = Gauge(
             "omni_router_in_flight",
             "Requests the router has admitted and not yet finished (streams included).",
             registry=self.registry,
         )
+        self.router_in_flight.set_function(self.read_in_flight)
         self.stage_requests = Counter(
             "omni_stage_requests",
             "Stage requests finished, by stage, replica and outcome (ok or error).",
@@ -86,6 +105,12 @@ class RouterMetrics:
             registry=self.registry,
         )
         self.registry.register(_PoolCollector(pools))
+        self.registry.register(
+            _VllmQueueCollector(pools, self.read_in_flight, model_name, dict(batch_slots or {}))
+        )
+
+    def read_in_flight(self) -> int:
+        return self.in_flight()
 
     def retried(self, stage: str, reason: str) -> None:
         self.retries.labels(stage, reason).inc()
@@ -153,3 +178,61 @@ class _PoolCollector(Collector):
         yield live
         yield draining
         yield terminating
+
+
+def batch_slots(stage: StageConfig) -> int | None:
+    """Requests one replica of ``stage`` runs at once: a diffusion stage runs one request at
+    a time; an LLM stage batches up to its ``maxNumSeqs`` (None: vLLM's default, far more
+    than a router sends one replica)."""
+    return 1 if stage.type == "diffusion" else stage.max_num_seqs
+
+
+def pipeline_running(
+    in_flight: int, replica_in_flight: Mapping[str, list[int]], slots: Mapping[str, int | None]
+) -> int:
+    """How many of the router's ``in_flight`` requests a stage replica is running in a batch
+    slot: each replica runs up to its stage's slots of what it holds (the rest wait in its
+    queue), and no more than the router holds in all (a request's companions, such as its
+    negative prompt, may run beside it in a stage)."""
+    running = 0
+    for stage, counts in replica_in_flight.items():
+        limit = slots.get(stage)
+        running += sum(n if limit is None else min(n, limit) for n in counts)
+    return min(running, in_flight)
+
+
+class _VllmQueueCollector(Collector):
+    def __init__(
+        self,
+        pools: Callable[[], Mapping[str, StageReplicaPool]],
+        in_flight: Callable[[], int],
+        model_name: str,
+        slots: Mapping[str, int | None],
+    ) -> None:
+        self._pools = pools
+        self._in_flight = in_flight
+        self._model_name = model_name
+        self._slots = slots
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        in_flight = self._in_flight()
+        counts = {name: [s.in_flight for s in pool.stats()] for name, pool in self._pools().items()}
+        running = pipeline_running(in_flight, counts, self._slots)
+        gauges = (
+            (
+                "vllm:num_requests_running",
+                "Requests a stage replica of the pipeline runs "
+                "now, in one of its batch slots (vLLM's name).",
+                running,
+            ),
+            (
+                "vllm:num_requests_waiting",
+                "Requests the router holds that no stage replica "
+                "runs now: queued behind a replica's batch, or between stages (vLLM's name).",
+                in_flight - running,
+            ),
+        )
+        for name, documentation, value in gauges:
+            gauge = GaugeMetricFamily(name, documentation, labels=["model_name"])
+            gauge.add_metric([self._model_name], value)
+            yield gauge

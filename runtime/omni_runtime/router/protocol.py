@@ -142,7 +142,9 @@ class _BagelGuidance(_Body):
 class ChatCompletionRequest(_BagelGuidance):
     """POST /v1/chat/completions."""
 
-    model: str
+    # Optional as in vLLM's own server: a request without it is served by the one model
+    # this router serves (the seed's curl sends none).
+    model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
