@@ -34,10 +34,10 @@ A third table shows where every process's threads may run, as seen once each sys
 up, and the notes quote each engine's OpenMP binding from its log.
 
 Every system answers the same chat requests from the official `openai` client
-(AsyncOpenAI, no retries): 16 greedy tokens (`max_tokens=16, temperature=0`; our router
-refuses vLLM's `ignore_eos` like any unknown field, so both get only standard fields and
-each answer's `usage.completion_tokens` is checked to be 16). A closed loop runs at each
-`--concurrency` for `--warmup` s, then `--duration` s measured: p50 and p99 latency of the
+(AsyncOpenAI, no retries): 16 greedy tokens (`max_tokens=16, temperature=0`; standard
+fields only, so the load is the OpenAI API's, and each answer's `usage.completion_tokens`
+is checked to be 16; bench/vllm_bench_client.py runs vLLM's own client). A closed loop runs
+at each `--concurrency` for `--warmup` s, then `--duration` s measured: p50 and p99 latency of the
 requests sent in the window and throughput (requests finished in it per second). Systems
 run one at a time (never two on the 2 cores at once); startup is the time from launch to
 `GET /health` answering 200 (and, for vllm-router, its workers' too). Ratios, in each vLLM

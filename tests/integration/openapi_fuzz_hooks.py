@@ -19,16 +19,42 @@ MAX_PROMPT_CHARS = int(os.environ["FUZZ_MAX_PROMPT_CHARS"])
 MAX_MESSAGES = int(os.environ["FUZZ_MAX_MESSAGES"])
 
 
+# Token ids the model has (a stop token past them is refused by vLLM's checks in the stage).
+VOCAB_SIZE = int(os.environ["FUZZ_VOCAB_SIZE"])
+MAX_TOKENS = int(os.environ["FUZZ_MAX_TOKENS"])
+_TEXT_PATHS = ("/v1/chat/completions", "/v1/completions")
+
+
 @schemathesis.hook
 def filter_case(context: schemathesis.HookContext, case: schemathesis.Case) -> bool:
-    """Positive chat requests within the limits no schema states; everything else as is."""
+    """Positive text requests within the limits no schema states; everything else as is."""
     meta = case.meta
     if meta is None or meta.generation.mode is not GenerationMode.POSITIVE:
         return True
-    if case.operation.path != "/v1/chat/completions" or not isinstance(case.body, dict):
+    if case.operation.path not in _TEXT_PATHS or not isinstance(case.body, dict):
         return True
-    messages = case.body.get("messages", [])
+    body = case.body
+    if not _sampling_valid(body):
+        return False
+    if case.operation.path == "/v1/completions":
+        return True
+    messages = body.get("messages", [])
     return len(messages) <= MAX_MESSAGES and _prompt_chars(messages) <= MAX_PROMPT_CHARS
+
+
+def _sampling_valid(body: dict[str, Any]) -> bool:
+    """vLLM's rules that depend on the model or on two fields at once."""
+    stop_ids = body.get("stop_token_ids")
+    if isinstance(stop_ids, list) and any(isinstance(i, int) and i >= VOCAB_SIZE for i in stop_ids):
+        return False
+    min_tokens = body.get("min_tokens")
+    # Without max_tokens, a completion makes 16 tokens (OpenAI's default) and a chat
+    # completion up to the router's limit; min_tokens may not ask for more.
+    default = 16 if "messages" not in body else MAX_TOKENS
+    max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or default
+    if isinstance(min_tokens, int) and isinstance(max_tokens, int):
+        return min_tokens <= max_tokens
+    return True
 
 
 def _prompt_chars(messages: list[dict[str, Any]]) -> int:

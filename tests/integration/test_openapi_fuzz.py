@@ -31,6 +31,7 @@ from serving import RunningRouter, pipeline_from, running_router, start_stage_pr
 from omni_runtime.config import dump_pipeline
 from omni_runtime.router.protocol import RouterLimits
 from omni_runtime.tiny_models import LLM_SUBDIR
+from omni_runtime.tiny_models._common import VOCAB_SIZE
 
 pytestmark = pytest.mark.integration
 
@@ -102,6 +103,8 @@ def test_schemathesis_finds_nothing(
         "SCHEMATHESIS_HOOKS": str(HOOKS),
         "FUZZ_MAX_PROMPT_CHARS": str(LIMITS.max_prompt_chars),
         "FUZZ_MAX_MESSAGES": str(MAX_MESSAGES),
+        "FUZZ_VOCAB_SIZE": str(VOCAB_SIZE),
+        "FUZZ_MAX_TOKENS": str(LIMITS.max_tokens),
     }
     start = time.monotonic()
     run = subprocess.run(

@@ -275,6 +275,58 @@ def test_llm_only_pipeline_streams_text_over_sse(
         assert chunks[-1].usage.completion_tokens == 8
 
 
+def test_completions_continue_the_raw_prompt_and_stream_the_same_text(
+    stages_config: dict[str, Any], stage_procs: dict[str, list[StageProcess]], tiny_models: Path
+) -> None:
+    from transformers import AutoTokenizer
+
+    ids = [WRITER]
+    prompt = "Once upon a time"
+    with running_router(pipeline(stages_config, ids), addresses(stage_procs, ids)) as router:
+        client = openai.OpenAI(base_url=router.base_url, api_key="x", max_retries=0)
+        whole = client.completions.create(model="tiny", prompt=prompt, max_tokens=8)
+        assert whole.object == "text_completion"
+        assert whole.choices[0].text
+        assert whole.usage is not None
+        assert whole.usage.completion_tokens == 8
+        # No chat template: the prompt's tokens are the text's own.
+        tokenizer = AutoTokenizer.from_pretrained(tiny_models / LLM_SUBDIR)
+        assert whole.usage.prompt_tokens == len(tokenizer(prompt).input_ids)
+        chunks = list(
+            client.completions.create(
+                prompt=[prompt],  # a list of one, and no model: both as clients send them
+                model=openai.NOT_GIVEN,  # type: ignore[arg-type]
+                max_tokens=8,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
+        texts = [c.choices[0].text for c in chunks if c.choices]
+        assert len([t for t in texts if t]) > 1, "text must arrive in more than one chunk"
+        assert "".join(texts) == whole.choices[0].text
+        assert chunks[-1].usage is not None
+        assert chunks[-1].usage.completion_tokens == 8
+        # vLLM's sampling extensions reach the stage, and vLLM's own checks refuse there.
+        ignored = client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "a red cat"}],
+            max_tokens=6,
+            extra_body={"ignore_eos": True, "min_tokens": 6, "top_k": 5, "min_p": 0.1},
+        )
+        assert ignored.usage is not None
+        assert ignored.usage.completion_tokens == 6
+        with httpx.Client(base_url=router.base_url, timeout=60) as http:
+            for body, field in (
+                ({"min_tokens": 9, "max_tokens": 8}, "min_tokens"),
+                ({"stop_token_ids": [-1]}, "stop_token_ids"),
+                ({"echo": True}, "echo"),
+                ({"logprobs": 2}, "logprobs"),
+            ):
+                response = http.post("/completions", json={"prompt": prompt, **body})
+                assert response.status_code == 400, (body, response.text)
+                assert field in response.json()["error"]["message"], response.text
+
+
 def test_round_robin_spreads_evenly_and_an_added_replica_takes_traffic(
     stages_config: dict[str, Any], stage_procs: dict[str, list[StageProcess]]
 ) -> None:

@@ -2,6 +2,8 @@
 
     POST /v1/chat/completions    text (``stream`` as SSE) for pipelines ending in an LLM;
                                  ``modalities: ["image"]`` for pipelines ending in diffusion
+    POST /v1/completions         a text prompt continued (no chat template), ``stream`` as
+                                 SSE; pipelines whose first stage is an LLM, answering text
     POST /v1/images/generations  b64_json images
     POST /v1/images/edits        b64_json images from an input image (multipart/form-data:
                                  image, prompt, n, size, ...; image-to-image diffusion)
@@ -43,6 +45,7 @@ from omni_runtime.router.openapi import openapi_document
 from omni_runtime.router.orchestrator import PipelineError
 from omni_runtime.router.protocol import (
     ChatCompletionRequest,
+    CompletionRequest,
     ImageEditForm,
     ImageGenerationRequest,
     RequestError,
@@ -128,6 +131,11 @@ def create_app(
     async def chat_completions(request: Request) -> Response:
         body = parse_body(ChatCompletionRequest, await read_json(request, serving.limits))
         return await serving.chat(body, request)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        body = parse_body(CompletionRequest, await read_json(request, serving.limits))
+        return await serving.completions(body, request)
 
     @app.post("/v1/images/generations")
     async def images_generations(request: Request) -> Response:
@@ -217,7 +225,13 @@ def _check_declared_length(request: Request, limits: RouterLimits) -> None:
 
 
 _V1_PATHS = frozenset(
-    ("/v1/chat/completions", "/v1/images/generations", "/v1/images/edits", "/v1/models")
+    (
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/images/generations",
+        "/v1/images/edits",
+        "/v1/models",
+    )
 )
 
 

@@ -26,6 +26,7 @@ from omni_runtime.router.orchestrator import OutputKind
 from omni_runtime.router.protocol import (
     IMAGE_ONLY_CHAT_FIELDS,
     ChatCompletionRequest,
+    CompletionRequest,
     ImageEditRequest,
     ImageGenerationRequest,
     RouterLimits,
@@ -114,6 +115,25 @@ class ChatCompletionChunk(BaseModel):
     usage: Usage | None = None
 
 
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: None
+    finish_reason: str | None
+
+
+class Completion(BaseModel):
+    """A completion; streamed (stream: true), each event is one of these with the new
+    text, and the last, with stream_options.include_usage, has no choices and the usage."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
 class ImageData(BaseModel):
     b64_json: str = Field(description="A PNG file, base64-encoded.")
 
@@ -153,6 +173,7 @@ _RESPONSE_MODELS: tuple[type[BaseModel], ...] = (
     ErrorResponse,
     ChatCompletion,
     ChatCompletionChunk,
+    Completion,
     ImagesResponse,
     ModelList,
     Health,
@@ -205,6 +226,8 @@ def openapi_document(
     if output_kind == "image":
         paths["/v1/images/generations"] = {"post": _images_generations()}
         paths["/v1/images/edits"] = {"post": _images_edits()}
+    else:
+        paths["/v1/completions"] = {"post": _completions_operation()}
     paths.update(_get_paths())
     description = (
         f"Serves the model {model_name!r}, a pipeline that answers with "
@@ -216,6 +239,11 @@ def openapi_document(
         description += (
             " /v1/images/generations and /v1/images/edits answer 400 here (this pipeline "
             "makes no images), so they are not listed."
+        )
+    else:
+        description += (
+            " /v1/completions answers 400 here (this pipeline answers with images), so it "
+            "is not listed."
         )
     components: dict[str, Any] = {"schemas": schemas}
     if open_paths is not None:
@@ -241,7 +269,7 @@ def openapi_document(
 
 
 def _request_models() -> tuple[type[BaseModel], ...]:
-    return (ChatCompletionRequest, ImageGenerationRequest, ImageEditRequest)
+    return (ChatCompletionRequest, CompletionRequest, ImageGenerationRequest, ImageEditRequest)
 
 
 def _narrow_requests(
@@ -251,7 +279,7 @@ def _narrow_requests(
     limits, and what this pipeline's output allows."""
     chat = schemas["ChatCompletionRequest"]["properties"]
     _set(chat["model"], enum=[model_name])
-    for name in ("max_tokens", "max_completion_tokens"):
+    for name in ("max_tokens", "max_completion_tokens", "min_tokens"):
         _set(chat[name], maximum=limits.max_tokens)
     prompt = {"maxLength": limits.max_prompt_chars}
     _set(schemas["ChatMessage"]["properties"]["content"]["anyOf"][0], **prompt)
@@ -278,6 +306,18 @@ def _narrow_requests(
         # Nor does it take an input image: a message's parts are text.
         content = schemas["ChatMessage"]["properties"]["content"]["anyOf"][1]
         content["items"] = {"$ref": _REF.format(model="TextPart")}
+    completion = schemas["CompletionRequest"]["properties"]
+    _set(completion["model"], enum=[model_name])
+    _set(completion["max_tokens"], maximum=limits.max_tokens)
+    _set(completion["min_tokens"], maximum=limits.max_tokens)
+    _set(completion["n"], enum=[1])
+    # The off values alone (the router takes them as clients send them).
+    _set(completion["echo"], enum=[False])
+    completion["logprobs"] = {"type": "null", "default": None}
+    completion["suffix"] = {"type": "null", "default": None}
+    prompts = completion["prompt"]["anyOf"]
+    _set(prompts[0], maxLength=limits.max_prompt_chars)
+    _set(prompts[1]["items"], maxLength=limits.max_prompt_chars)
     for name in ("ImageGenerationRequest", "ImageEditRequest"):
         fields = schemas[name]["properties"]
         _set(fields["model"], enum=[model_name])
@@ -401,6 +441,42 @@ def _chat_operation(output_kind: OutputKind) -> dict[str, Any]:
         "requestBody": {"required": True, "content": _json("ChatCompletionRequest")},
         "responses": {
             "200": {"description": "The completion (or its stream).", "content": content},
+            **_errors(*_POST_ERRORS),
+        },
+    }
+
+
+def _completions_operation() -> dict[str, Any]:
+    stream = {
+        "schema": {
+            "type": "object",
+            "required": ["data"],
+            "properties": {
+                "data": {
+                    "description": "With stream: true, one event per new text (a "
+                    "text_completion), an error object if the request fails after the "
+                    "stream started, then [DONE].",
+                    "anyOf": [
+                        {"const": "[DONE]"},
+                        {
+                            "type": "string",
+                            "contentMediaType": "application/json",
+                            "contentSchema": {"anyOf": [_ref("Completion"), _ref("ErrorResponse")]},
+                        },
+                    ],
+                }
+            },
+        }
+    }
+    return {
+        "summary": "Continue a text prompt (no chat template)",
+        "operationId": "createCompletion",
+        "requestBody": {"required": True, "content": _json("CompletionRequest")},
+        "responses": {
+            "200": {
+                "description": "The completion (or its stream).",
+                "content": {**_json("Completion"), "text/event-stream": stream},
+            },
             **_errors(*_POST_ERRORS),
         },
     }

@@ -125,6 +125,7 @@ Strength = Annotated[Number, Field(gt=0, le=1)]
 UnitFloat = Annotated[Number, Field(ge=0, le=1)]
 Seed = Annotated[Integer, Field(ge=0, le=2**63 - 1)]
 Positive = Annotated[Integer, Field(ge=1)]
+NonEmptyText = Annotated[str, Field(min_length=1)]
 
 
 class _BagelGuidance(_Body):
@@ -139,7 +140,49 @@ class _BagelGuidance(_Body):
     timestep_shift: Annotated[Number, Field(gt=0, le=100)] | None = None
 
 
-class ChatCompletionRequest(_BagelGuidance):
+class _Sampling(_Body):
+    """An LLM stage's sampling fields, as OpenAI's API and vLLM's server (its extensions:
+    top_k, min_p, repetition_penalty, min_tokens, ignore_eos, stop_token_ids,
+    skip_special_tokens) name them. The router checks their types and ranges; the stage
+    checks the rest with vLLM's own SamplingParams, and a refusal names the field."""
+
+    temperature: Annotated[Number, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[Number, Field(gt=0, le=1)] | None = None
+    # vLLM takes -1 and 0 for no top-k, and refuses less; a JSON integer past 64 bits
+    # parses as a float, so the bound says where integers end.
+    top_k: Annotated[Integer, Field(ge=-1, le=2**63 - 1)] | None = None
+    min_p: Annotated[Number, Field(ge=0, le=1)] | None = None
+    presence_penalty: Annotated[Number, Field(ge=-2, le=2)] | None = None
+    frequency_penalty: Annotated[Number, Field(ge=-2, le=2)] | None = None
+    repetition_penalty: Annotated[Number, Field(gt=0)] | None = None
+    min_tokens: Annotated[Integer, Field(ge=0, le=2**31 - 1)] | None = None
+    ignore_eos: StrictBool | None = None
+    stop_token_ids: list[Annotated[Integer, Field(ge=0, le=2**31 - 1)]] | None = None
+    skip_special_tokens: StrictBool | None = None
+    seed: Seed | None = None
+
+    def _llm_params(self, max_tokens: int | None, limits: RouterLimits) -> dict[str, Any]:
+        """The sampling params given, by the stage's names; RequestError past a limit."""
+        if max_tokens is not None and max_tokens > limits.max_tokens:
+            raise RequestError(
+                400, f"max_tokens: at most {limits.max_tokens} (got {max_tokens})", "max_tokens"
+            )
+        most = max_tokens if max_tokens is not None else limits.max_tokens
+        if self.min_tokens is not None and self.min_tokens > most:
+            raise RequestError(
+                400,
+                f"min_tokens: at most max_tokens ({most}; got {self.min_tokens})",
+                "min_tokens",
+            )
+        params = {
+            name: getattr(self, name) for name in _LLM_PARAMS if getattr(self, name) is not None
+        }
+        if max_tokens is not None:
+            params["max_tokens"] = max_tokens
+        return params
+
+
+class ChatCompletionRequest(_BagelGuidance, _Sampling):
     """POST /v1/chat/completions."""
 
     # Optional as in vLLM's own server: a request without it is served by the one model
@@ -150,16 +193,6 @@ class ChatCompletionRequest(_BagelGuidance):
     stream_options: StreamOptions | None = None
     max_tokens: Positive | None = None
     max_completion_tokens: Positive | None = None
-    temperature: Annotated[Number, Field(ge=0, le=2)] | None = None
-    top_p: Annotated[Number, Field(gt=0, le=1)] | None = None
-    # vLLM takes -1 and 0 for no top-k, and refuses less; a JSON integer past 64 bits
-    # parses as a float, so the bound says where integers end.
-    top_k: Annotated[Integer, Field(ge=-1, le=2**63 - 1)] | None = None
-    min_p: Annotated[Number, Field(ge=0, le=1)] | None = None
-    presence_penalty: Annotated[Number, Field(ge=-2, le=2)] | None = None
-    frequency_penalty: Annotated[Number, Field(ge=-2, le=2)] | None = None
-    repetition_penalty: Annotated[Number, Field(gt=0)] | None = None
-    seed: Seed | None = None
     n: Positive = 1
     user: str | None = None
     # vLLM-Omni's image generation extensions.
@@ -203,18 +236,9 @@ class ChatCompletionRequest(_BagelGuidance):
         messages, images = flatten_messages(self.messages, limits)
         prompt_chars = sum(len(m["content"]) for m in messages)
         check_common(limits, prompt_chars, self.n, self.num_inference_steps)
-        max_tokens = self.max_completion_tokens or self.max_tokens
-        if max_tokens is not None and max_tokens > limits.max_tokens:
-            raise RequestError(
-                400, f"max_tokens: at most {limits.max_tokens} (got {max_tokens})", "max_tokens"
-            )
         if len(images) > 1:
             raise RequestError(400, "messages: at most one input image per request", "messages")
-        llm_params = {
-            name: getattr(self, name) for name in _LLM_PARAMS if getattr(self, name) is not None
-        }
-        if max_tokens is not None:
-            llm_params["max_tokens"] = max_tokens
+        llm_params = self._llm_params(self.max_completion_tokens or self.max_tokens, limits)
         if wants_image:
             check_size(limits, self.height, self.width)
             llm_params.pop("seed", None)  # the seed is the image's
@@ -253,7 +277,7 @@ class ChatCompletionRequest(_BagelGuidance):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-# The chat completion fields that are an LLM stage's sampling params, by the same name.
+# The body fields that are an LLM stage's sampling params, by the same name.
 _LLM_PARAMS = (
     "temperature",
     "top_p",
@@ -262,8 +286,67 @@ _LLM_PARAMS = (
     "presence_penalty",
     "frequency_penalty",
     "repetition_penalty",
+    "min_tokens",
+    "ignore_eos",
+    "stop_token_ids",
+    "skip_special_tokens",
     "seed",
 )
+
+
+class CompletionRequest(_Sampling):
+    """POST /v1/completions: a text prompt continued, without a chat template (pipelines
+    whose first stage is an LLM and that answer with text)."""
+
+    model: str | None = None
+    # OpenAI's API also takes several prompts, or token ids, in one request; one text
+    # prompt per request here (a list of one is taken, as clients send it).
+    prompt: NonEmptyText | Annotated[list[NonEmptyText], Field(min_length=1, max_length=1)]
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    # Unset: 16, OpenAI's and vLLM's default for completions (or the router's limit, if
+    # lower).
+    max_tokens: Positive | None = None
+    n: Positive = 1
+    user: str | None = None
+    # Accepted as their "off" values, which clients (vLLM's benchmark among them) send.
+    echo: StrictBool = False
+    logprobs: Annotated[Integer, Field(ge=0)] | None = None
+    suffix: str | None = None
+
+    def to_pipeline_request(
+        self, request_id: str, output_kind: OutputKind, limits: RouterLimits
+    ) -> PipelineRequest:
+        """The pipeline request this completion asks for; RequestError naming the field
+        when the pipeline cannot answer it or it is over a limit."""
+        if output_kind != "text":
+            raise RequestError(
+                400,
+                "this pipeline makes images; /v1/completions is for pipelines that answer "
+                "with text (POST /v1/images/generations)",
+                param="prompt",
+            )
+        for name, off in (("echo", False), ("logprobs", None), ("suffix", None)):
+            if getattr(self, name) != off:
+                raise RequestError(400, f"{name}: not supported by this router", name)
+        if self.n != 1:
+            raise RequestError(400, f"n: only 1 completion per request (got {self.n})", "n")
+        prompt = self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+        check_common(limits, len(prompt), self.n, None, prompt_param="prompt")
+        return PipelineRequest(
+            request_id=request_id,
+            prompt=prompt,
+            llm_params=self._llm_params(
+                self.max_tokens if self.max_tokens is not None else min(16, limits.max_tokens),
+                limits,
+            ),
+            sticky_key=self.user,
+            stream=self.stream,
+        )
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
 
 
 class _ImageRequest(_BagelGuidance):

@@ -33,6 +33,7 @@ from omni_runtime.router.metrics import RouterMetrics
 from omni_runtime.router.orchestrator import PipelineError, PipelineOrchestrator, PipelineRequest
 from omni_runtime.router.protocol import (
     ChatCompletionRequest,
+    CompletionRequest,
     ImageEditRequest,
     ImageGenerationRequest,
     RequestError,
@@ -118,7 +119,8 @@ class OpenAIServing:
         else:
             request = body.to_pipeline_request(request_id, kind, self.limits)
         if kind == "text" and body.stream:
-            return await self._stream_chat(request, http, body.include_usage)
+            frames = _ChunkWriter(request_id, self.served_model_name, "chat.completion.chunk")
+            return await self._stream_text(request, http, body.include_usage, frames)
         outputs = await self._run_to_end(request, http)
         final = outputs[-1]
         if kind == "image":
@@ -138,6 +140,33 @@ class OpenAIServing:
                     {
                         "index": 0,
                         "message": {"role": "assistant", "content": content},
+                        "finish_reason": final.finish_reason,
+                    }
+                ],
+                "usage": _usage(final),
+            }
+        )
+
+    async def completions(self, body: CompletionRequest, http: Request) -> Response:
+        self._check_model(body.model)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        request = body.to_pipeline_request(request_id, self.orchestrator.output_kind, self.limits)
+        if body.stream:
+            frames = _ChunkWriter(request_id, self.served_model_name, "text_completion")
+            return await self._stream_text(request, http, body.include_usage, frames)
+        outputs = await self._run_to_end(request, http)
+        final = outputs[-1]
+        return JSONBody(
+            {
+                "id": request_id,
+                "object": "text_completion",
+                "created": int(time.time()),
+                "model": self.served_model_name,
+                "choices": [
+                    {
+                        "index": 0,
+                        "text": "".join(output.text for output in outputs),
+                        "logprobs": None,
                         "finish_reason": final.finish_reason,
                     }
                 ],
@@ -236,8 +265,8 @@ class OpenAIServing:
         finally:
             self.in_flight -= 1
 
-    async def _stream_chat(
-        self, request: PipelineRequest, http: Request, include_usage: bool
+    async def _stream_text(
+        self, request: PipelineRequest, http: Request, include_usage: bool, chunks: _ChunkWriter
     ) -> Response:
         self._admit()
         admitted = True
@@ -259,18 +288,18 @@ class OpenAIServing:
         except BaseException:
             await release()
             raise
-        chunks = _ChunkWriter(request.request_id, self.served_model_name)
 
         async def events() -> AsyncIterator[bytes]:
             try:
-                yield chunks.delta({"role": "assistant", "content": ""}, None)
+                opening = chunks.opening()
+                if opening:
+                    yield opening
                 output, last = first, first
                 while True:
                     last = output
                     if output.text or output.finished:
-                        yield chunks.delta(
-                            {"content": output.text} if output.text else {},
-                            output.finish_reason if output.finished else None,
+                        yield chunks.text(
+                            output.text, output.finish_reason if output.finished else None
                         )
                     if output.finished:
                         break
@@ -290,28 +319,37 @@ class OpenAIServing:
 
 
 class _ChunkWriter:
-    """The SSE frames of one streamed chat completion.
+    """The SSE frames of one streamed completion: chat (``chat.completion.chunk``: an
+    opening frame with the role, then ``delta``s) or text (``text_completion``: ``text``).
 
-    Only the delta and finish reason change from chunk to chunk, so the rest of the frame
+    Only the text and finish reason change from chunk to chunk, so the rest of the frame
     is encoded once; per token the router encodes a few dozen bytes.
     """
 
-    def __init__(self, request_id: str, model: str) -> None:
-        self.head = {
-            "id": request_id,
-            "object": "chat.completion.chunk",
-            "created": int(time.time()),
-            "model": model,
-        }
+    def __init__(self, request_id: str, model: str, kind: str) -> None:
+        self.head = {"id": request_id, "object": kind, "created": int(time.time()), "model": model}
+        self._chat = kind == "chat.completion.chunk"
         self._prefix = b"data: " + orjson.dumps(self.head)[:-1] + b',"choices":[{"index":0,'
         self._suffix = b"}]}\n\n"
 
-    def delta(self, delta: dict[str, Any], finish_reason: str | None) -> bytes:
-        body = b'"delta":' + orjson.dumps(delta) + b',"finish_reason":'
-        return self._prefix + body + orjson.dumps(finish_reason) + self._suffix
+    def opening(self) -> bytes | None:
+        if not self._chat:
+            return None
+        return self._frame(b'"delta":{"role":"assistant","content":""}', None)
+
+    def text(self, text: str, finish_reason: str | None) -> bytes:
+        if self._chat:
+            delta = orjson.dumps({"content": text} if text else {})
+            return self._frame(b'"delta":' + delta, finish_reason)
+        return self._frame(b'"text":' + orjson.dumps(text) + b',"logprobs":null', finish_reason)
 
     def usage(self, usage: dict[str, int]) -> bytes:
         return _sse({**self.head, "choices": [], "usage": usage})
+
+    def _frame(self, body: bytes, finish_reason: str | None) -> bytes:
+        return (
+            self._prefix + body + b',"finish_reason":' + orjson.dumps(finish_reason) + self._suffix
+        )
 
 
 def _sse(payload: Any) -> bytes:
