@@ -306,6 +306,26 @@ def test_completions_continue_the_raw_prompt_and_stream_the_same_text(
         assert "".join(texts) == whole.choices[0].text
         assert chunks[-1].usage is not None
         assert chunks[-1].usage.completion_tokens == 8
+        # vLLM's /tokenize and /detokenize, by the stage's tokenizer and chat template.
+        with httpx.Client(base_url=router.url, timeout=60) as http:
+            tokens = http.post("/tokenize", json={"prompt": prompt}).json()
+            assert tokens["tokens"] == tokenizer(prompt).input_ids
+            assert tokens["count"] == whole.usage.prompt_tokens
+            assert tokens["max_model_len"] == 512
+            back = http.post("/detokenize", json={"tokens": tokens["tokens"]}).json()
+            assert back["prompt"] == prompt
+            chat_messages = [{"role": "user", "content": prompt}]
+            templated = http.post("/tokenize", json={"messages": chat_messages}).json()
+            chat = client.chat.completions.create(
+                model="tiny",
+                messages=chat_messages,
+                max_tokens=1,  # type: ignore[arg-type]
+            )
+            assert chat.usage is not None
+            assert templated["count"] == chat.usage.prompt_tokens > tokens["count"]
+            refused = http.post("/detokenize", json={"tokens": [100_000]})
+            assert refused.status_code == 400, refused.text
+            assert refused.json()["error"]["param"] == "tokens"
         # vLLM's sampling extensions reach the stage, and vLLM's own checks refuse there.
         ignored = client.chat.completions.create(
             model="tiny",

@@ -4,6 +4,8 @@
                                  ``modalities: ["image"]`` for pipelines ending in diffusion
     POST /v1/completions         a text prompt continued (no chat template), ``stream`` as
                                  SSE; pipelines whose first stage is an LLM, answering text
+    POST /tokenize, /detokenize  vLLM's: token ids of a prompt (or a conversation through
+                                 the chat template) and back, by the first stage's tokenizer
     POST /v1/images/generations  b64_json images
     POST /v1/images/edits        b64_json images from an input image (multipart/form-data:
                                  image, prompt, n, size, ...; image-to-image diffusion)
@@ -46,10 +48,12 @@ from omni_runtime.router.orchestrator import PipelineError
 from omni_runtime.router.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     ImageEditForm,
     ImageGenerationRequest,
     RequestError,
     RouterLimits,
+    TokenizeRequest,
     body_too_large,
     decode_json,
     parse_body,
@@ -136,6 +140,18 @@ def create_app(
     async def completions(request: Request) -> Response:
         body = parse_body(CompletionRequest, await read_json(request, serving.limits))
         return await serving.completions(body, request)
+
+    # vLLM's paths, outside /v1 as vLLM serves them (its benchmark client aligns its
+    # prompts with them).
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        body = parse_body(TokenizeRequest, await read_json(request, serving.limits))
+        return await serving.tokenize(body)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        body = parse_body(DetokenizeRequest, await read_json(request, serving.limits))
+        return await serving.detokenize(body)
 
     @app.post("/v1/images/generations")
     async def images_generations(request: Request) -> Response:

@@ -27,9 +27,11 @@ from omni_runtime.router.protocol import (
     IMAGE_ONLY_CHAT_FIELDS,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     ImageEditRequest,
     ImageGenerationRequest,
     RouterLimits,
+    TokenizeRequest,
 )
 
 OPENAPI_VERSION = "3.1.0"
@@ -134,6 +136,17 @@ class Completion(BaseModel):
     usage: Usage | None = None
 
 
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
 class ImageData(BaseModel):
     b64_json: str = Field(description="A PNG file, base64-encoded.")
 
@@ -174,6 +187,8 @@ _RESPONSE_MODELS: tuple[type[BaseModel], ...] = (
     ChatCompletion,
     ChatCompletionChunk,
     Completion,
+    TokenizeResponse,
+    DetokenizeResponse,
     ImagesResponse,
     ModelList,
     Health,
@@ -228,6 +243,8 @@ def openapi_document(
         paths["/v1/images/edits"] = {"post": _images_edits()}
     else:
         paths["/v1/completions"] = {"post": _completions_operation()}
+        paths["/tokenize"] = {"post": _tokenizer_operation("tokenize")}
+        paths["/detokenize"] = {"post": _tokenizer_operation("detokenize")}
     paths.update(_get_paths())
     description = (
         f"Serves the model {model_name!r}, a pipeline that answers with "
@@ -242,8 +259,8 @@ def openapi_document(
         )
     else:
         description += (
-            " /v1/completions answers 400 here (this pipeline answers with images), so it "
-            "is not listed."
+            " /v1/completions, /tokenize and /detokenize answer 400 here (this pipeline "
+            "answers with images), so they are not listed."
         )
     components: dict[str, Any] = {"schemas": schemas}
     if open_paths is not None:
@@ -269,7 +286,14 @@ def openapi_document(
 
 
 def _request_models() -> tuple[type[BaseModel], ...]:
-    return (ChatCompletionRequest, CompletionRequest, ImageGenerationRequest, ImageEditRequest)
+    return (
+        ChatCompletionRequest,
+        CompletionRequest,
+        TokenizeRequest,
+        DetokenizeRequest,
+        ImageGenerationRequest,
+        ImageEditRequest,
+    )
 
 
 def _narrow_requests(
@@ -318,6 +342,12 @@ def _narrow_requests(
     prompts = completion["prompt"]["anyOf"]
     _set(prompts[0], maxLength=limits.max_prompt_chars)
     _set(prompts[1]["items"], maxLength=limits.max_prompt_chars)
+    tokenize = schemas["TokenizeRequest"]["properties"]
+    _set(tokenize["model"], enum=[model_name])
+    _set(tokenize["prompt"], maxLength=limits.max_prompt_chars)
+    detokenize = schemas["DetokenizeRequest"]["properties"]
+    _set(detokenize["model"], enum=[model_name])
+    _set(detokenize["tokens"], maxItems=limits.max_prompt_chars)
     for name in ("ImageGenerationRequest", "ImageEditRequest"):
         fields = schemas[name]["properties"]
         _set(fields["model"], enum=[model_name])
@@ -477,6 +507,23 @@ def _completions_operation() -> dict[str, Any]:
                 "description": "The completion (or its stream).",
                 "content": {**_json("Completion"), "text/event-stream": stream},
             },
+            **_errors(*_POST_ERRORS),
+        },
+    }
+
+
+def _tokenizer_operation(method: Literal["tokenize", "detokenize"]) -> dict[str, Any]:
+    model = method.capitalize()
+    summary = {
+        "tokenize": "Token ids of a prompt, or of a conversation through the chat template",
+        "detokenize": "Token ids as text",
+    }[method]
+    return {
+        "summary": summary + " (vLLM's API; the pipeline's first stage's tokenizer)",
+        "operationId": method,
+        "requestBody": {"required": True, "content": _json(f"{model}Request")},
+        "responses": {
+            "200": {"description": summary + ".", "content": _json(f"{model}Response")},
             **_errors(*_POST_ERRORS),
         },
     }

@@ -349,6 +349,51 @@ class CompletionRequest(_Sampling):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+class TokenizeRequest(_Body):
+    """POST /tokenize (vLLM's): a prompt's token ids, or a conversation's through the chat
+    template, as the pipeline's first stage computes them."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_special_tokens: StrictBool = True
+    # vLLM's default; a conversation is tokenized as the first stage renders a chat request.
+    add_generation_prompt: Literal[True] = True
+
+    def stage_kwargs(self, limits: RouterLimits) -> dict[str, Any]:
+        """The first stage's tokenize call for this request; RequestError when it is not
+        exactly one of prompt and messages, or over the prompt limit."""
+        if (self.prompt is None) == (self.messages is None):
+            raise RequestError(400, "prompt: give exactly one of prompt and messages", "prompt")
+        if self.prompt is not None:
+            check_common(limits, len(self.prompt), 1, None, prompt_param="prompt")
+            return {"prompt": self.prompt, "add_special_tokens": self.add_special_tokens}
+        assert self.messages is not None
+        if any(
+            not isinstance(m.content, str) and any(isinstance(p, ImagePart) for p in m.content)
+            for m in self.messages
+        ):
+            raise RequestError(400, "messages: /tokenize takes text only", "messages")
+        messages, _ = flatten_messages(self.messages, limits)
+        check_common(limits, sum(len(m["content"]) for m in messages), 1, None)
+        return {"messages": messages}
+
+
+class DetokenizeRequest(_Body):
+    """POST /detokenize (vLLM's): token ids as text."""
+
+    model: str | None = None
+    tokens: list[Annotated[Integer, Field(ge=0, le=2**31 - 1)]]
+
+    def stage_kwargs(self, limits: RouterLimits) -> dict[str, Any]:
+        # Each token is at least a character of text: the prompt limit bounds them too.
+        if len(self.tokens) > limits.max_prompt_chars:
+            raise RequestError(
+                400, f"tokens: at most {limits.max_prompt_chars} (got {len(self.tokens)})", "tokens"
+            )
+        return {"tokens": self.tokens}
+
+
 class _ImageRequest(_BagelGuidance):
     """What /v1/images/generations and /v1/images/edits share: the prompt, how many images
     of what size, and the diffusion stage's params; one place checks them all."""

@@ -27,18 +27,24 @@ from starlette.types import Receive, Scope, Send
 
 from omni_runtime.config import PipelineConfig
 from omni_runtime.engine.stage.stage_core_types import StageServerOutput
-from omni_runtime.engine.stage.stage_replica_pool import StageReplicaPool
+from omni_runtime.engine.stage.stage_replica_pool import NoLiveReplicaError, StageReplicaPool
 from omni_runtime.images import encode_png
 from omni_runtime.router.metrics import RouterMetrics
 from omni_runtime.router.orchestrator import PipelineError, PipelineOrchestrator, PipelineRequest
 from omni_runtime.router.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     ImageEditRequest,
     ImageGenerationRequest,
     RequestError,
     RouterLimits,
+    TokenizeRequest,
 )
+
+# A tokenize call is milliseconds of a stage server's time; one far past that has lost its
+# replica (which the pool notices on its own).
+_TOKENIZER_TIMEOUT_S = 30.0
 
 
 class JSONBody(Response):
@@ -173,6 +179,47 @@ class OpenAIServing:
                 "usage": _usage(final),
             }
         )
+
+    async def tokenize(self, body: TokenizeRequest) -> Response:
+        self._check_model(body.model)
+        answer = await self._tokenizer_call("tokenize", body.stage_kwargs(self.limits))
+        tokens = answer["tokens"]
+        return JSONBody(
+            {
+                "count": len(tokens),
+                "max_model_len": answer["max_model_len"],
+                "tokens": tokens,
+                "token_strs": None,
+            }
+        )
+
+    async def detokenize(self, body: DetokenizeRequest) -> Response:
+        self._check_model(body.model)
+        answer = await self._tokenizer_call("detokenize", body.stage_kwargs(self.limits))
+        return JSONBody({"prompt": answer["prompt"]})
+
+    async def _tokenizer_call(self, method: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """``method`` on a replica of the first stage, which tokenizes the caller's text;
+        its refusal as a 400 naming the field."""
+        if self.orchestrator.output_kind != "text":
+            raise RequestError(
+                400,
+                f"this pipeline makes images; /{method} is for pipelines that answer with text",
+            )
+        pool = self.pools[self.orchestrator.stages[0].stage_id]
+        try:
+            answer: dict[str, Any] = await pool.call_utility(
+                method, kwargs, timeout=_TOKENIZER_TIMEOUT_S
+            )
+        except NoLiveReplicaError as e:
+            raise PipelineError(503, str(e), kind="service_unavailable") from None
+        except TimeoutError:
+            raise PipelineError(
+                504, f"{method} did not answer within {_TOKENIZER_TIMEOUT_S:g} s", kind="timeout"
+            ) from None
+        if "error" in answer:
+            raise RequestError(400, answer["error"], answer.get("param"))
+        return answer
 
     async def images(self, body: ImageGenerationRequest, http: Request) -> Response:
         self._check_model(body.model)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from abc import ABC, abstractmethod
-from typing import Literal
+from typing import Any, Literal
 
 from opentelemetry.trace import Span, SpanKind
 
@@ -207,6 +207,15 @@ class StageFrontend(ABC):
 
     def check_health(self) -> None:
         self.client.check_health()
+
+    # Utility methods this frontend answers itself, from what it holds (the tokenizer);
+    # the stage server sends any other utility call to the core's collective_rpc.
+    frontend_methods: frozenset[str] = frozenset()
+
+    async def frontend_call(self, method: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """The answer to one of ``frontend_methods``: a result, or ``{"error", "param"}``
+        for input the stage refuses (a router answers it with a 400)."""
+        raise NotImplementedError(method)
 
     def shutdown(self) -> None:
         self.client.shutdown()

@@ -105,6 +105,25 @@ class StageLLMFrontend(StageFrontend):
     def in_flight(self) -> int:
         return len(self._requests)
 
+    frontend_methods = frozenset({"tokenize", "detokenize"})
+
+    async def frontend_call(self, method: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """vLLM's /tokenize and /detokenize, with this stage's tokenizer and template."""
+        builder = self.client.request_builder
+        try:
+            if method == "tokenize":
+                messages, prompt = kwargs.get("messages"), kwargs.get("prompt")
+                add_special = kwargs.get("add_special_tokens", True) is not False
+                # A long prompt takes milliseconds to tokenize: not on the event loop.
+                tokens = await asyncio.to_thread(builder.tokenize, prompt, messages, add_special)
+                return {"tokens": tokens, "max_model_len": builder.model_config.max_model_len}
+            if method == "detokenize":
+                text = await asyncio.to_thread(builder.detokenize, kwargs.get("tokens") or [])
+                return {"prompt": text}
+        except InvalidLLMRequestError as e:
+            return {"error": str(e), "param": e.param}
+        raise NotImplementedError(method)
+
     async def add(self, request: StageServerRequest) -> list[StageServerOutput]:
         request_id = request.request_id
         for name in (

@@ -3,7 +3,8 @@
 A ZMQ ROUTER socket: each router's RemoteStageClient is a DEALER peer. Messages are the
 stage wire format (``omni_runtime.wire``: msgspec, arrays as raw frames, never pickle)
 behind a one-byte type frame: ADD (a StageServerRequest), ABORT (request ids), UTILITY (a
-collective_rpc call), HEALTH (answered with a StageLoad). Outputs go back to the peer that
+collective_rpc call, or one the frontend answers itself: an LLM stage's tokenize and
+detokenize), HEALTH (answered with a StageLoad). Outputs go back to the peer that
 added the request. Input never takes the server down: a malformed message, an unknown
 type or a request the stage refuses is answered with an error output.
 
@@ -283,9 +284,13 @@ class StageServer:
 
     async def _utility(self, identity: bytes, call: StageUtilityCall) -> None:
         try:
-            result: Any = await self.frontend.client.collective_rpc_async(
-                call.method, args=tuple(call.args), kwargs=call.kwargs
-            )
+            result: Any
+            if call.method in self.frontend.frontend_methods:
+                result = await self.frontend.frontend_call(call.method, call.kwargs)
+            else:
+                result = await self.frontend.client.collective_rpc_async(
+                    call.method, args=tuple(call.args), kwargs=call.kwargs
+                )
             answer = StageUtilityOutput(call.call_id, result=result)
         except Exception as e:
             answer = StageUtilityOutput(call.call_id, failure_message=f"{type(e).__name__}: {e}")

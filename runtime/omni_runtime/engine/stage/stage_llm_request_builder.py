@@ -165,6 +165,34 @@ class StageLLMRequestBuilder:
             additional_information=additional_information,
         )
 
+    def tokenize(
+        self,
+        prompt: str | None = None,
+        messages: Sequence[Mapping[str, str]] | None = None,
+        add_special_tokens: bool = True,
+    ) -> list[int]:
+        """The token ids of ``prompt`` (the tokenizer's, with its special tokens if
+        ``add_special_tokens``) or of ``messages`` (through the chat template, exactly as
+        a chat request to this stage is rendered): what vLLM's /tokenize answers."""
+        if messages is not None:
+            engine_input, _ = self._render(None, messages, None)
+            return list(engine_input["prompt_token_ids"])
+        if not isinstance(prompt, str):
+            raise InvalidLLMRequestError("prompt: give a prompt (text) or messages", "prompt")
+        return list(self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens))
+
+    def detokenize(self, token_ids: Sequence[int]) -> str:
+        """``token_ids`` as text (vLLM's /detokenize); InvalidLLMRequestError for an id
+        outside the vocabulary."""
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in token_ids):
+            raise InvalidLLMRequestError("tokens: token ids must be integers", "tokens")
+        try:
+            self.renderer.validate_token_ids(list(token_ids), parameter="tokens")
+        except (VLLMValidationError, ValueError) as e:
+            raise InvalidLLMRequestError(f"tokens: {e}", "tokens") from None
+        text: str = self.tokenizer.decode(list(token_ids))
+        return text
+
     def _render(
         self,
         prompt: str | None,

@@ -412,6 +412,16 @@ class StageReplicaPool:
                 return pool_request
             # The replica was lost while the request was being sent: it never ran there.
 
+    async def call_utility(
+        self, method: str, kwargs: dict[str, Any], timeout: float | None = None
+    ) -> Any:
+        """Run utility ``method`` on one live replica chosen by the pool's policy (a call
+        any replica answers alike, such as an LLM stage's tokenize); NoLiveReplicaError
+        when there is none, TimeoutError past ``timeout``."""
+        self._claim_loop()
+        replica = self._pick(f"utility:{method}", None, None)
+        return await replica.client.collective_rpc_async(method, timeout=timeout, kwargs=kwargs)
+
     async def close(self) -> None:
         """Fail what is in flight, stop the readers and shut every client down. Idempotent."""
         if self._closed:
