@@ -30,7 +30,7 @@ from typing import Annotated, Any, TypeVar
 import msgspec
 import numpy as np
 
-from omni_runtime.config.families import BAGEL_FAMILY, FAMILIES, Family, family_of_pipeline_class
+from omni_runtime.config.families import FAMILIES, Family, family_of_pipeline_class
 from omni_runtime.engine.stage.stage_core_client import request_id_in_flight_error
 from omni_runtime.engine.stage.stage_core_types import (
     InvalidStageRequestError,
@@ -221,17 +221,6 @@ class DiffusionEngineBase(abc.ABC):
         return StageDiffusionCoreOutput(
             request_id=request_id, images=images, execute_time=time.perf_counter() - start
         )
-
-
-def load_diffusion_engine(config: DiffusionEngineConfig) -> DiffusionEngineBase:
-    """The engine for ``config``'s model: BAGEL's own for a BAGEL pipeline, else the
-    diffusers pipeline the checkpoint holds."""
-    if config.family == BAGEL_FAMILY:
-        from omni_runtime.diffusion.bagel_engine import BagelEngine
-
-        engine: DiffusionEngineBase = BagelEngine(config)
-        return engine
-    return DiffusionEngine(config)
 
 
 class DiffusionEngine(DiffusionEngineBase):

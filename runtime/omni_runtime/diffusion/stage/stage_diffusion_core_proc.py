@@ -31,7 +31,8 @@ from typing import Any
 import msgspec
 import zmq
 
-from omni_runtime.diffusion.engine import DiffusionEngineConfig, load_diffusion_engine
+from omni_runtime.diffusion.engine import DiffusionEngineConfig
+from omni_runtime.diffusion.loader import load_diffusion_engine
 from omni_runtime.engine.stage.stage_core_types import (
     StageCoreRequestType,
     StageDiffusionCoreOutputs,

@@ -16,7 +16,7 @@ from typing import Any
 
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
 
-from omni_runtime.engine.stage.stage_core_types import (
+from omni_runtime.engine.stage._stage_core_base import (
     StageCoreOutput,
     StageCoreOutputs,
     StageCoreRequest,

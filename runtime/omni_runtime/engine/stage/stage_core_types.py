@@ -8,7 +8,9 @@ diffusion types carry what a diffusers pipeline needs. All are msgspec structs e
 
 The three LLM types are defined in ``_stage_llm_core_types`` and resolved here on first
 use (PEP 562): subclassing vLLM's structs means importing vLLM, about 7 s, which a
-diffusion core proc would otherwise pay at every start for types it never uses.
+diffusion core proc would otherwise pay at every start for types it never uses. The
+markers and StageError they derive from are in ``_stage_core_base`` (re-exported here), so
+that module never imports this one.
 """
 
 from __future__ import annotations
@@ -22,6 +24,13 @@ import msgspec
 import numpy as np
 
 from omni_runtime.connectors.base import ConnectorHandle
+from omni_runtime.engine.stage._stage_core_base import (
+    StageCoreOutput,
+    StageCoreOutputs,
+    StageCoreRequest,
+    StageError,
+    StageErrorCode,
+)
 
 if TYPE_CHECKING:
     from omni_runtime.engine.stage._stage_llm_core_types import (
@@ -63,43 +72,6 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-class StageErrorCode(enum.Enum):
-    """What kind of failure a StageError reports: what its receiver may do about it (the
-    router answers with an HTTP status per code)."""
-
-    # The request is wrong (a field, or its kind for this stage): sending it again will
-    # fail again. ``param`` names the field where one is at fault.
-    BAD_REQUEST = "bad_request"
-    # An unfinished request holds this request's id; the first one goes on.
-    REQUEST_ID_IN_FLIGHT = "request_id_in_flight"
-    # The stage broke on the request (the engine failed, a connector did): not the
-    # request's fault.
-    STAGE_FAILED = "stage_failed"
-    # The stage takes no requests now (its core is gone).
-    UNAVAILABLE = "unavailable"
-    # The replica is draining (its pod is going away) and handed the request back without
-    # starting it: another replica of the stage may run it, and the router retries there.
-    DRAINING = "draining"
-
-
-class StageError(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True, gc=False):
-    """Why a stage did not run a request, as data: receivers branch on ``code`` and read
-    ``param``, never the message, which is for people ("params.height: Expected `int` >= 1")."""
-
-    code: StageErrorCode
-    message: str
-    # The request's field at fault, a sampling parameter by its own name ("height",
-    # "temperature"; "prompt", "messages" for the prompt itself).
-    param: str | None = None
-
-    @classmethod
-    def bad_request(cls, message: str, param: str | None = None) -> StageError:
-        return cls(StageErrorCode.BAD_REQUEST, message, param)
-
-    def __str__(self) -> str:
-        return self.message
-
-
 class InvalidStageRequestError(ValueError):
     """A request a stage refuses, raised where it is checked; the message starts with the
     offending field, which ``param`` names (a sampling parameter by its own name: "height",
@@ -125,18 +97,6 @@ class InvalidStageRequestError(ValueError):
         if located and located[2]:
             return cls(f"{where}.{located[2]}: {located[1]}", located[2])
         return cls(f"{where}: {located[1] if located else message}")
-
-
-class StageCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """Marker: a request to a stage core of any kind."""
-
-
-class StageCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """Marker: one request's output from a stage core of any kind."""
-
-
-class StageCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """Marker: one message of outputs from a stage core of any kind."""
 
 
 class ContextKVRef(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
