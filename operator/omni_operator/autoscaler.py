@@ -28,6 +28,11 @@ from typing import Any
 import httpx
 
 from omni_runtime.kube import KubeApiError, KubeClient, object_path
+from omni_runtime.pod_contract import (
+    deployment_is_ready,
+    deployment_ready_replicas,
+    endpoint_is_ready,
+)
 
 from .api import OmniPipelineSpec, StageAutoscaling, StageScalingStatus
 from .placement import PlacementGroup, placement_groups
@@ -115,7 +120,7 @@ def router_endpoints(slices: Sequence[Mapping[str, Any]]) -> list[RouterEndpoint
         if port is None:
             continue
         for endpoint in body.get("endpoints") or []:
-            if (endpoint.get("conditions") or {}).get("ready") is False:
+            if not endpoint_is_ready(endpoint):
                 continue
             addresses = endpoint.get("addresses") or []
             if not addresses:
@@ -201,7 +206,7 @@ class Autoscaler:
         for group in planned:
             body = deployments.get(group_object_name(name, group))
             replicas = _replicas(body)
-            if replicas is None:
+            if body is None or replicas is None:
                 # Not made yet (or not seen yet): converge gives it its first replicas.
                 continue
             scaling = group.autoscaling
@@ -213,14 +218,14 @@ class Autoscaler:
                     settings=settings_of(scaling),
                     stages=[by_stage.get(s.name, _idle(s.name)) for s in group.stages],
                     complete=complete and whole and bool(scrapes),
-                    ready_replicas=_ready(body),
+                    ready_replicas=deployment_ready_replicas(body),
                 )
             )
         decisions, state.memory = plan(group_states, now, state.memory)
         for decision in decisions:
             group = next(g for g in planned if g.name == decision.group)
             deployment = group_object_name(name, group)
-            if _all_ready(deployments.get(deployment)):
+            if deployment_is_ready(deployments.get(deployment)):
                 state.scaled_up_from.pop(deployment, None)
             if decision.desired != decision.current:
                 generation = await self._scale(namespace, name, group, decision, event)
@@ -323,17 +328,6 @@ def _replicas(deployment: Mapping[str, Any] | None) -> int | None:
         return None
     value = (deployment.get("spec") or {}).get("replicas")
     return int(value) if value is not None else None
-
-
-def _ready(deployment: Mapping[str, Any] | None) -> int | None:
-    if deployment is None:
-        return None
-    return int((deployment.get("status") or {}).get("readyReplicas") or 0)
-
-
-def _all_ready(deployment: Mapping[str, Any] | None) -> bool:
-    replicas, ready = _replicas(deployment), _ready(deployment)
-    return replicas is not None and ready is not None and ready >= replicas
 
 
 def _now() -> str:

@@ -21,8 +21,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from omni_runtime.config.models import MAX_STAGE_ID, SHARED_MEMORY_CONNECTOR, STAGE_PORT_BASE
+from omni_runtime.pod_contract import (
+    DRAIN_TIMEOUT_ENV,
+    NAMESPACE_ENV,
+    REVISION_ENV,
+    STAGE_CUDA_DEVICES_ENV_PREFIX,
+    DrainTimeoutError,
+    parse_drain_timeout,
+)
 
-from .api import OmniPipelineSpec, Placement, StageAutoscaling, StageSpec
+from .api import EnvVar, OmniPipelineSpec, Placement, StageAutoscaling, StageSpec
 
 GPU_RESOURCE = "nvidia.com/gpu"
 # What the operator assumes another autoscaler may scale a group to: enough to give the
@@ -39,16 +47,16 @@ SHM_DIR = "/dev/shm"
 RESERVED_VOLUMES = ("omni-config", "omni-home", "omni-tmp", "omni-shm")
 RESERVED_MOUNT_PATHS = (CONFIG_DIR, HOME_DIR, TMP_DIR, SHM_DIR)
 # Variables the operator sets in the containers: the runtime depends on their values.
-# OMNI_PIPELINE_REVISION (render.REVISION_ENV) is what routers compare to keep a request
-# on one configuration: a value set by hand would pair stages the operator keeps apart.
+# OMNI_PIPELINE_REVISION is what routers compare to keep a request on one configuration:
+# a value set by hand would pair stages the operator keeps apart.
 RESERVED_ENV = (
     "HOME",
     "HF_HOME",
     "CUDA_VISIBLE_DEVICES",
-    "OMNI_NAMESPACE",
-    "OMNI_PIPELINE_REVISION",
+    NAMESPACE_ENV,
+    REVISION_ENV,
 )
-RESERVED_ENV_PREFIXES = ("OMNI_CUDA_VISIBLE_DEVICES_",)
+RESERVED_ENV_PREFIXES = (STAGE_CUDA_DEVICES_ENV_PREFIX,)
 # Object names a placement group must not take: the router's are P-router.
 RESERVED_GROUP_NAMES = ("router",)
 
@@ -284,7 +292,9 @@ def _reserved(placement: Placement, path: str) -> list[tuple[str, str]]:
                 )
             )
     for j, var in enumerate(placement.env):
-        if var.name == "OMNI_PIPELINE_REVISION":
+        if var.name == DRAIN_TIMEOUT_ENV:
+            issues.extend(_drain_timeout(var, f"{path}.env[{j}]"))
+        elif var.name == REVISION_ENV:
             issues.append(
                 (
                     f"{path}.env[{j}].name",
@@ -323,6 +333,25 @@ def _reserved(placement: Placement, path: str) -> list[tuple[str, str]]:
                 )
             )
     return issues
+
+
+def _drain_timeout(var: EnvVar, path: str) -> list[tuple[str, str]]:
+    # The pod's terminationGracePeriodSeconds is sized from this value (render.py): one the
+    # operator cannot read, it cannot honour, and the runtime would refuse a bad one at
+    # start anyway.
+    if var.value_from is not None:
+        return [
+            (
+                f"{path}.valueFrom",
+                f"{var.name} must be a plain value: the operator sizes the pod's "
+                "terminationGracePeriodSeconds from it",
+            )
+        ]
+    try:
+        parse_drain_timeout(var.value)
+    except DrainTimeoutError as e:
+        return [(f"{path}.value", str(e))]
+    return []
 
 
 def _unknown_mounts(group: PlacementGroup, index: dict[int, int]) -> list[tuple[str, str]]:

@@ -19,19 +19,18 @@ from pydantic import ValidationError
 from omni_runtime.config import PipelineConfigError
 from omni_runtime.config.errors import join_path
 from omni_runtime.kube import KubeApiError, KubeClient, object_path, resource_path_for
+from omni_runtime.pod_contract import ANNOTATION_CONFIG_HASH, REVISION_ENV
 
 from .api import API_VERSION, PLURAL, OmniPipelineSpec, OmniPipelineStatus, StageScalingStatus
 from .autoscaler import initial_replicas, set_replicas
 from .placement import PlacementGroup, check_spec, placement_groups
 from .render import (
-    ANNOTATION_CONFIG_HASH,
     CHILD_KINDS,
     COMPONENT_STAGES,
     FIELD_MANAGER,
     LABEL_COMPONENT,
     LABEL_GROUP,
     LABEL_PIPELINE,
-    REVISION_ENV,
     config_data,
     config_hash,
     endpoint_url,

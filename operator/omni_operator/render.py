@@ -74,6 +74,16 @@ from typing import Any
 from omni_runtime.config import dump_pipeline, stage_port, stage_port_name
 from omni_runtime.config.credentials import CLIENT_FILES, KEYS_DIR_ENV, SERVER_FILES
 from omni_runtime.config.models import SHARED_MEMORY_CONNECTOR
+from omni_runtime.pod_contract import (
+    ANNOTATION_CONFIG_HASH,
+    DEFAULT_DRAIN_TIMEOUT_S,
+    DRAIN_TIMEOUT_ENV,
+    HEALTH_PORT,
+    NAMESPACE_ENV,
+    REVISION_ENV,
+    STAGE_CUDA_DEVICES_ENV_PREFIX,
+    parse_drain_timeout,
+)
 
 from .api import (
     API_VERSION,
@@ -114,7 +124,6 @@ LABEL_PIPELINE = "omni.dev/pipeline"
 LABEL_COMPONENT = "omni.dev/component"
 LABEL_GROUP = "omni.dev/placement-group"
 LABEL_STAGES = "omni.dev/stages"
-ANNOTATION_CONFIG_HASH = "omni.dev/config-hash"
 COMPONENT_CONFIG = "config"
 COMPONENT_STAGES = "stages"
 COMPONENT_ROUTER = "router"
@@ -124,19 +133,10 @@ CONFIG_KEY = "pipeline.json"
 CONFIG_FILE = f"{CONFIG_DIR}/{CONFIG_KEY}"
 STAGE_CONTAINER = "stages"
 ROUTER_CONTAINER = "router"
-HEALTH_PORT = 8081
 # The runtime images run as this user (Dockerfile.runtime: USER 65532:65532).
 RUNTIME_UID = 65532
-NAMESPACE_ENV = "OMNI_NAMESPACE"
-# Read by the runtime (omni_runtime.router.revisions.REVISION_ENV; the stage and router
-# processes' DRAIN_TIMEOUT_ENV); the operator does not import the runtime's layers above
-# its config, so the names are repeated here and a unit test keeps them equal.
-REVISION_ENV = "OMNI_PIPELINE_REVISION"
-DRAIN_TIMEOUT_ENV = "OMNI_DRAIN_TIMEOUT_S"
-DEFAULT_DRAIN_TIMEOUT_S = 30
 PRESTOP_DELAY_S = 5
 GRACE_MARGIN_S = 10
-STAGE_CUDA_DEVICES_ENV_PREFIX = "OMNI_CUDA_VISIBLE_DEVICES_"
 # Where pods find their credentials (names in omni_runtime.config.credentials).
 STAGE_KEYS_DIR = "/var/run/omni/stage-keys"
 API_KEYS_DIR = "/var/run/omni/api-keys"
@@ -505,17 +505,12 @@ def pipeline_revision(config_generation: int, hash_: str) -> str:
 
 
 def drain_timeout_s(env: Sequence[Mapping[str, Any]]) -> float:
-    """The drain timeout a container's ``env`` gives its runtime (a plain value of
-    OMNI_DRAIN_TIMEOUT_S, a number >= 0), else the default."""
+    """The drain timeout a container's ``env`` gives its runtime, else the default;
+    DrainTimeoutError for a value the runtime would refuse (``placement.check_spec``
+    refuses the spec first)."""
     for var in env:
-        if var.get("name") == DRAIN_TIMEOUT_ENV and isinstance(var.get("value"), str):
-            try:
-                value = float(var["value"])
-            except ValueError:
-                break
-            if 0 <= value < math.inf:
-                return value
-            break
+        if var.get("name") == DRAIN_TIMEOUT_ENV:
+            return parse_drain_timeout(var.get("value"))
     return float(DEFAULT_DRAIN_TIMEOUT_S)
 
 

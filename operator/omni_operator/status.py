@@ -19,6 +19,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from omni_runtime.pod_contract import (
+    all_replicas_ready,
+    deployment_ready_replicas,
+    deployment_replicas,
+)
+
 from .api import (
     Condition,
     ConditionStatus,
@@ -47,14 +53,13 @@ class DeploymentState:
     ) -> DeploymentState:
         """``scaled_generation``: the generation a scale by the planner gave it; a
         Deployment one generation behind that has only had its replicas changed."""
-        spec = deployment.get("spec") or {}
         status = deployment.get("status") or {}
         generation = int((deployment.get("metadata") or {}).get("generation", 0))
         observed_generation = int(status.get("observedGeneration", 0))
         scaled_only = generation == scaled_generation and observed_generation == generation - 1
         return cls(
-            replicas=int(spec.get("replicas", 1)),
-            ready_replicas=int(status.get("readyReplicas", 0)),
+            replicas=deployment_replicas(deployment),
+            ready_replicas=deployment_ready_replicas(deployment),
             updated_replicas=int(status.get("updatedReplicas", 0)),
             available_replicas=int(status.get("availableReplicas", 0)),
             observed=observed_generation >= generation or scaled_only,
@@ -66,7 +71,7 @@ class DeploymentState:
 
     @property
     def all_ready(self) -> bool:
-        return self.replicas > 0 and self.ready_replicas >= self.replicas
+        return all_replicas_ready(self.replicas, self.ready_replicas)
 
 
 @dataclass(frozen=True)

@@ -12,8 +12,8 @@ from omni_operator.placement import (
     is_reserved_env,
     placement_groups,
 )
-from omni_operator.render import REVISION_ENV
 from omni_runtime.config import MAX_STAGE_ID
+from omni_runtime.pod_contract import DRAIN_TIMEOUT_ENV, REVISION_ENV
 
 
 def _messages(spec: OmniPipelineSpec) -> dict[str, str]:
@@ -273,3 +273,21 @@ def test_the_pipeline_revision_cannot_be_set_in_env() -> None:
     for path in ("stages[0].placement.env[0].name", "router.placement.env[0].name"):
         assert "OMNI_PIPELINE_REVISION is set by the operator" in messages[path]
     assert is_reserved_env(REVISION_ENV)
+
+
+@pytest.mark.parametrize("value", ["soon", "-1", "inf", "nan"])
+def test_a_drain_timeout_the_runtime_would_refuse_is_refused(value: str) -> None:
+    # The pods' grace period is sized from it, and the runtime refuses it at start.
+    env = [{"name": DRAIN_TIMEOUT_ENV, "value": value}]
+    spec = spec_of([stage_of(0, placement={"env": env})], router={"placement": {"env": env}})
+    messages = _messages(spec)
+    for path in ("stages[0].placement.env[0].value", "router.placement.env[0].value"):
+        assert f"{DRAIN_TIMEOUT_ENV}={value!r}: expected seconds" in messages[path]
+
+
+def test_a_drain_timeout_from_elsewhere_is_refused_and_a_number_is_not() -> None:
+    from_elsewhere = {"name": DRAIN_TIMEOUT_ENV, "valueFrom": {"configMapKeyRef": {"name": "x"}}}
+    messages = _messages(spec_of([stage_of(0, placement={"env": [from_elsewhere]})]))
+    assert "must be a plain value" in messages["stages[0].placement.env[0].valueFrom"]
+    plain = {"name": DRAIN_TIMEOUT_ENV, "value": "120"}
+    assert _messages(spec_of([stage_of(0, placement={"env": [plain]})])) == {}

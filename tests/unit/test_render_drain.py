@@ -5,19 +5,17 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from pipeline_specs import spec_of, stage_of
 
-from omni_operator.render import (
+from omni_operator.render import PRESTOP_DELAY_S, drain_timeout_s, grace_period_s, render
+from omni_runtime.pod_contract import (
     ANNOTATION_CONFIG_HASH,
     DEFAULT_DRAIN_TIMEOUT_S,
     DRAIN_TIMEOUT_ENV,
-    PRESTOP_DELAY_S,
     REVISION_ENV,
-    drain_timeout_s,
-    grace_period_s,
-    render,
+    DrainTimeoutError,
 )
-from omni_runtime.entrypoints import router_process, stage_process
 from omni_runtime.router import revisions
 
 
@@ -34,12 +32,6 @@ def _render(spec: Any, generation: int = 0) -> dict[str, dict[str, Any]]:
     return _deployments(
         render("p", "ns", "uid-1", spec, default_image="img:1", config_generation=generation)
     )
-
-
-def test_the_names_the_runtime_reads_are_the_ones_rendered() -> None:
-    assert REVISION_ENV == revisions.REVISION_ENV
-    assert DRAIN_TIMEOUT_ENV == stage_process.DRAIN_TIMEOUT_ENV == router_process.DRAIN_TIMEOUT_ENV
-    assert DEFAULT_DRAIN_TIMEOUT_S == stage_process.DEFAULT_DRAIN_TIMEOUT_S
 
 
 def test_every_pod_sleeps_before_sigterm_and_has_time_to_drain() -> None:
@@ -67,12 +59,14 @@ def test_a_placement_drain_timeout_sets_its_pods_grace_period() -> None:
     assert default["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 45
 
 
-def test_drain_timeout_reads_only_plain_non_negative_numbers() -> None:
+def test_drain_timeout_is_read_as_the_runtime_reads_it() -> None:
     assert drain_timeout_s([{"name": DRAIN_TIMEOUT_ENV, "value": "7.5"}]) == 7.5
-    assert drain_timeout_s([{"name": DRAIN_TIMEOUT_ENV, "value": "soon"}]) == 30
-    assert drain_timeout_s([{"name": DRAIN_TIMEOUT_ENV, "value": "-1"}]) == 30
-    assert drain_timeout_s([{"name": DRAIN_TIMEOUT_ENV, "valueFrom": {}}]) == 30
+    assert drain_timeout_s([{"name": "OTHER", "value": "7.5"}]) == DEFAULT_DRAIN_TIMEOUT_S
     assert grace_period_s(7.5) == PRESTOP_DELAY_S + 8 + 10
+    # check_spec refuses these first (test_placement.py); the renderer never guesses.
+    for value in ("soon", "-1"):
+        with pytest.raises(DrainTimeoutError):
+            drain_timeout_s([{"name": DRAIN_TIMEOUT_ENV, "value": value}])
 
 
 def test_stage_pods_advertise_generation_and_config_hash_and_the_router_none() -> None:

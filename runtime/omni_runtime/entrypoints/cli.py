@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 from omni_runtime.config.credentials import API_KEY_FILE_ENV
+from omni_runtime.pod_contract import HEALTH_PORT
 from omni_runtime.process_logging import drop_torchvision_notice
 
 if TYPE_CHECKING:
@@ -89,7 +90,9 @@ def main(argv: list[str] | None = None) -> int:
         help="a stage server's port (0: any free one); default 52000 + stage id",
     )
     stage.add_argument(
-        "--health-port", default="8081", help="HTTP port for /livez and /readyz, or none"
+        "--health-port",
+        default=str(HEALTH_PORT),
+        help="HTTP port for /livez and /readyz, or none",
     )
     stage.add_argument("--ready-file", type=Path, help="write the bound ports here when ready")
     stage.add_argument("--exit-with-parent", action="store_true", help=argparse.SUPPRESS)
@@ -288,6 +291,7 @@ def _router(args: argparse.Namespace) -> int:
         run_router,
     )
     from omni_runtime.kube import KubeConfigError
+    from omni_runtime.pod_contract import DrainTimeoutError
     from omni_runtime.router.orchestrator import stage_chain
 
     pipeline = _load(args)
@@ -315,7 +319,7 @@ def _router(args: argparse.Namespace) -> int:
         )
     except ReplicaAddressError as e:
         raise UsageError(str(e)) from None
-    except (DiscoveryConfigError, KubeConfigError) as e:
+    except (DiscoveryConfigError, DrainTimeoutError, KubeConfigError) as e:
         # Exit 2, like argparse: the router cannot start with these settings.
         print(f"omni-runtime router: error: {e}", file=sys.stderr)
         return 2

@@ -33,6 +33,7 @@ from omni_runtime import tracing
 from omni_runtime.config import PipelineConfig
 from omni_runtime.engine.stage.stage_replica_pool import StageReplicaPool
 from omni_runtime.kube import KubeClient, KubeConfig, load_kube_config
+from omni_runtime.pod_contract import drain_timeout_from_env
 from omni_runtime.router.app import create_app
 from omni_runtime.router.auth import PROBE_PATHS, ApiKeys
 from omni_runtime.router.discovery import EndpointSliceDiscovery
@@ -181,26 +182,17 @@ def _addresses(value: str, where: str) -> list[str]:
 KEEP_ALIVE_S = 75
 
 
-DRAIN_TIMEOUT_ENV = "OMNI_DRAIN_TIMEOUT_S"
-DEFAULT_DRAIN_TIMEOUT_S = 30.0
-
-
-def drain_timeout(environ: Mapping[str, str]) -> float:
-    """How long a stopping router lets its HTTP requests finish: OMNI_DRAIN_TIMEOUT_S, else
-    the default (also for a value that is not a number >= 0)."""
-    try:
-        value = float(environ.get(DRAIN_TIMEOUT_ENV, "") or DEFAULT_DRAIN_TIMEOUT_S)
-    except ValueError:
-        return DEFAULT_DRAIN_TIMEOUT_S
-    return value if 0 <= value < float("inf") else DEFAULT_DRAIN_TIMEOUT_S
-
-
-def router_server_config(app: FastAPI, host: str, port: int) -> uvicorn.Config:
+def router_server_config(
+    app: FastAPI, host: str, port: int, *, drain_timeout: float | None = None
+) -> uvicorn.Config:
     """uvicorn's config for the router app: quiet logs, idle connections kept
-    ``KEEP_ALIVE_S``, requests in flight at a stop given ``drain_timeout`` to finish, and
-    the app's ``RouterLimits`` (``build_router``'s; the defaults for another app) on every
-    connection (``router.http_limits``: deadlines for a request's head and body, a bound
-    on connections)."""
+    ``KEEP_ALIVE_S``, requests in flight at a stop given ``drain_timeout`` seconds to finish
+    (None: OMNI_DRAIN_TIMEOUT_S, else its default; DrainTimeoutError if it is not
+    seconds), and the app's ``RouterLimits`` (``build_router``'s; the defaults for another
+    app) on every connection (``router.http_limits``: deadlines for a request's head and
+    body, a bound on connections)."""
+    if drain_timeout is None:
+        drain_timeout = drain_timeout_from_env(os.environ)
     serving = getattr(app.state, "router", None)
     limits: RouterLimits = serving.limits if serving is not None else RouterLimits()
     shortfall = descriptor_shortfall(limits)
@@ -214,7 +206,7 @@ def router_server_config(app: FastAPI, host: str, port: int) -> uvicorn.Config:
         log_level="warning",
         access_log=False,
         timeout_keep_alive=KEEP_ALIVE_S,
-        timeout_graceful_shutdown=max(1, round(drain_timeout(os.environ))),
+        timeout_graceful_shutdown=max(1, round(drain_timeout)),
     )
 
 
@@ -277,8 +269,10 @@ def run_router(
     stage_keys: StageClientKeys | None = None,
     api_keys: ApiKeys | None = None,
 ) -> int:
-    """Serve until stopped. ReplicaAddressError, DiscoveryConfigError or KubeConfigError
-    (omni_runtime.kube) before serving when the settings cannot be used."""
+    """Serve until stopped. ReplicaAddressError, DiscoveryConfigError, DrainTimeoutError
+    (omni_runtime.pod_contract) or KubeConfigError (omni_runtime.kube) before serving when
+    the settings cannot be used."""
+    drain_timeout = drain_timeout_from_env(os.environ)
     addresses = parse_replica_args(pipeline, replica_args, os.environ)
     found = parse_stage_services(
         pipeline, discover_namespace, stage_service_args, os.environ, addresses
@@ -310,7 +304,7 @@ def run_router(
         stage_keys=stage_keys,
         api_keys=api_keys,
     )
-    config = router_server_config(app, host, port)
+    config = router_server_config(app, host, port, drain_timeout=drain_timeout)
     logger.info(
         "router on http://%s:%d/v1 (model %s)", host, port, app.state.router.served_model_name
     )

@@ -40,7 +40,14 @@ from omni_runtime.config import PipelineConfig, StageConfig, dump_pipeline, stag
 from omni_runtime.config.families import EncoderRecipe
 from omni_runtime.connectors import ConnectorError, StageConnectors
 from omni_runtime.engine.stage.stage_core_client import StageCoreClientBase, StageCoreStartupError
-from omni_runtime.router.revisions import REVISION_ENV, local_revision
+from omni_runtime.pod_contract import (
+    HEALTH_PORT,
+    REVISION_ENV,
+    STAGE_CUDA_DEVICES_ENV_PREFIX,
+    DrainTimeoutError,
+    drain_timeout_from_env,
+)
+from omni_runtime.router.revisions import local_revision
 from omni_runtime.stage_keys import StageServerKeys
 from omni_runtime.stage_server.frontend import StageFrontend, stage_connector_names
 from omni_runtime.stage_server.probes import start_probe_server
@@ -51,14 +58,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("omni_runtime.stage")
 
-# Per stage, the CUDA_VISIBLE_DEVICES its engine sees, where one process runs several
-# stages on a pod's GPUs (the operator maps each stage's devices into the pod's numbering).
-STAGE_CUDA_DEVICES_ENV_PREFIX = "OMNI_CUDA_VISIBLE_DEVICES_"
-DEFAULT_HEALTH_PORT = 8081
-DRAIN_TIMEOUT_ENV = "OMNI_DRAIN_TIMEOUT_S"
-# How long a stopping stage lets the requests it holds finish. The operator's pods allow
-# it (terminationGracePeriodSeconds) plus their preStop delay and a margin.
-DEFAULT_DRAIN_TIMEOUT_S = 30.0
 # vLLM's CPU build refuses to start without a KV cache size; 1 GiB serves small models.
 _DEFAULT_CPU_KVCACHE_GIB = "1"
 
@@ -73,10 +72,10 @@ class StageProcessOptions:
     # stage id -> port; a stage not named takes config.stage_port(its id), 0 = any.
     ports: dict[int, int] | None = None
     health_host: str = "0.0.0.0"
-    health_port: int | None = DEFAULT_HEALTH_PORT
+    health_port: int | None = HEALTH_PORT
     ready_file: Path | None = None
     startup_timeout: float = 300.0
-    # None: OMNI_DRAIN_TIMEOUT_S, else DEFAULT_DRAIN_TIMEOUT_S.
+    # None: OMNI_DRAIN_TIMEOUT_S, else pod_contract.DEFAULT_DRAIN_TIMEOUT_S.
     drain_timeout: float | None = None
     # None: OMNI_PIPELINE_REVISION, else the config's local revision.
     revision: str | None = None
@@ -94,16 +93,10 @@ def resolve_revision(pipeline: PipelineConfig, environ: Mapping[str, str]) -> st
 
 def resolve_drain_timeout(environ: Mapping[str, str]) -> float:
     """OMNI_DRAIN_TIMEOUT_S (seconds, >= 0), else the default; StageStartError if bad."""
-    text = environ.get(DRAIN_TIMEOUT_ENV, "").strip()
-    if not text:
-        return DEFAULT_DRAIN_TIMEOUT_S
     try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value >= 0 or value == float("inf"):
-        raise StageStartError(f"{DRAIN_TIMEOUT_ENV}={text!r}: expected seconds, a number >= 0")
-    return value
+        return drain_timeout_from_env(environ)
+    except DrainTimeoutError as e:
+        raise StageStartError(str(e)) from None
 
 
 def resolve_model(model: str) -> str:

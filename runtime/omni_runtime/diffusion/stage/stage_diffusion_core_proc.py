@@ -45,6 +45,7 @@ from omni_runtime.engine.stage.stop_watchers import (
     start_stop_watchers,
     stop_signals_blocked,
 )
+from omni_runtime.pod_contract import DrainTimeoutError, drain_timeout_from_env
 from omni_runtime.process_logging import disable_loading_bars, drop_torchvision_notice
 from omni_runtime.wire import Frame, WireDecoder, WireEncoder, WireError
 
@@ -52,8 +53,6 @@ logger = logging.getLogger(__name__)
 
 # How long the last messages (an engine_dead notice above all) may take to leave on exit.
 _LINGER_MS = 2000
-_DRAIN_TIMEOUT_ENV = "OMNI_DRAIN_TIMEOUT_S"
-_DEFAULT_DRAIN_TIMEOUT_S = 30.0
 
 
 class StageProcHandshake(msgspec.Struct, gc=False):
@@ -253,7 +252,13 @@ def run_stage_core(
     serving: list[StageDiffusionCoreProc] = []
     stop_requested = threading.Event()
 
-    drain_timeout = _drain_timeout()
+    try:
+        drain_timeout = drain_timeout_from_env(os.environ)
+    except DrainTimeoutError as e:
+        # The stage process above refuses the same value first; this is for a core
+        # started on its own.
+        logger.error("diffusion core cannot start: %s", e)
+        return 1
 
     def stop(reason: str) -> None:
         logger.info("diffusion core stopping: %s", reason)
@@ -290,14 +295,6 @@ def run_stage_core(
         return 1
     proc.close()
     return 0
-
-
-def _drain_timeout() -> float:
-    try:
-        value = float(os.environ.get(_DRAIN_TIMEOUT_ENV, "") or _DEFAULT_DRAIN_TIMEOUT_S)
-    except ValueError:
-        return _DEFAULT_DRAIN_TIMEOUT_S
-    return value if 0 <= value < float("inf") else _DEFAULT_DRAIN_TIMEOUT_S
 
 
 def _describe(error: BaseException) -> str:
