@@ -8,6 +8,18 @@
 # Usage: scripts/images.sh [IMAGE...]          IMAGE: operator, runtime, runtime-cuda (default: all)
 #        scripts/images.sh --containers-conf   print the containers.conf podman must be run with
 #
+#   REGISTRY=registry.example.com/team scripts/images.sh      also tag each image under REGISTRY
+#   REGISTRY=registry.example.com/team PUSH=1 scripts/images.sh   ... and push it there
+#
+# Images are named omni-operator/omni-operator:0.1.0, omni-operator/omni-runtime:0.1.0 and
+# omni-operator/omni-runtime:0.1.0-cuda (podman stores them as localhost/omni-operator/...).
+# With REGISTRY set, each is also tagged REGISTRY/omni-operator:0.1.0,
+# REGISTRY/omni-runtime:0.1.0 and REGISTRY/omni-runtime:0.1.0-cuda, and that name is the one
+# printed; PUSH=1 then runs `podman push` of it (log in first: `podman login HOST`).
+# REGISTRY=docker.io/omni-operator gives the names the manifests use, as a cluster's
+# container runtime spells them: the tag to load an image into a cluster under
+# (`podman save`, then `kind load image-archive` or `k3s ctr images import`).
+#
 # Each image is cached in podman's storage (outside the checkout), labelled with a key of its
 # Dockerfile, its build arguments, the base image and every file the build copies: a warm run
 # with nothing changed builds nothing; a change to the sources rebuilds only the layers after
@@ -48,6 +60,17 @@ for image in "${wanted[@]}"; do
         *) echo "images.sh: no image '$image' (operator, runtime, runtime-cuda)" >&2; exit 2 ;;
     esac
 done
+
+registry="${REGISTRY:-}"
+registry="${registry%/}"
+if [[ -n "${PUSH:-}" && -z "$registry" ]]; then
+    echo "images.sh: PUSH needs REGISTRY, the registry (and path) to push to" >&2
+    exit 2
+fi
+if [[ "$registry" =~ [[:space:]] || ( -n "$registry" && ! "$registry" =~ ^[a-z0-9] ) ]]; then
+    echo "images.sh: REGISTRY must be a registry host and path, e.g. registry.example.com/team (got '$registry')" >&2
+    exit 2
+fi
 
 for tool in podman mmdebstrap; do
     command -v "$tool" >/dev/null || {
@@ -135,7 +158,27 @@ build() {  # build NAME DOCKERFILE TAG [BUILD-ARG...]
         # each time the dependencies change.
         podman image prune -f >/dev/null
     fi
-    echo "$name $tag"
+    publish "$name" "$tag"
+}
+
+publish() {  # publish NAME TAG: print NAME and the image's name (under REGISTRY, if set)
+    local name=$1 tag=$2
+    if [[ -z "$registry" ]]; then
+        echo "$name $tag"
+        return
+    fi
+    local remote="$registry/${tag#*/}"
+    podman tag "$tag" "$remote"
+    if [[ -n "${PUSH:-}" ]]; then
+        say "$name: pushing $remote"
+        podman push "$remote" >"$cache/logs/$name-push.log" 2>&1 || {
+            tail -20 "$cache/logs/$name-push.log" >&2
+            echo "images.sh: pushing $remote failed; its log: $cache/logs/$name-push.log" >&2
+            exit 1
+        }
+        say "$name: pushed $remote"
+    fi
+    echo "$name $remote"
 }
 
 for image in "${wanted[@]}"; do
