@@ -19,7 +19,7 @@ Placement, the same on both sides. The LLM core is started by the same
 StageLLMCoreProcManager on both, so vLLM's OMPProcessManager binds it alike (on x86: one CPU
 reserved for the other processes, OMP_NUM_THREADS = the CPUs left, every thread of the core
 on them; CPU 0 on 2 cores). The diffusion engine is not bound on either side, as in a pod:
-the operator renders no CPU or thread variable into a stage container (render.py), and a
+the operator renders no CPU or thread variable into a stage container (render/stages.py), and a
 stage leaves torch its default intra-op threads (`DiffusionEngineConfig.num_threads` is
 never set; torch's default is one thread per CPU the process may run on, which a pod's CPU
 limit does not lower); nothing reserves a CPU for the servers beside it. Serve goes first;

@@ -45,7 +45,7 @@ from .planner import (
     StageObservation,
     plan,
 )
-from .render import REPLICAS_FIELD_MANAGER, group_object_name, router_service_name
+from .render.names import REPLICAS_FIELD_MANAGER, group_object_name, router_service_name
 from .router_load import MetricsError, RouterScrape, observe, parse_router_metrics
 
 logger = logging.getLogger("omni_operator")

@@ -53,7 +53,7 @@ from .api import (
 )
 from .autoscaler import DEFAULT_INTERVAL_S, Autoscaler
 from .reconciler import EventSink, PipelineRef, Reconciler, refused_for_good
-from .render import (
+from .render.names import (
     CHILD_KINDS,
     COMPONENT_STAGES,
     LABEL_COMPONENT,

@@ -37,7 +37,7 @@ GPU_RESOURCE = "nvidia.com/gpu"
 # group a PodDisruptionBudget.
 EXTERNAL_MAX_REPLICAS = 1000
 
-# The pod layout the renderer gives every container (render.py); a placement that redefined
+# The pod layout the renderer gives every container (render/pods.py); a placement that redefined
 # any of it would break the pod, so check_spec refuses that with the reason.
 CONFIG_DIR = "/etc/omni"
 HOME_DIR = "/var/lib/omni"
@@ -149,7 +149,7 @@ def check_spec(spec: OmniPipelineSpec) -> list[tuple[str, str]]:
     """What the CRD's rules cannot see, as (field path, message); empty when deployable.
 
     The CRD checks pairs of stages; these need the placement groups, which may chain through
-    several stages, the merge of a group's placements, and the pod layout of render.py.
+    several stages, the merge of a group's placements, and the pod layout of render/pods.py.
     """
     groups = placement_groups(spec)
     index = {stage.stage_id: i for i, stage in enumerate(spec.stages)}
@@ -336,7 +336,7 @@ def _reserved(placement: Placement, path: str) -> list[tuple[str, str]]:
 
 
 def _drain_timeout(var: EnvVar, path: str) -> list[tuple[str, str]]:
-    # The pod's terminationGracePeriodSeconds is sized from this value (render.py): one the
+    # The pod's terminationGracePeriodSeconds is sized from this value (render/pods.py): one the
     # operator cannot read, it cannot honour, and the runtime would refuse a bad one at
     # start anyway.
     if var.value_from is not None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -24,23 +24,23 @@ from omni_runtime.pod_contract import ANNOTATION_CONFIG_HASH, REVISION_ENV
 from .api import API_VERSION, PLURAL, OmniPipelineSpec, OmniPipelineStatus, StageScalingStatus
 from .autoscaler import initial_replicas, set_replicas
 from .placement import PlacementGroup, check_spec, placement_groups
-from .render import (
+from .render import render
+from .render.config import config_data, config_hash
+from .render.names import (
     CHILD_KINDS,
     COMPONENT_STAGES,
     FIELD_MANAGER,
     LABEL_COMPONENT,
     LABEL_GROUP,
+    LABEL_MANAGED_BY,
     LABEL_PIPELINE,
-    config_data,
-    config_hash,
+    MANAGED_BY,
     endpoint_url,
     group_object_name,
     label_value,
     object_key,
-    prune_set,
-    render,
-    stage_keys_secret,
 )
+from .render.secrets import stage_keys_secret
 from .revision_gate import StagePod, pods_to_release, released_condition
 from .stage_keys import generate_stage_keys
 from .status import StagePlacement, invalid_status, pipeline_status, status_body
@@ -83,7 +83,7 @@ class Reconciler:
     kube: KubeClient
     default_image: str
     default_gpu_image: str
-    # Where the operator's own pods run, when in the cluster (render.py's NetworkPolicy).
+    # Where the operator's own pods run, when in the cluster (render/network.py's NetworkPolicy).
     operator_namespace: str | None = None
     # Per pipeline: serialises status writes, and remembers what was last written so that
     # an unchanged status is not written again.
@@ -476,6 +476,54 @@ def config_generation(new_hash: str, children: Iterable[Mapping[str, Any]], gene
                 if sep and order.isdigit() and hash_ == new_hash:
                     return int(order)
     return generation
+
+
+def prune_set(
+    desired: Sequence[Mapping[str, Any]], existing: Iterable[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """The objects of ``existing`` to delete: labelled as this pipeline's children by the
+    operator, not in ``desired``, and owned by no one else; sorted by key."""
+    if not desired:
+        # Without a desired object there is no pipeline (label, uid) to compare with.
+        return []
+    labels = desired[0]["metadata"]["labels"]
+    pipeline, uid = labels[LABEL_PIPELINE], desired[0]["metadata"]["ownerReferences"][0]["uid"]
+    existing = list(existing)
+    wanted = {object_key(obj) for obj in desired}
+    # The ConfigMaps the live Deployments' templates mount are kept one converge longer:
+    # while a rollout runs, their old ReplicaSet's pods (and any it starts again) still read
+    # the configuration of their own revision.
+    wanted |= {
+        ("v1", "ConfigMap", name)
+        for obj in existing
+        if obj.get("kind") == "Deployment" and _is_child_of(obj, pipeline, uid)
+        for name in _mounted_config_maps(obj)
+    }
+    stale = [
+        obj
+        for obj in existing
+        if object_key(obj) not in wanted and _is_child_of(obj, pipeline, uid)
+    ]
+    return sorted(stale, key=object_key)
+
+
+def _mounted_config_maps(deployment: Mapping[str, Any]) -> list[str]:
+    pod = ((deployment.get("spec") or {}).get("template") or {}).get("spec") or {}
+    return [
+        str(volume["configMap"]["name"])
+        for volume in pod.get("volumes") or []
+        if (volume.get("configMap") or {}).get("name")
+    ]
+
+
+def _is_child_of(obj: Mapping[str, Any], pipeline: str, uid: str) -> bool:
+    meta = obj.get("metadata") or {}
+    labels = meta.get("labels") or {}
+    if labels.get(LABEL_PIPELINE) != pipeline or labels.get(LABEL_MANAGED_BY) != MANAGED_BY:
+        return False
+    # An object with no owner left (orphaned by `kubectl delete --cascade=orphan`) is still
+    # ours by its labels; one that names another owner is not.
+    return all(ref.get("uid") == uid for ref in meta.get("ownerReferences") or [])
 
 
 def refused_for_good(error: KubeApiError) -> bool:

@@ -835,7 +835,7 @@ def test_rollouts_a_pod_delete_and_a_scale_down_under_a_closed_loop_lose_no_requ
     - an image rollout: every pod again, the revision (the config) unchanged.
 
     The rollouts run with one replica per Deployment: each replaces its pods one surge pod
-    at a time (render.py), so a second replica would only make every rollout two pod starts
+    at a time (render/pods.py), so a second replica would only make every rollout two pod starts
     long without testing anything the first does not. The clients see every request
     answered, with no HTTP error behind their retries."""
     figures = Figures()

@@ -28,7 +28,7 @@ IMAGES = REPO / "scripts" / "images.sh"
 # A cold build of the runtime image takes minutes; scripts/test.sh builds the images before
 # pytest starts, so in CI this only checks that they are up to date.
 BUILD_TIMEOUT_S = 3600
-# What the operator gives a stage container (render.py): writable /tmp and $HOME only, as
+# What the operator gives a stage container (render/pods.py): writable /tmp and $HOME only, as
 # emptyDirs. podman gives a tmpfs the image directory's owner and mode (root, 0750 for
 # $HOME) unless told to chown it to the container's user (U).
 READ_ONLY = [

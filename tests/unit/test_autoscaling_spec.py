@@ -14,7 +14,9 @@ from omni_operator.api import OmniPipelineSpec, runtime_config
 from omni_operator.autoscaler import initial_replicas, router_endpoints, settings_of
 from omni_operator.placement import check_spec, placement_groups
 from omni_operator.planner import LatencyObjective
-from omni_operator.render import OPERATOR_POD_LABEL, config_data, render
+from omni_operator.render import render
+from omni_operator.render.config import config_data
+from omni_operator.render.names import OPERATOR_POD_LABEL
 
 PLANNER = {"maxReplicas": 6, "minReplicas": 2, "targetInFlight": 2}
 

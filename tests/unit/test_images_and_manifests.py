@@ -26,7 +26,9 @@ import yaml
 
 from omni_operator.api import GROUP, PLURAL, OmniPipelineSpec
 from omni_operator.placement import HF_HOME_DIR, HOME_DIR
-from omni_operator.render import CHILD_KINDS, RUNTIME_UID, render
+from omni_operator.render import render
+from omni_operator.render.names import CHILD_KINDS
+from omni_operator.render.pods import RUNTIME_UID
 
 REPO = Path(__file__).resolve().parents[2]
 DOCKERFILES = ("Dockerfile.operator", "Dockerfile.runtime")

@@ -19,15 +19,10 @@ from omni_operator.reconciler import (
     config_generation,
     parse_spec,
 )
-from omni_operator.render import (
-    ANNOTATION_CONFIG_HASH,
-    CHILD_KINDS,
-    COMPONENT_STAGES,
-    LABEL_COMPONENT,
-    REVISION_ENV,
-)
+from omni_operator.render.names import CHILD_KINDS, COMPONENT_STAGES, LABEL_COMPONENT
 from omni_runtime.config.credentials import KEY_FILES
 from omni_runtime.kube import KubeClient
+from omni_runtime.pod_contract import ANNOTATION_CONFIG_HASH, REVISION_ENV
 from omni_runtime.router.revisions import revision_key
 
 TINY = Path(__file__).resolve().parents[2] / "manifests" / "examples" / "tiny-pipeline.yaml"

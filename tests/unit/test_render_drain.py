@@ -8,7 +8,8 @@ from typing import Any
 import pytest
 from pipeline_specs import spec_of, stage_of
 
-from omni_operator.render import PRESTOP_DELAY_S, drain_timeout_s, grace_period_s, render
+from omni_operator.render import render
+from omni_operator.render.pods import PRESTOP_DELAY_S, drain_timeout_s, grace_period_s
 from omni_runtime.pod_contract import (
     ANNOTATION_CONFIG_HASH,
     DEFAULT_DRAIN_TIMEOUT_S,

@@ -10,18 +10,10 @@ from pipeline_specs import spec_of, stage_of
 from zmq.utils import z85
 
 from omni_operator.api import OmniPipelineSpec
-from omni_operator.render import (
-    API_KEYS_DIR,
-    CHILD_KINDS,
-    LABEL_COMPONENT,
-    LABEL_PIPELINE,
-    STAGE_KEYS_DIR,
-    ChildKind,
-    config_data,
-    config_hash,
-    render,
-    stage_keys_secret,
-)
+from omni_operator.render import render
+from omni_operator.render.config import config_data, config_hash
+from omni_operator.render.names import CHILD_KINDS, LABEL_COMPONENT, LABEL_PIPELINE, ChildKind
+from omni_operator.render.secrets import API_KEYS_DIR, STAGE_KEYS_DIR, stage_keys_secret
 from omni_operator.stage_keys import generate_stage_keys, z85_encode
 from omni_runtime.config.credentials import CLIENT_FILES, KEYS_DIR_ENV, SERVER_FILES
 from omni_runtime.kube import KIND_PLURALS

@@ -16,15 +16,12 @@ from test_reconciler import FakeKube, tiny_spec
 
 from omni_operator.handlers import _quiet_watch_handlers
 from omni_operator.reconciler import PipelineRef, Reconciler, parse_spec
-from omni_operator.render import (
-    ANNOTATION_CONFIG_HASH,
-    LABEL_GROUP,
-    config_data,
-    config_hash,
-    render,
-)
+from omni_operator.render import render
+from omni_operator.render.config import config_data, config_hash
+from omni_operator.render.names import LABEL_GROUP
 from omni_operator.revision_gate import READINESS_GATE, StagePod, pods_to_release
 from omni_runtime.kube import KubeClient
+from omni_runtime.pod_contract import ANNOTATION_CONFIG_HASH
 
 
 def pod(
