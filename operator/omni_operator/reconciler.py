@@ -77,6 +77,31 @@ class _Applied:
 
 
 @dataclass
+class _Memory:
+    """What the reconciler remembers of one pipeline between calls."""
+
+    # Serialises status writes.
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # Held while replicas of autoscaled Deployments may be written: by a converge (which
+    # hands them over) and by the planner, so that neither writes a count the other read
+    # before it changed.
+    replicas_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    # The pipeline as converge last saw it, with its spec as given, for child watches.
+    seen: tuple[PipelineRef, dict[str, Any]] | None = None
+    # The status last written, so that an unchanged status is not written again.
+    written: dict[str, Any] | None = None
+    # None until a spec is applied, and again while the spec is refused: child changes
+    # must then not overwrite the status that says why.
+    applied: _Applied | None = None
+    # The autoscaler's last word: per stage, the Deployments it scaled up (with their
+    # replicas before) whose new pods are not all ready yet, and the generations its
+    # scales gave them.
+    scaling: dict[str, StageScalingStatus] | None = None
+    scaled_up_from: dict[str, int] | None = None
+    scaled_generations: dict[str, int] | None = None
+
+
+@dataclass
 class Reconciler:
     """Converges pipelines; one per operator process."""
 
@@ -85,44 +110,30 @@ class Reconciler:
     default_gpu_image: str
     # Where the operator's own pods run, when in the cluster (render/network.py's NetworkPolicy).
     operator_namespace: str | None = None
-    # Per pipeline: serialises status writes, and remembers what was last written so that
-    # an unchanged status is not written again.
-    _locks: dict[tuple[str, str], asyncio.Lock] = field(default_factory=dict)
-    _replicas_locks: dict[tuple[str, str], asyncio.Lock] = field(default_factory=dict)
-    _written: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)
-    _applied: dict[tuple[str, str], _Applied] = field(default_factory=dict)
-    # The pipelines seen by converge, with their spec as given, for child watches to use.
-    _seen: dict[tuple[str, str], tuple[PipelineRef, dict[str, Any]]] = field(default_factory=dict)
-    # The autoscaler's last word per pipeline: per stage, and the Deployments it scaled up
-    # (with their replicas before) whose new pods are not all ready yet.
-    _scaling: dict[tuple[str, str], dict[str, StageScalingStatus]] = field(default_factory=dict)
-    _scaled_up_from: dict[tuple[str, str], dict[str, int]] = field(default_factory=dict)
-    _scaled_generations: dict[tuple[str, str], dict[str, int]] = field(default_factory=dict)
+    _pipelines: dict[tuple[str, str], _Memory] = field(default_factory=dict)
+
+    def _memory(self, ref: PipelineRef) -> _Memory:
+        return self._pipelines.setdefault((ref.namespace, ref.name), _Memory())
+
+    def _applied(self, namespace: str, name: str) -> _Applied | None:
+        # A read: remembers nothing of a pipeline it does not know.
+        memory = self._pipelines.get((namespace, name))
+        return memory.applied if memory is not None else None
 
     def lock(self, ref: PipelineRef) -> asyncio.Lock:
-        return self._locks.setdefault((ref.namespace, ref.name), asyncio.Lock())
+        return self._memory(ref).lock
 
     def replicas_lock(self, ref: PipelineRef) -> asyncio.Lock:
-        """Held while replicas of autoscaled Deployments may be written: by a converge
-        (which hands them over) and by the planner, so that neither writes a count the
-        other read before it changed."""
-        return self._replicas_locks.setdefault((ref.namespace, ref.name), asyncio.Lock())
+        """Held while replicas of autoscaled Deployments may be written (see _Memory)."""
+        return self._memory(ref).replicas_lock
 
     def forget(self, namespace: str, name: str) -> None:
         """Drop what is remembered of a deleted pipeline."""
-        key = (namespace, name)
-        self._seen.pop(key, None)
-        self._locks.pop(key, None)
-        self._replicas_locks.pop(key, None)
-        self._written.pop(key, None)
-        self._applied.pop(key, None)
-        self._scaling.pop(key, None)
-        self._scaled_up_from.pop(key, None)
-        self._scaled_generations.pop(key, None)
+        self._pipelines.pop((namespace, name), None)
 
     def applied_spec(self, namespace: str, name: str) -> OmniPipelineSpec | None:
         """The spec last applied for ``namespace/name``; None before one was."""
-        applied = self._applied.get((namespace, name))
+        applied = self._applied(namespace, name)
         return applied.spec if applied is not None else None
 
     def set_scaling(
@@ -133,21 +144,21 @@ class Reconciler:
         scaled_generations: Mapping[str, int],
     ) -> None:
         """What the next status report says of the autoscaling (autoscaler.py)."""
-        key = (ref.namespace, ref.name)
-        self._scaling[key] = dict(stages)
-        self._scaled_up_from[key] = dict(scaled_up_from)
-        self._scaled_generations[key] = dict(scaled_generations)
+        memory = self._memory(ref)
+        memory.scaling = dict(stages)
+        memory.scaled_up_from = dict(scaled_up_from)
+        memory.scaled_generations = dict(scaled_generations)
 
     def known(self, namespace: str, name: str) -> PipelineRef | None:
         """The pipeline ``namespace/name`` as last converged, or None."""
-        seen = self._seen.get((namespace, name))
-        return seen[0] if seen is not None else None
+        memory = self._pipelines.get((namespace, name))
+        return memory.seen[0] if memory is not None and memory.seen is not None else None
 
     def count(self) -> int:
-        return len(self._seen)
+        return len(self.known_refs())
 
     def known_refs(self) -> list[PipelineRef]:
-        return [ref for ref, _ in self._seen.values()]
+        return [memory.seen[0] for memory in self._pipelines.values() if memory.seen is not None]
 
     def autoscaled(self, ref: PipelineRef) -> bool:
         """Whether ``ref``'s applied spec gives a stage autoscaling."""
@@ -164,7 +175,8 @@ class Reconciler:
 
     async def reconverge(self, ref: PipelineRef, event: EventSink) -> None:
         """Converge ``ref`` again with the spec it was last converged with."""
-        seen = self._seen.get((ref.namespace, ref.name))
+        memory = self._pipelines.get((ref.namespace, ref.name))
+        seen = memory.seen if memory is not None else None
         if seen is not None and seen[0] == ref:
             await self.converge(ref, seen[1], None, event)
 
@@ -180,14 +192,15 @@ class Reconciler:
         A spec the operator refuses changes no child: the status says why. API errors
         propagate (kopf retries with backoff) after an Event names them.
         """
-        self._seen[(ref.namespace, ref.name)] = (ref, dict(raw_spec))
+        memory = self._memory(ref)
+        memory.seen = (ref, dict(raw_spec))
         try:
             spec = parse_spec(raw_spec)
         except SpecRefused as e:
             event("Warning", "InvalidSpec", str(e))
             # Until a valid spec comes, child changes must not overwrite this status.
-            self._applied.pop((ref.namespace, ref.name), None)
-            last = self._written.get((ref.namespace, ref.name))
+            memory.applied = None
+            last = memory.written
             before = _status(last if last is not None else previous)
             await self._write_status(ref, invalid_status(str(e), ref.generation, before, _now()))
             return
@@ -204,7 +217,9 @@ class Reconciler:
             except KubeApiError as e:
                 event("Warning", "PruneFailed", f"{key[1]} {key[2]}: {e}")
                 raise
-        self._applied[(ref.namespace, ref.name)] = _Applied(
+        # The record now, not the one taken before the awaits above: a forget may have
+        # dropped that one meanwhile.
+        self._memory(ref).applied = _Applied(
             ref.generation,
             spec,
             current_hash,
@@ -260,9 +275,10 @@ class Reconciler:
                 if refused_for_good(e):
                     # The same spec renders the same object: the spec must change first,
                     # and until then child changes must not overwrite this status.
-                    self._applied.pop((ref.namespace, ref.name), None)
+                    memory = self._memory(ref)
+                    memory.applied = None
                     message = f"the apiserver refused {key[1]} {key[2]}: {e.message}"
-                    last = self._written.get((ref.namespace, ref.name))
+                    last = memory.written
                     before = _status(last if last is not None else previous)
                     await self._write_status(
                         ref, invalid_status(message, ref.generation, before, _now())
@@ -328,7 +344,7 @@ class Reconciler:
     ) -> None:
         """Write the status computed from ``deployments`` (by name), if the spec of
         ``ref.generation`` has been applied; otherwise converge will."""
-        applied = self._applied.get((ref.namespace, ref.name))
+        applied = self._applied(ref.namespace, ref.name)
         if applied is None:
             return
         generation, spec = applied.generation, applied.spec
@@ -352,7 +368,8 @@ class Reconciler:
             f"{ref.name}-router",
         )
         async with self.lock(ref):
-            last = self._written.get((ref.namespace, ref.name))
+            memory = self._memory(ref)
+            last = memory.written
             before = _status(last if last is not None else previous)
             status = pipeline_status(
                 stages=stages,
@@ -362,9 +379,9 @@ class Reconciler:
                 endpoint=endpoint_url(ref.name, ref.namespace, spec.router.port),
                 previous=before,
                 now=_now(),
-                scaling=self._scaling.get((ref.namespace, ref.name)),
-                scaled_up_from=self._scaled_up_from.get((ref.namespace, ref.name)),
-                scaled_generations=self._scaled_generations.get((ref.namespace, ref.name)),
+                scaling=memory.scaling,
+                scaled_up_from=memory.scaled_up_from,
+                scaled_generations=memory.scaled_generations,
             )
             if before is None or before.phase != status.phase:
                 kind = "Warning" if status.phase in ("Degraded", "Failed") else "Normal"
@@ -380,7 +397,7 @@ class Reconciler:
         current config, if that revision now has a ready pod in every placement group.
         ``pods`` are the pipeline's stage pods as last seen; nothing is done before the
         pipeline's spec has been applied (converge calls this again once it has)."""
-        applied = self._applied.get((ref.namespace, ref.name))
+        applied = self._applied(ref.namespace, ref.name)
         if applied is None:
             return
         # Per pod event: only what the apply already computed, no rendering.
@@ -418,7 +435,8 @@ class Reconciler:
 
     async def _write_status_locked(self, ref: PipelineRef, status: OmniPipelineStatus) -> None:
         body = status_body(status)
-        if self._written.get((ref.namespace, ref.name)) == body:
+        memory = self._memory(ref)
+        if memory.written == body:
             return
         path = object_path(API_VERSION, PLURAL, ref.namespace, ref.name, "status")
         try:
@@ -427,7 +445,7 @@ class Reconciler:
             if e.status == 404:  # deleted meanwhile: nothing to report to
                 return
             raise
-        self._written[(ref.namespace, ref.name)] = body
+        memory.written = body
 
     async def _list_children(self, ref: PipelineRef) -> dict[ObjectKey, dict[str, Any]]:
         found: dict[ObjectKey, dict[str, Any]] = {}

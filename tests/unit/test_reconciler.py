@@ -229,3 +229,22 @@ def test_the_router_deployment_gives_no_number() -> None:
     router = _stage_deployment("abc", "4-abc")
     router["metadata"]["labels"][LABEL_COMPONENT] = "router"
     assert config_generation("abc", [router], generation=9) == 9
+
+
+async def test_what_is_remembered_of_a_pipeline_goes_with_it() -> None:
+    reconciler = Reconciler(
+        kube=cast(KubeClient, FakeKube()), default_image="img:1", default_gpu_image=""
+    )
+    ref = PipelineRef("tiny", "demo", "uid-1", 1)
+    # A lock taken for a pipeline not converged yet does not make it known.
+    reconciler.lock(PipelineRef("other", "demo", "uid-2", 1))
+    await reconciler.converge(ref, tiny_spec(), None, lambda *_: None)
+    reconciler.set_scaling(ref, {}, {"tiny-thinker": 1}, {})
+    assert reconciler.known("demo", "tiny") == ref
+    assert reconciler.known_refs() == [ref]
+    assert reconciler.count() == 1
+    assert reconciler.applied_spec("demo", "tiny") is not None
+    reconciler.forget("demo", "tiny")
+    assert reconciler.known("demo", "tiny") is None
+    assert reconciler.applied_spec("demo", "tiny") is None
+    assert reconciler.count() == 0
