@@ -1,0 +1,475 @@
+"""One table of OmniPipeline specs, valid and invalid, for both places the pipeline's
+rules are written: the CRD's (CEL and the schema, crd.py) and the operator's own (the
+pydantic models of api.py and omni_runtime.config, and placement.check_spec), so that
+the two cannot drift apart unnoticed.
+
+Each invalid case breaks one valid pipeline in one way and says what each side must
+answer: ``cel``, what `kubectl apply` must print (the field's path and the cause;
+tests/cluster/test_crd_validation.py, against a real apiserver), and ``python``, what
+the operator's own check (``reconciler.parse_spec``) must say (tests/unit/
+test_pipeline_rules.py, on every run). ``python`` is None only where the rule is the
+CRD's alone, and the unit test lists those. Every valid case must pass both.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+Manifest = dict[str, Any]
+
+
+def base_pipeline(name: str = "p") -> Manifest:
+    """A valid pipeline that each case below breaks in exactly one way: a thinker and a DiT
+    sharing GPU 0 (one placement group) joined by shared memory."""
+    return {
+        "apiVersion": "omni.dev/v1alpha1",
+        "kind": "OmniPipeline",
+        "metadata": {"name": name},
+        "spec": {
+            "model": "/models/tiny",
+            "stages": [
+                {"stageId": 0, "name": "thinker", "type": "llm", "devices": "0"},
+                {
+                    "stageId": 1,
+                    "name": "dit",
+                    "type": "diffusion",
+                    "devices": "0",
+                    "inputConnectors": {"from_stage_0": "shm"},
+                },
+            ],
+            "connectors": {
+                "shm": {"name": "SharedMemoryConnector"},
+                "tcp": {"name": "TCPConnector"},
+            },
+        },
+    }
+
+
+def stage(manifest: Manifest, index: int) -> dict[str, Any]:
+    result: dict[str, Any] = manifest["spec"]["stages"][index]
+    return result
+
+
+Breaker = Callable[[Manifest], object]
+
+
+def _set(index: int, **fields: object) -> Breaker:
+    return lambda m: stage(m, index).update(fields)
+
+
+def _spec(**fields: object) -> Breaker:
+    return lambda m: m["spec"].update(fields)
+
+
+def _del_spec(field: str) -> Breaker:
+    return lambda m: m["spec"].pop(field)
+
+
+def _both(*breakers: Breaker) -> Breaker:
+    return lambda m: [b(m) for b in breakers]
+
+
+@dataclass(frozen=True)
+class RuleCase:
+    """A pipeline broken one way, and what each side must say of it."""
+
+    id: str
+    breaker: Breaker
+    # Substrings of the apiserver's refusal: the field's path and the cause.
+    cel: list[str]
+    # Substrings of the operator's SpecRefused; None: the CRD's rule alone judges it.
+    python: list[str] | None
+
+    def manifest(self, name: str = "p") -> Manifest:
+        manifest = base_pipeline(name)
+        self.breaker(manifest)
+        return manifest
+
+
+INVALID: list[RuleCase] = [
+    RuleCase(
+        "duplicate-stage-id",
+        _set(1, stageId=0, inputConnectors={}),
+        cel=[
+            "spec.stages[1]: Duplicate value",
+            '"stageId":0',
+            "stage ids must be unique: 2 stages have stageId 0",
+        ],
+        python=["spec.stages[1].stageId", "stage ids must be unique"],
+    ),
+    RuleCase(
+        "duplicate-stage-name",
+        _set(1, name="thinker"),
+        cel=["spec.stages", "stage names must be unique", "stages 0 and 1 are both named thinker"],
+        python=["spec.stages[1].name", "stage names must be unique"],
+    ),
+    RuleCase(
+        "input-from-missing-stage",
+        _set(1, inputConnectors={"from_stage_7": "shm"}),
+        cel=["spec.stages", "stage 1's inputConnectors.from_stage_7: no stage has id 7"],
+        python=["spec.stages[1].inputConnectors.from_stage_7", "not from a later stage"],
+    ),
+    RuleCase(
+        "input-from-later-stage",
+        _both(_set(0, inputConnectors={"from_stage_1": "tcp"}), _set(1, inputConnectors={})),
+        cel=[
+            "spec.stages[0].inputConnectors",
+            "stage 0 cannot take input from a later stage (from_stage_1)",
+        ],
+        python=["spec.stages[0].inputConnectors.from_stage_1", "not from a later stage"],
+    ),
+    RuleCase(
+        "input-from-itself",
+        _set(1, inputConnectors={"from_stage_1": "tcp"}),
+        cel=["spec.stages[1].inputConnectors", "stage 1 cannot take input from itself"],
+        python=["spec.stages[1].inputConnectors.from_stage_1", "not from itself"],
+    ),
+    RuleCase(
+        "input-key-form",
+        _set(1, inputConnectors={"stage_0": "tcp"}),
+        cel=[
+            "spec.stages[1].inputConnectors",
+            "keys must have the form from_stage_<id>",
+            "stage_0",
+        ],
+        python=[
+            "spec.stages[1].inputConnectors.stage_0",
+            "keys must have the form from_stage_<id>",
+        ],
+    ),
+    RuleCase(
+        "unknown-connector-name",
+        _set(1, inputConnectors={"from_stage_0": "nvlink"}),
+        cel=["spec.stages", "stage 1's inputConnectors.from_stage_0: unknown connector 'nvlink'"],
+        python=["spec.stages[1].inputConnectors.from_stage_0", "unknown connector 'nvlink'"],
+    ),
+    RuleCase(
+        "unknown-connector-class",
+        lambda m: m["spec"]["connectors"]["shm"].update(name="NvlinkConnector"),
+        cel=["spec.connectors.shm.name", 'Unsupported value: "NvlinkConnector"', "TCPConnector"],
+        python=["spec.connectors.shm.name", "unknown connector class 'NvlinkConnector'"],
+    ),
+    RuleCase(
+        "shared-memory-across-gpus",
+        _set(1, devices="1"),
+        cel=[
+            "spec.stages",
+            "stage 1 (devices '1') takes input from stage 0 (devices '0') through connector "
+            "'shm', a SharedMemoryConnector, which only works between stages of one "
+            "placement group",
+        ],
+        python=[
+            "spec.stages[1].inputConnectors.from_stage_0",
+            "is a SharedMemoryConnector, which only works inside one pod",
+        ],
+    ),
+    RuleCase(
+        "shared-memory-from-cpu",
+        _set(0, devices="cpu"),
+        cel=["spec.stages", "stage 1 (devices '0') takes input from stage 0 (devices 'cpu')"],
+        python=[
+            "spec.stages[1].inputConnectors.from_stage_0",
+            "is a SharedMemoryConnector, which only works inside one pod",
+        ],
+    ),
+    RuleCase(
+        "unequal-replicas-in-group",
+        _set(1, replicas=2),
+        cel=[
+            "spec.stages",
+            "stages 0 and 1 share a GPU, so they run in one pod (a placement group) and must "
+            "have equal replicas, not 1 and 2",
+        ],
+        python=["spec.stages[1].replicas", "so it must have the same replicas (1), not 2"],
+    ),
+    RuleCase(
+        "devices-syntax",
+        _set(0, devices="gpu0"),
+        cel=["spec.stages[0].devices", "devices must be 'cpu'", "not 'gpu0'"],
+        python=["spec.stages[0].devices", "got 'gpu0'"],
+    ),
+    RuleCase(
+        "devices-repeated-id",
+        _both(_set(0, devices="0,0"), _set(1, devices="0,0")),
+        cel=["spec.stages[0].devices", "devices lists GPU id 0 more than once in '0,0'"],
+        python=["spec.stages[0].devices", "GPU id 0 listed more than once in '0,0'"],
+    ),
+    RuleCase(
+        "negative-replicas",
+        _both(_set(0, replicas=-1), _set(1, replicas=-1)),
+        cel=["spec.stages[0].replicas", "should be greater than or equal to 0"],
+        python=["spec.stages[0].replicas", "greater than or equal to 0"],
+    ),
+    RuleCase(
+        "replicas-as-string",
+        _set(0, replicas="2"),
+        cel=["spec.stages[0].replicas", "must be of type integer"],
+        python=["spec.stages[0].replicas", "a valid integer"],
+    ),
+    RuleCase(
+        "gpu-memory-utilization-above-one",
+        _set(0, gpuMemoryUtilization=1.5),
+        cel=["spec.stages[0].gpuMemoryUtilization", "should be less than or equal to 1"],
+        python=["spec.stages[0].gpuMemoryUtilization", "got 1.5"],
+    ),
+    RuleCase(
+        "gpu-memory-utilization-zero",
+        _set(0, gpuMemoryUtilization=0),
+        cel=["spec.stages[0].gpuMemoryUtilization", "should be greater than 0"],
+        python=["spec.stages[0].gpuMemoryUtilization", "got 0"],
+    ),
+    RuleCase(
+        "router-port-zero",
+        _spec(router={"port": 0}),
+        cel=["spec.router.port", "should be greater than or equal to 1"],
+        python=["spec.router.port", "greater than or equal to 1"],
+    ),
+    RuleCase(
+        "router-port-too-high",
+        _spec(router={"port": 70000}),
+        cel=["spec.router.port", "should be less than or equal to 65535"],
+        python=["spec.router.port", "less than or equal to 65535"],
+    ),
+    RuleCase(
+        "unknown-stage-type",
+        _set(1, type="vae"),
+        cel=["spec.stages[1].type", 'Unsupported value: "vae"', '"llm", "diffusion"'],
+        python=["spec.stages[1].type", "'llm' or 'diffusion'"],
+    ),
+    RuleCase(
+        "unknown-field",
+        _set(0, gpus=1),
+        cel=['unknown field "spec.stages[0].gpus"'],
+        python=["spec.stages[0].gpus", "unknown field 'gpus'"],
+    ),
+    RuleCase(
+        "stage-name-not-dns-label",
+        _set(0, name="Thinker_1"),
+        cel=["spec.stages[0].name", "name 'Thinker_1' is not a DNS label"],
+        python=["spec.stages[0].name", "'Thinker_1' is not a valid name"],
+    ),
+    RuleCase(
+        "missing-model",
+        _del_spec("model"),
+        cel=["spec.model", "Required value"],
+        python=["spec.model", "required"],
+    ),
+    RuleCase(
+        "missing-stages",
+        _del_spec("stages"),
+        cel=["spec.stages", "Required value"],
+        python=["spec.stages", "required"],
+    ),
+    RuleCase(
+        "no-stages",
+        _spec(stages=[]),
+        cel=["spec.stages", "should have at least 1 items"],
+        python=["spec.stages", "at least 1 item"],
+    ),
+    RuleCase(
+        "output-on-diffusion-stage",
+        _set(1, output="text"),
+        cel=["spec.stages[1].output", "only llm stages have an output kind"],
+        python=["spec.stages[1].output", "only llm stages have an output kind"],
+    ),
+    RuleCase(
+        "gpu-in-placement-resources",
+        _set(0, placement={"resources": {"limits": {"nvidia.com/gpu": 1}}}),
+        cel=[
+            "spec.stages[0].placement.resources.limits",
+            "nvidia.com/gpu is set by the operator from the stages' devices",
+        ],
+        python=[
+            "spec.stages[0].placement.resources.limits",
+            "nvidia.com/gpu is set by the operator from devices",
+        ],
+    ),
+    RuleCase(
+        "resource-quantity-not-a-quantity",
+        _set(0, placement={"resources": {"requests": {"cpu": "lots"}}}),
+        cel=["spec.stages[0].placement.resources.requests.cpu", "should match"],
+        python=[
+            "spec.stages[0].placement.resources.requests.cpu",
+            "'lots' is not a Kubernetes quantity",
+        ],
+    ),
+    RuleCase(
+        "tensor-parallel-size-zero",
+        _set(0, tensorParallelSize=0),
+        cel=["spec.stages[0].tensorParallelSize", "should be greater than 0"],
+        python=["spec.stages[0].tensorParallelSize", "greater than 0"],
+    ),
+    RuleCase(
+        "router-policy",
+        _spec(router={"policy": "random"}),
+        cel=["spec.router.policy", 'Unsupported value: "random"', '"round-robin"'],
+        python=["spec.router.policy", "'round-robin', 'least-outstanding-requests' or 'sticky'"],
+    ),
+    RuleCase(
+        "stage-type-missing",
+        lambda m: stage(m, 0).pop("type"),
+        cel=[
+            "spec.stages",
+            "stage 0 has no type, and no known topology of model '/models/tiny' gives it one",
+        ],
+        python=["spec.stages[0].type", "no known topology for this model gives this stage a type"],
+    ),
+    RuleCase(
+        "stage-type-missing-topology-in-directory",
+        _both(_spec(model="/models/bagel/tiny"), lambda m: stage(m, 1).pop("type")),
+        cel=["spec.stages", "stage 1 has no type, and no known topology of model"],
+        python=["spec.stages[1].type", "no known topology for this model gives this stage a type"],
+    ),
+    RuleCase(
+        "gpu-over-subscribed",
+        _both(_set(0, gpuMemoryUtilization=0.6), _set(1, gpuMemoryUtilization=0.6)),
+        cel=[
+            "spec.stages",
+            "GPU 0 is over-subscribed: the gpuMemoryUtilization of the stages on it "
+            "(stages [0, 1]) sum to 1.2, more than 1; lower them so that they sum to at most 1",
+            "an llm stage without gpuMemoryUtilization counts as vLLM's default, 0.92",
+        ],
+        python=["spec.stages", "GPU 0 is over-subscribed", "sum to 1.2, more than 1"],
+    ),
+    RuleCase(
+        "gpu-over-subscribed-by-an-unset-llm-share",
+        _set(1, gpuMemoryUtilization=0.1),
+        cel=["spec.stages", "GPU 0 is over-subscribed", "sum to 1.02, more than 1"],
+        python=[
+            "spec.stages",
+            "GPU 0 is over-subscribed",
+            "sum to 1.02",
+            "unset: vLLM's default 0.92",
+        ],
+    ),
+    RuleCase(
+        "gpu-over-subscribed-by-a-whole-gpu",
+        _both(_set(0, gpuMemoryUtilization=1), _set(1, gpuMemoryUtilization=0.5)),
+        cel=["spec.stages", "GPU 0 is over-subscribed", "(stages [0, 1]) sum to 1.5"],
+        python=["spec.stages", "GPU 0 is over-subscribed", "sum to 1.5"],
+    ),
+    RuleCase(
+        "gpu-over-subscribed-on-the-second-gpu",
+        _both(
+            _set(0, devices="0,1", gpuMemoryUtilization=0.6),
+            _set(1, devices="1", gpuMemoryUtilization=0.5),
+        ),
+        cel=["spec.stages", "GPU 1 is over-subscribed", "(stages [0, 1]) sum to 1.1, more than 1"],
+        python=["spec.stages", "GPU 1 is over-subscribed", "sum to 1.1"],
+    ),
+    RuleCase(
+        "autoscaling-unequal-in-a-placement-group",
+        _both(_set(0, autoscaling={"maxReplicas": 4}), _set(1, autoscaling={"maxReplicas": 8})),
+        cel=["spec.stages", "stages 0 and 1 share a GPU", "give them equal autoscaling"],
+        python=["spec.stages[1].autoscaling", "give them equal autoscaling"],
+    ),
+    RuleCase(
+        "autoscaling-planner-without-a-maximum",
+        _both(_set(0, autoscaling={"minReplicas": 2}), _set(1, autoscaling={"minReplicas": 2})),
+        cel=["spec.stages[0].autoscaling.maxReplicas", "mode planner needs maxReplicas"],
+        python=["spec.stages[0].autoscaling", "mode planner needs maxReplicas"],
+    ),
+    RuleCase(
+        "autoscaling-maximum-below-minimum",
+        _both(
+            _set(0, autoscaling={"minReplicas": 3, "maxReplicas": 2}),
+            _set(1, autoscaling={"minReplicas": 3, "maxReplicas": 2}),
+        ),
+        cel=["spec.stages[0].autoscaling.maxReplicas", "maxReplicas (2) is below minReplicas (3)"],
+        python=["spec.stages[0].autoscaling", "maxReplicas (2) is below minReplicas (3)"],
+    ),
+    RuleCase(
+        "autoscaling-external-with-planner-fields",
+        _both(
+            _set(0, autoscaling={"mode": "external", "maxReplicas": 2}),
+            _set(1, autoscaling={"mode": "external", "maxReplicas": 2}),
+        ),
+        cel=["spec.stages[0].autoscaling", "mode external leaves replicas to another autoscaler"],
+        python=[
+            "spec.stages[0].autoscaling",
+            "mode external leaves replicas to another autoscaler",
+        ],
+    ),
+    RuleCase(
+        "pipeline-name-not-dns-1035",
+        lambda m: m["metadata"].update(name="1-bagel"),
+        cel=["metadata.name", "'1-bagel' names the pipeline's Service", "starting with a letter"],
+        python=None,
+    ),
+]
+
+
+@dataclass(frozen=True)
+class ValidCase:
+    """A pipeline both sides must admit."""
+
+    id: str
+    breaker: Breaker
+
+    def manifest(self, name: str = "p") -> Manifest:
+        manifest = base_pipeline(name)
+        self.breaker(manifest)
+        return manifest
+
+
+def _shares(shares: dict[int, float]) -> Breaker:
+    def apply(m: Manifest) -> None:
+        for index, share in shares.items():
+            stage(m, index)["gpuMemoryUtilization"] = share
+
+    return apply
+
+
+def _bridge(m: Manifest) -> None:
+    # Stages 0 (GPU 0) and 1 (GPU 1) share no GPU, but stage 2 uses both, so all three are
+    # one placement group and shared memory between 0 and 1 works.
+    stage(m, 0)["gpuMemoryUtilization"] = 0.5
+    stage(m, 1)["devices"] = "1"
+    m["spec"]["stages"].append(
+        {
+            "stageId": 2,
+            "name": "bridge",
+            "type": "llm",
+            "devices": "0,1",
+            "gpuMemoryUtilization": 0.4,
+        }
+    )
+
+
+def _apart(m: Manifest) -> None:
+    m["spec"]["stages"] = [
+        {"stageId": 0, "name": "a", "type": "llm", "devices": "0", "gpuMemoryUtilization": 0.9},
+        {"stageId": 1, "name": "b", "type": "llm", "devices": "1", "gpuMemoryUtilization": 0.9},
+        # CPU stages share no GPU, whatever they declare.
+        {"stageId": 2, "name": "c", "type": "llm", "devices": "cpu", "gpuMemoryUtilization": 0.9},
+        {"stageId": 3, "name": "d", "type": "llm", "devices": "cpu", "gpuMemoryUtilization": 0.9},
+    ]
+
+
+def _topology(m: Manifest) -> None:
+    m["spec"]["model"] = "ByteDance-Seed/BAGEL-7B-MoT"
+    for index in (0, 1):
+        del stage(m, index)["type"]
+        del stage(m, index)["name"]
+
+
+_SCALING = {"maxReplicas": 4, "latencyObjective": {"seconds": 8}}
+
+VALID: list[ValidCase] = [
+    ValidCase("base", lambda m: None),
+    ValidCase("shared-memory-through-a-stage-in-between", _bridge),
+    # Shares that fill GPU 0 exactly, in floating point a hair above 1 or not.
+    ValidCase("gpu-shares-0.45-0.55", _shares({0: 0.45, 1: 0.55})),
+    ValidCase("gpu-shares-0.1-0.9", _shares({0: 0.1, 1: 0.9})),
+    # Without a share the DiT is not counted: it takes what the thinker leaves.
+    ValidCase("gpu-share-0.92-and-unset", _shares({0: 0.92})),
+    ValidCase("gpu-share-whole-and-unset", _shares({0: 1})),
+    ValidCase("gpu-shares-on-different-gpus-are-not-summed", _apart),
+    ValidCase(
+        "equal-autoscaling-in-a-placement-group",
+        _both(_set(0, autoscaling=dict(_SCALING)), _set(1, autoscaling=dict(_SCALING))),
+    ),
+    ValidCase("known-topology-gives-stage-types", _topology),
+]
