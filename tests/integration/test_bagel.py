@@ -438,6 +438,29 @@ async def test_a_client_that_goes_away_mid_generation_frees_the_dit(served: str)
         assert response.status_code == 200, response.text
 
 
+def test_an_edit_is_made_at_the_requested_size_whatever_the_photos(
+    served: str, generator: BagelGenerator
+) -> None:
+    """The seed's 64x64 asked of a 96x48 photo: BAGEL's transform resizes the photo for
+    the context, and the DiT makes the requested canvas (as vllm-omni's BAGEL does); asked
+    nothing, the edit is the photo's size after that transform."""
+    photo = np.random.default_rng(9).integers(0, 256, (48, 96, 3), dtype=np.uint8)
+    body = seed_request(photo, steps=2)
+    with httpx.Client(base_url=served, timeout=120) as http:
+        response = http.post("/chat/completions", json=body)
+        assert response.status_code == 200, response.text
+        parts = response.json()["choices"][0]["message"]["content"]
+        assert decoded(parts[0]["image_url"]["url"].split(",", 1)[1]).shape == (SIZE, SIZE, 3)
+        unsized = {k: v for k, v in body.items() if k not in ("height", "width")}
+        response = http.post("/chat/completions", json=unsized)
+        assert response.status_code == 200, response.text
+        parts = response.json()["choices"][0]["message"]["content"]
+        width, height = generator.shape.vae_transform.size_for(96, 48)
+        assert (width, height) != (SIZE, SIZE)
+        image = decoded(parts[0]["image_url"]["url"].split(",", 1)[1])
+        assert image.shape == (height, width, 3)
+
+
 def test_a_prompt_that_fakes_an_images_frame_is_refused_by_the_thinker(served: str) -> None:
     body = {"model": "tiny-bagel", "prompt": "a cat <|vision_start|>", "size": "64x64"}
     with httpx.Client(base_url=served, timeout=60) as http:

@@ -39,15 +39,16 @@ pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parents[2]
 EDIT_PROMPT = "<|im_start|>Turn the main subject into a polished gold sculpture.<|im_end|>"
-# (prompt, input image's seed or None, edit size or None, think mode)
-CASES: list[tuple[str, int | None, tuple[int, int] | None, bool]] = [
-    ("a red cat on a city street", None, None, False),
+# (prompt, input image's seed or None, think mode). An edit's requested size is the DiT's
+# alone: the context holds the image as BAGEL's transforms resize it.
+CASES: list[tuple[str, int | None, bool]] = [
+    ("a red cat on a city street", None, False),
     # The seed's edit prompt: its own framing tokens, framed once more, as BAGEL does.
-    (EDIT_PROMPT, None, None, False),
-    (EDIT_PROMPT, 3, None, False),
-    ("x", 4, (48, 32), False),
-    ("a red cat on a city street", None, None, True),
-    (EDIT_PROMPT, 3, None, True),
+    (EDIT_PROMPT, None, False),
+    (EDIT_PROMPT, 3, False),
+    ("x", 4, False),
+    ("a red cat on a city street", None, True),
+    (EDIT_PROMPT, 3, True),
 ]
 SEED = 42
 THINK_TOKENS = 6
@@ -80,11 +81,9 @@ def _run_thinker(spec_path: str, out_path: str) -> None:
         True: StageLLMRequestBuilder(vllm_config, None, recipe, think_tokens=THINK_TOKENS),
     }
     prompts, token_ids, pooling_params, prompt_lengths = [], [], [], []
-    for prompt, image_seed, size, think in spec["cases"]:
+    for prompt, image_seed, think in spec["cases"]:
         builder = builders[think]
         params: dict[str, Any] = {"seed": SEED}
-        if size is not None:
-            params["width"], params["height"] = size
         image = None if image_seed is None else input_image(image_seed)
         request = builder.build("r", prompt=prompt, image=image, params=params)
         token_ids.append(list(request.prompt_token_ids or ()))
@@ -101,8 +100,6 @@ def _run_thinker(spec_path: str, out_path: str) -> None:
         if image is not None:
             engine_prompt["multi_modal_data"] = {"image": Image.fromarray(image)}
             engine_prompt["mm_processor_kwargs"] = {"seed": SEED}
-            if size is not None:
-                engine_prompt["mm_processor_kwargs"]["size"] = list(size)
         prompts.append(engine_prompt)
     outputs = llm.encode(
         prompts, pooling_params=pooling_params, pooling_task="token_embed", use_tqdm=False
@@ -156,7 +153,7 @@ def test_the_thinkers_rows_are_the_contexts_keys_and_values(
         result["prompt_lengths"],
         strict=True,
     ):
-        prompt, image_seed, size, think = case
+        prompt, image_seed, think = case
         # The stage's request is what vLLM ran: the image's placeholder already replaced
         # with its spans, and think mode's system prompt before it.
         assert built == ids
@@ -164,7 +161,7 @@ def test_the_thinkers_rows_are_the_contexts_keys_and_values(
         assert rows.dtype == torch.bfloat16
         picture = None
         if image_seed is not None:
-            picture = generator.prepare_image(Image.fromarray(input_image(image_seed)), size)
+            picture = generator.prepare_image(Image.fromarray(input_image(image_seed)))
         rng = torch.Generator().manual_seed(SEED)
         with torch.inference_mode():
             if think:

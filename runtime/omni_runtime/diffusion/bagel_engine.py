@@ -12,8 +12,10 @@ contexts come one of two ways:
 - or built here from the prompt text and the input image, for a request that comes with
   those alone (a DiT stage used by itself).
 
-Parameters (``params``): height, width (text-to-image; an edit makes its input image's
-size, after a resize to height x width where given), num_inference_steps (BAGEL's
+Parameters (``params``): height, width (the output's size, multiples of the VAE's
+latent stride up to the checkpoint's largest side; an edit given none makes its input
+image's size after BAGEL's transform, whose context holds the image at that size either
+way, as vllm-omni's BAGEL does), num_inference_steps (BAGEL's
 num_timesteps: that many points from noise to image, one step fewer), seed (the
 reference's ``torch.manual_seed``), num_images, and BAGEL's guidance: cfg_text_scale
 (guidance_scale is taken for it), cfg_img_scale, cfg_interval, cfg_renorm_type,
@@ -162,18 +164,6 @@ class BagelEngine(DiffusionEngineBase):
                     f"{list(image.shape)}",
                     "image",
                 )
-            if params.height is not None and params.width is not None:
-                size = (params.width, params.height)
-                kept = self.shape.vae_transform.size_for(*size)
-                if kept != size:
-                    transform = self.shape.vae_transform
-                    raise InvalidRequestError(
-                        f"height: an edit's size must be one BAGEL's image transform keeps "
-                        f"(sides {transform.min_size}-{transform.max_size}, multiples of "
-                        f"{transform.stride}); {params.width}x{params.height} would become "
-                        f"{kept[0]}x{kept[1]}",
-                        "height",
-                    )
         elif params.height is None:
             params.height, params.width = self.default_size
         if (
@@ -265,11 +255,10 @@ class BagelEngine(DiffusionEngineBase):
         else:
             generator.seed()
         image = None
-        size = None if params.width is None else (params.width, params.height or 0)
         if edit:
             assert request.image is not None
             picture = Image.fromarray(np.asarray(request.image), mode="RGB")
-            image = self.generator.prepare_image(picture, size)
+            image = self.generator.prepare_image(picture)
         if request.context_kv is not None:
             contexts = self._fetched_contexts(request, image, params)
             if image is not None:
@@ -304,7 +293,7 @@ class BagelEngine(DiffusionEngineBase):
             self._discard(request)
             raise UpstreamInputError(f"context_kv: {e}") from None
         size = (params.height or 0, params.width or 0)
-        if image is not None:
+        if image is not None and not all(size):
             size = (image.height, image.width)
         return Contexts(full, full.prefix(ref.prefix_length, ref.prefix_rope), no_image, size)
 

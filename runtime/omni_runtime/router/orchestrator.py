@@ -425,11 +425,10 @@ class PipelineOrchestrator:
                     result.image = request.image
                 if encoder.context_kv and request.image is not None:
                     # BAGEL's thinker samples the input image's VAE latent with the seed's
-                    # first draw, at the edit's size: the DiT's, as the reference does both.
+                    # first draw, which the DiT's generator then skips, as the reference
+                    # draws both from one generator.
                     dit = self._dit_params(request)
-                    result.params = {
-                        name: dit[name] for name in ("seed", "height", "width") if name in dit
-                    }
+                    result.params = {"seed": dit["seed"]} if "seed" in dit else {}
             else:
                 result.prompt, result.messages = request.prompt, request.messages
             return result

@@ -162,8 +162,8 @@ class BagelThinkerProcessor(BaseMultiModalProcessor[BagelThinkerProcessingInfo])
     """An input image's pixels for both towers and its VAE sample's noise.
 
     ``mm_processor_kwargs``: ``seed`` (the request's: the noise is its first draw, as the
-    reference draws the VAE's sample first) and ``size`` ([width, height], an edit's
-    requested size, which the image is resized to before BAGEL's transforms)."""
+    reference draws the VAE's sample first). The image is resized by BAGEL's transforms
+    alone: the size an edit is made at is the DiT's business, not its context's."""
 
     def _hf_processor_applies_updates(self, *args: Any, **kwargs: Any) -> bool:
         return False
@@ -173,7 +173,6 @@ class BagelThinkerProcessor(BaseMultiModalProcessor[BagelThinkerProcessingInfo])
     ) -> BatchFeature:
         shape = self.info.shape
         seed = hf_kwargs.get("seed")
-        size = hf_kwargs.get("size")
         generator = torch.Generator()
         if isinstance(seed, int):
             generator.manual_seed(seed)
@@ -183,8 +182,7 @@ class BagelThinkerProcessor(BaseMultiModalProcessor[BagelThinkerProcessingInfo])
         images = hf_data.get("images") or []
         assert isinstance(images, Sequence)
         for picture in images:
-            wanted = tuple(size) if isinstance(size, list | tuple) else None
-            image = prepare_image(picture.convert("RGB"), shape, wanted)
+            image = prepare_image(picture.convert("RGB"), shape)
             vae_pixels.append(image_pixels(image, image.size))
             vit_pixels.append(image_pixels(image, shape.vit_transform.size_for(*image.size)))
             noises.append(vae_noise(image, shape, generator))

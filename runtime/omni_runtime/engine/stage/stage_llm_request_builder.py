@@ -386,8 +386,7 @@ def _rgb_image(image: np.ndarray) -> Any:
 def _bagel_image_kwargs(params: dict[str, Any]) -> dict[str, Any]:
     """What BAGEL's thinker takes of a request's generation params, taken out of
     ``params``: ``seed`` (its input image's VAE sample is the seed's first draw, as the
-    DiT's generator expects) and ``height``/``width`` (an edit's size, which the image is
-    resized to first)."""
+    DiT's generator expects)."""
     kwargs: dict[str, Any] = {}
     seed = params.pop("seed", None)
     if seed is not None:
@@ -396,16 +395,6 @@ def _bagel_image_kwargs(params: dict[str, Any]) -> dict[str, Any]:
                 f"params.seed: expected an integer in [0, 2^63), got {seed!r}", "seed"
             )
         kwargs["seed"] = seed
-    height, width = params.pop("height", None), params.pop("width", None)
-    if height is not None or width is not None:
-        for name, value in (("height", height), ("width", width)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise InvalidLLMRequestError(
-                    f"params.{name}: expected a positive integer with "
-                    f"{'width' if name == 'height' else 'height'} ({value!r})",
-                    name,
-                )
-        kwargs["size"] = [width, height]
     return kwargs
 
 

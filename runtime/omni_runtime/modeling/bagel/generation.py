@@ -155,9 +155,9 @@ class BagelGenerator:
         """The largest height or width the latent position table covers."""
         return self.shape.max_latent_size * self.shape.latent_downsample
 
-    def prepare_image(self, image: Any, size: tuple[int, int] | None = None) -> Any:
+    def prepare_image(self, image: Any) -> Any:
         """:func:`prepare_image` for this checkpoint."""
-        return prepare_image(image, self.shape, size)
+        return prepare_image(image, self.shape)
 
     def skip_vae_sample(self, image: Any, generator: torch.Generator) -> None:
         """Draw from ``generator`` what encoding ``image`` (prepared) draws, the VAE's sample,
@@ -173,8 +173,9 @@ class BagelGenerator:
         width: int,
         generator: torch.Generator,
     ) -> Contexts:
-        """The three contexts of a request; ``image`` (PIL) already :meth:`prepare_image`d,
-        whose size then decides the output's."""
+        """The three contexts of a request; ``image`` (PIL) already :meth:`prepare_image`d.
+        The output is ``height`` x ``width`` where given (0: not given; an edit then makes
+        its input image's size)."""
         with torch.inference_mode():
             return self._contexts(prompt, image, height, width, generator)
 
@@ -185,7 +186,8 @@ class BagelGenerator:
         empty = ContextKV.empty(self.shape.llm, model.dtype, model.device)
         context = empty
         if image is not None:
-            width, height = image.size
+            if not (height and width):
+                width, height = image.size
             pixels = image_pixels(image, image.size).to(model.device)
             noise = vae_noise(image, self.shape, generator)
             latent = self.vae.encode(pixels, noise)
@@ -293,13 +295,11 @@ def plan(
     return text, model.extend_with_text(context, ids, tokens)
 
 
-def prepare_image(image: Any, shape: BagelShape, size: tuple[int, int] | None = None) -> Any:
-    """An input image (PIL, RGB) resized as BAGEL's VAE transform resizes it, after a
-    resize to ``size`` (width, height) where the caller asked for one."""
+def prepare_image(image: Any, shape: BagelShape) -> Any:
+    """An input image (PIL, RGB) resized as BAGEL's VAE transform resizes it: what its
+    context holds, whatever size the edit is made at."""
     from PIL import Image
 
-    if size is not None and image.size != size:
-        image = image.resize(size, Image.Resampling.BICUBIC)
     target = shape.vae_transform.size_for(*image.size)
     if image.size != target:
         image = image.resize(target, Image.Resampling.BICUBIC)
