@@ -46,7 +46,6 @@ from omni_operator.render.names import (
     label_value,
     object_key,
     object_name,
-    pipeline_selector,
     router_object_name,
 )
 from omni_operator.render.quantities import canonical_quantity, read_quantity, sum_quantities
@@ -276,12 +275,17 @@ def test_selectors_select_their_own_pods_only(example: str) -> None:
         assert matching == [expected], obj["metadata"]["name"]
 
 
-def test_pipeline_selector_matches_the_labels() -> None:
+def test_every_child_carries_its_pipelines_label() -> None:
+    """The handlers map a child's event back to its pipeline by this label alone, a long
+    name's shortened as label values must be."""
     spec = spec_of([stage_of(0)])
     long_name = "p" * 100
     for name in ("p", long_name):
-        key, value = pipeline_selector(name).split("=")
-        assert all(obj["metadata"]["labels"][key] == value for obj in _render(spec, name))
+        value = label_value(name)
+        assert len(value) <= 63
+        assert all(
+            obj["metadata"]["labels"][LABEL_PIPELINE] == value for obj in _render(spec, name)
+        )
 
 
 # ----------------------------------------------------------------- pods and containers

@@ -459,7 +459,7 @@ async def test_counters_and_the_done_hook(make_pool: PoolFactory) -> None:
     assert (s0.replica_id, s0.address, s0.draining) == (0, "r0:7000", False)
     assert (s0.in_flight, s0.done, s0.failed, s0.latency_count) == (1, 1, 0, 1)
     assert (s1.in_flight, s1.done, s1.failed, s1.latency_count) == (0, 0, 1, 1)
-    assert s0.mean_latency_s == s0.latency_total_s >= 0.0
+    assert s0.latency_total_s >= 0.0
     assert pool.in_flight == 1
     assert pool.live_replica_count == 2
     assert [(stage, replica, failed) for stage, replica, _, failed, _ in done] == [

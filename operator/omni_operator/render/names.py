@@ -85,11 +85,6 @@ def label_value(text: str) -> str:
     return f"{head}-{_short_hash(text)}" if head else _short_hash(text)
 
 
-def pipeline_selector(pipeline: str) -> str:
-    """The label selector of every child of ``pipeline`` (what to list before pruning)."""
-    return f"{LABEL_PIPELINE}={label_value(pipeline)}"
-
-
 def config_map_name(pipeline: str, config_hash: str) -> str:
     """The ConfigMap of one configuration: named by its hash (see the module docstring)."""
     return object_name(pipeline, "config", config_hash)

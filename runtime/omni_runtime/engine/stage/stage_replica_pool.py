@@ -139,10 +139,6 @@ class ReplicaStats:
         """Whether the replica takes new requests."""
         return not self.draining and not self.replica_draining
 
-    @property
-    def mean_latency_s(self) -> float:
-        return self.latency_total_s / self.latency_count if self.latency_count else 0.0
-
 
 @dataclass(frozen=True, slots=True)
 class _End:
