@@ -3,7 +3,6 @@ processes agree on, held in one place."""
 
 from __future__ import annotations
 
-import itertools
 import re
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,6 @@ from omni_runtime.pod_contract import (
     endpoint_serves_while_terminating,
     parse_drain_timeout,
 )
-from omni_runtime.router import discovery, revisions
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -59,10 +57,7 @@ def test_every_process_refuses_a_bad_drain_timeout_at_start(
 
 
 def test_the_contract_is_written_down_once() -> None:
-    """No module but pod_contract spells the contract's names, so none can drift. The
-    router's revisions module keeps its own REVISION_ENV for now (its owner is changing
-    the router); it must equal the contract's."""
-    assert revisions.REVISION_ENV == pod_contract.REVISION_ENV
+    """No module but pod_contract spells the contract's names, so none can drift."""
     literals = {
         f'"{value}"'
         for value in (
@@ -74,7 +69,6 @@ def test_the_contract_is_written_down_once() -> None:
         )
     }
     allowed = {REPO / "runtime/omni_runtime/pod_contract.py"}
-    allowed.add(REPO / "runtime/omni_runtime/router/revisions.py")
     found = [
         f"{path.relative_to(REPO)}: {literal}"
         for root in ("runtime/omni_runtime", "operator/omni_operator")
@@ -84,29 +78,6 @@ def test_the_contract_is_written_down_once() -> None:
         if literal in path.read_text(encoding="utf-8")
     ]
     assert found == []
-
-
-# Every combination of an endpoint's three conditions, each true, false or unset (None).
-CONDITIONS: list[dict[str, Any]] = [
-    {
-        key: value
-        for key, value in zip(("ready", "serving", "terminating"), values, strict=True)
-        if value is not None
-    }
-    for values in itertools.product((True, False, None), repeat=3)
-]
-
-
-@pytest.mark.parametrize("conditions", CONDITIONS, ids=str)
-def test_the_routers_discovery_reads_endpoints_as_the_contract_does(
-    conditions: dict[str, Any],
-) -> None:
-    # router/discovery.py keeps its own copies until its owner moves it onto these.
-    endpoint = {"addresses": ["10.0.0.1"], "conditions": conditions}
-    assert discovery.endpoint_is_ready(endpoint) == endpoint_is_ready(endpoint)
-    assert discovery.endpoint_serves_while_terminating(
-        endpoint
-    ) == endpoint_serves_while_terminating(endpoint)
 
 
 def test_endpoint_readiness() -> None:

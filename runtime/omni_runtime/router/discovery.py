@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from omni_runtime.kube import KubeApiError, KubeClient, WatchExpired, object_path
+from omni_runtime.pod_contract import endpoint_is_ready, endpoint_serves_while_terminating
 from omni_runtime.router.replicas import ReplicaConnector
 
 logger = logging.getLogger(__name__)
@@ -42,19 +43,6 @@ def stage_port_name(stage_id: int) -> str:
 
 def format_address(ip: str, port: int) -> str:
     return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
-
-
-def endpoint_is_ready(endpoint: Mapping[str, Any]) -> bool:
-    conditions = endpoint.get("conditions") or {}
-    return conditions.get("ready") is not False and conditions.get("terminating") is not True
-
-
-def endpoint_serves_while_terminating(endpoint: Mapping[str, Any]) -> bool:
-    conditions = endpoint.get("conditions") or {}
-    if conditions.get("terminating") is not True:
-        return False
-    serving = conditions.get("serving")
-    return conditions.get("ready") is not False if serving is None else serving is True
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,8 @@ import hashlib
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
+from omni_runtime.pod_contract import REVISION_ENV
+
 __all__ = [
     "REVISION_ENV",
     "NoCompleteRevisionError",
@@ -34,8 +36,6 @@ __all__ = [
     "local_revision",
     "revision_key",
 ]
-
-REVISION_ENV = "OMNI_PIPELINE_REVISION"
 
 
 class NoCompleteRevisionError(RuntimeError):

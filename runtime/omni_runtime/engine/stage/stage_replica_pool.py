@@ -33,6 +33,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, get_args
 
+from omni_runtime import pod_contract
 from omni_runtime.config import RouterPolicy
 from omni_runtime.engine.stage.replica_policies import (
     PolicyState,
@@ -64,7 +65,8 @@ logger = logging.getLogger(__name__)
 # without its own queue for a diffusion stage); 0 where it said nothing.
 RequestDoneHook = Callable[[str, int, float, bool, float], None]
 
-DEFAULT_DRAIN_TIMEOUT_S = 30.0
+# A replica the pool removes drains for as long as its pod would (the pod contract's).
+DEFAULT_DRAIN_TIMEOUT_S = float(pod_contract.DEFAULT_DRAIN_TIMEOUT_S)
 
 # An abort the pool delivers is one the stage decided on (a core shutting down): requests
 # its callers abort are unbound first and their outputs dropped.
