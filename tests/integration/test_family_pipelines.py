@@ -268,10 +268,11 @@ def decoded(b64: str | None) -> np.ndarray:
 
 def monolithic_image(
     family: str, tiny_models: Path, prompt: str, negative: str | None, seed: int,
-    image: np.ndarray | None = None,
+    image: np.ndarray | None = None, **call: Any,
 ) -> np.ndarray:  # fmt: skip
     pipeline = monolithic(family, tiny_models)
     kwargs: dict[str, Any] = {
+        **call,
         "num_inference_steps": STEPS,
         "height": SIZE,
         "width": SIZE,
@@ -329,6 +330,35 @@ def test_served_image_equals_the_monolithic_pipelines(
     served_image = decoded(answer.data[0].b64_json)
     reference = monolithic_image(family, tiny_models, PROMPTS[0], negative, 7, image)
     assert_same_image(served_image, reference)
+
+
+@pytest.mark.parametrize("served", ["z-image", "qwen-image"], indirect=True)
+def test_z_images_own_guidance_knobs_are_its_pipelines(
+    served: tuple[str, openai.OpenAI], tiny_models: Path
+) -> None:
+    """cfg_normalization and cfg_truncation reach ZImagePipeline as its own arguments (the
+    image equals diffusers' with them); a pipeline without them refuses them by name."""
+    family, client = served
+    knobs = {"guidance_scale": 3.0, "cfg_normalization": True, "cfg_truncation": 0.5}
+    extra = {"num_inference_steps": STEPS, "seed": 11, **knobs}
+    if family == "qwen-image":
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.images.generate(
+                model=client.models.list().data[0].id, prompt=PROMPTS[0], extra_body=extra
+            )
+        assert "cfg_normalization" in str(refused.value)
+        return
+    answer = client.images.generate(
+        model=client.models.list().data[0].id,
+        prompt=PROMPTS[0],
+        size=f"{SIZE}x{SIZE}",  # type: ignore[arg-type]
+        extra_body=extra,
+    )
+    assert answer.data is not None
+    reference = monolithic_image(family, tiny_models, PROMPTS[0], None, 11, **knobs)
+    assert_same_image(decoded(answer.data[0].b64_json), reference)
+    plain = monolithic_image(family, tiny_models, PROMPTS[0], None, 11, guidance_scale=3.0)
+    assert not np.array_equal(plain, reference), "the knobs must change the image"
 
 
 @pytest.mark.parametrize("served", ["qwen-image-edit"], indirect=True)

@@ -98,10 +98,21 @@ class DiffusionParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     num_images: Annotated[int, msgspec.Meta(ge=1, le=MAX_IMAGES)] = 1
     # Image-to-image only: how far from the input image to go (1.0 ignores it).
     strength: Annotated[float, msgspec.Meta(gt=0.0, le=1.0)] | None = None
+    # Z-Image's guidance knobs: renormalise the guided prediction to the conditional one's
+    # norm, and stop guiding once this fraction of the steps is done.
+    cfg_normalization: bool | None = None
+    cfg_truncation: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] | None = None
 
 
 # Parameters passed to the pipeline's __call__ under their own name when set.
-_CALL_PARAMS = ("num_inference_steps", "guidance_scale", "true_cfg_scale", "strength")
+_CALL_PARAMS = (
+    "num_inference_steps",
+    "guidance_scale",
+    "true_cfg_scale",
+    "strength",
+    "cfg_normalization",
+    "cfg_truncation",
+)
 
 
 class InvalidRequestError(InvalidStageRequestError):

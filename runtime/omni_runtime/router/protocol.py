@@ -204,6 +204,8 @@ class ChatCompletionRequest(_BagelGuidance, _Sampling):
     true_cfg_scale: NonNegativeFloat | None = None
     negative_prompt: str | None = None
     strength: Strength | None = None
+    cfg_normalization: StrictBool | None = None
+    cfg_truncation: UnitFloat | None = None
 
     def has_input_image(self) -> bool:
         """Whether converting this request decodes an image (worth a thread of its own)."""
@@ -410,6 +412,10 @@ class _ImageRequest(_BagelGuidance):
     # Qwen-Image's classifier-free guidance scale (with a negative prompt).
     true_cfg_scale: NonNegativeFloat | None = None
     negative_prompt: str | None = None
+    # Z-Image's: the guided prediction renormalised, and guidance stopped after this
+    # fraction of the steps (a pipeline without them refuses them by name).
+    cfg_normalization: StrictBool | None = None
+    cfg_truncation: UnitFloat | None = None
     user: str | None = None
 
     def _diffusion_params(
@@ -493,6 +499,8 @@ _DIFFUSION_FIELDS = (
     "cfg_renorm_type",
     "cfg_renorm_min",
     "timestep_shift",
+    "cfg_normalization",
+    "cfg_truncation",
 )
 
 
