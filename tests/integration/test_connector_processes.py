@@ -290,12 +290,16 @@ def test_shared_memory_ttl_expiry_unlinks(
 ) -> None:
     from omni_runtime.connectors import ConnectorError
 
-    producer = start_agent("shm", ttl_seconds=0.3)
-    handle = producer.put("stale", {"kind": "float32", "shape": [1000], "seed": 12})
+    ttl = 2.0
+    producer = start_agent("shm", ttl_seconds=ttl)
+    # Before the call: the agent's put, whose time the TTL counts from, is after this.
+    # (Taken after the reply, it was 0.18 s before the expiry beside two busy loops: the
+    # reply itself had taken the rest of the TTL.)
     put_at = time.monotonic()
+    handle = producer.put("stale", {"kind": "float32", "shape": [1000], "seed": 12})
     assert segments_of(producer.pid) == [handle.extra["segment"]]
     wait_for(lambda: segments_of(producer.pid) == [], "the unfetched segment expiring")
-    assert time.monotonic() - put_at >= 0.25
+    assert time.monotonic() - put_at >= ttl
     with pytest.raises(ConnectorError, match="'stale'"):
         shm_consumer.get(handle)
 

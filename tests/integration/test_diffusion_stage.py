@@ -254,8 +254,11 @@ async def test_killed_proc_fails_outstanding_requests_fast(
 @pytest.mark.asyncio(loop_scope="function")
 async def test_sigterm_stops_proc_cleanly(doomed_client: StageDiffusionCoreClient) -> None:
     os.kill(doomed_client.proc_manager.pid, signal.SIGTERM)
+    # What is asserted is a clean exit, not its speed: a proc still starting (importing
+    # torch, loading the pipeline) finishes that first, which took over 10 s beside two
+    # busy loops on two cores; 60 s as for the other deaths waited for here.
     with pytest.raises(StageCoreDeadError, match="exit code 0"):
-        async with asyncio.timeout(10):
+        async with asyncio.timeout(60):
             await doomed_client.get_outputs_async()
 
 
