@@ -107,3 +107,22 @@ def test_endpoint_readiness() -> None:
 )
 def test_deployment_readiness(body: dict[str, Any] | None, ready: bool) -> None:
     assert deployment_is_ready(body) is ready
+
+
+def test_the_contract_imports_nothing_of_the_project() -> None:
+    """Both sides import it, the lowest layers of the runtime included, so it may import
+    none of them (kept here rather than as an import-linter layer: pyproject.toml is part
+    of the images' dependency layers, and a change to it rebuilds the 10 GB CUDA one)."""
+    import ast
+
+    tree = ast.parse((REPO / "runtime/omni_runtime/pod_contract.py").read_text())
+    imported = [
+        node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+    ] + [
+        alias.name
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Import)
+        for alias in node.names
+    ]
+    assert imported
+    assert not [name for name in imported if name.startswith(("omni_runtime", "omni_operator"))]
