@@ -759,9 +759,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="write nothing; exit 1 if the file differs from what would be generated",
     )
     args = parser.parse_args(argv)
-    output: Path = args.output
-    wanted = render_yaml(build_crd())
-    if args.check:
+    return write_or_check(
+        args.output, render_yaml(build_crd()), args.check, "python -m omni_operator.crd"
+    )
+
+
+def write_or_check(output: Path, wanted: str, check: bool, command: str) -> int:
+    """A generated file's command: write ``wanted`` to ``output`` (printing its path), or
+    with ``check`` write nothing and exit 1 with a diff if ``output`` is stale."""
+    if check:
         current = output.read_text(encoding="utf-8") if output.exists() else ""
         if current == wanted:
             return 0
@@ -772,7 +778,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             tofile=f"{output} (generated)",
         )
         sys.stderr.write("".join(diff))
-        sys.stderr.write(f"\n{output} is stale: regenerate it with `python -m omni_operator.crd`\n")
+        sys.stderr.write(f"\n{output} is stale: regenerate it with `{command}`\n")
         return 1
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(wanted, encoding="utf-8")

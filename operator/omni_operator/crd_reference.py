@@ -12,16 +12,14 @@ fails when the checked-in file is stale.
 from __future__ import annotations
 
 import argparse
-import difflib
 import json
 import re
-import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .crd import build_crd
+from .crd import build_crd, write_or_check
 
 DEFAULT_OUTPUT = Path(__file__).resolve().parents[2] / "docs" / "crd-reference.md"
 COMMAND = "python -m omni_operator.crd_reference"
@@ -403,25 +401,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="write nothing; exit 1 if the file differs from what would be generated",
     )
     args = parser.parse_args(argv)
-    output: Path = args.output
-    wanted = render_reference(build_crd())
-    if args.check:
-        current = output.read_text(encoding="utf-8") if output.exists() else ""
-        if current == wanted:
-            return 0
-        diff = difflib.unified_diff(
-            current.splitlines(keepends=True),
-            wanted.splitlines(keepends=True),
-            fromfile=f"{output} (checked in)",
-            tofile=f"{output} (generated)",
-        )
-        sys.stderr.write("".join(diff))
-        sys.stderr.write(f"\n{output} is stale: regenerate it with `{COMMAND}`\n")
-        return 1
-    output.parent.mkdir(parents=True, exist_ok=True)
-    output.write_text(wanted, encoding="utf-8")
-    print(output)
-    return 0
+    return write_or_check(args.output, render_reference(build_crd()), args.check, COMMAND)
 
 
 if __name__ == "__main__":
