@@ -668,10 +668,14 @@ async def test_startup_past_its_deadline_is_reported_and_leaves_nothing(llm_path
     before = set(children())
     start = time.monotonic()
     # Importing vLLM alone takes longer than this.
-    with pytest.raises(StageCoreStartupError, match="not ready within 1 s during startup"):
+    with pytest.raises(StageCoreStartupError, match="not ready within 1 s during startup") as e:
         start_stage_llm_client(TEXT_STAGE, llm_path, startup_timeout=1.0)
     assert time.monotonic() - start < 30
+    # The core stopped by the deadline is reaped (no zombie child), and before the error
+    # is made, so it says how the core ended.
     assert set(children()) - before == set()
+    assert "StageLLMCoreProc" in str(e.value)
+    assert "running" not in str(e.value), str(e.value)
 
 
 @pytest.mark.parametrize(

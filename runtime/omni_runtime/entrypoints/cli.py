@@ -352,13 +352,17 @@ def _exit_with_parent() -> None:
 
 
 def _make_tiny_models(args: argparse.Namespace) -> int:
+    target = args.dir or Path(os.environ[TINY_MODELS_ENV])
+    # Before the imports below (torch, transformers, diffusers: a minute on a loaded
+    # machine): a directory that cannot be made is an error at once, not after them.
+    target.mkdir(parents=True, exist_ok=True)
     from omni_runtime.process_logging import disable_loading_bars
     from omni_runtime.tiny_models import ensure_tiny_models
 
     disable_loading_bars()
 
     start = time.perf_counter()
-    root = ensure_tiny_models(args.dir or Path(os.environ[TINY_MODELS_ENV]))
+    root = ensure_tiny_models(target)
     print(f"tiny models in {root} ({time.perf_counter() - start:.1f} s)")
     return 0
 

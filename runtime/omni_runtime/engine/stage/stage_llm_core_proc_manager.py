@@ -49,6 +49,8 @@ DEFAULT_STARTUP_TIMEOUT = 300.0
 # A core that says it is going (a failed startup, a stop) exits right after: how long to
 # wait for that exit, so that errors can name its exit code rather than "running".
 ANNOUNCED_EXIT_WAIT_S = 10.0
+# How long a core SIGKILLed by vLLM's shutdown may take to be gone, to be reaped.
+_KILLED_REAP_S = 5.0
 # How long an exit status may take to show once the process has closed its files.
 _EXIT_SETTLE_S = 1.0
 _EXIT_POLL_S = 0.005
@@ -131,6 +133,17 @@ class StageLLMCoreProcManager(CoreEngineProcManager):  # type: ignore[misc]
         finally:
             if self.finished_procs():
                 self.shutdown()
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """vLLM's shutdown (terminate, then SIGKILL past the grace), then each proc reaped:
+        vLLM's returns right after the SIGKILL, and a core killed so (one still starting,
+        with its stop signals blocked, past a startup deadline on a loaded machine) stayed
+        a zombie child. Safe to call again, and from two threads (the startup deadline's
+        and the caller's): vLLM's part runs once, and joining a reaped proc returns."""
+        super().shutdown(timeout)
+        for proc in self.processes:
+            if proc.pid is not None:
+                proc.join(_KILLED_REAP_S)
 
     def wait_for_first_exit(self, timeout: float = ANNOUNCED_EXIT_WAIT_S) -> None:
         """Wait up to ``timeout`` seconds for any proc to end by itself."""
@@ -258,6 +271,10 @@ def launch_stage_llm_cores(
             deadline.cancel()
         if proc_manager is not None and isinstance(e, Exception) and not expired.is_set():
             proc_manager.wait_for_first_exit()
+        if proc_manager is not None and expired.is_set():
+            # The deadline's stop, waited for here: the cores it ended are reaped, so the
+            # error says how (SIGTERM, or SIGKILL past the grace), not "running".
+            proc_manager.shutdown()
         exits = proc_manager.describe_exit() if proc_manager is not None else "not started"
         if proc_manager is not None:
             proc_manager.shutdown()
