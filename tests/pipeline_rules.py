@@ -7,7 +7,7 @@ Each invalid case breaks one valid pipeline in one way and says what each side m
 answer: ``cel``, what `kubectl apply` must print (the field's path and the cause;
 tests/cluster/test_crd_validation.py, against a real apiserver), and ``python``, what
 the operator's own check (``reconciler.parse_spec``) must say (tests/unit/
-test_pipeline_rules.py, on every run). ``python`` is None only where the rule is the
+omni_operator/test_pipeline_rules.py, on every run). ``python`` is None only where the rule is the
 CRD's alone, and the unit test lists those. Every valid case must pass both.
 """
 

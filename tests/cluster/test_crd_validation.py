@@ -4,7 +4,7 @@ The checked-in crds/omnipipelines.yaml is installed once for the module. Each in
 pipeline of tests/pipeline_rules.py must be refused by `kubectl apply` with a message that
 names the field and the actual cause, and by the operator's own check (parse_spec) too,
 and each valid one admitted by both: the CRD's rules and the operator's cannot drift
-(tests/unit/test_pipeline_rules.py checks the operator's side on every run); the
+(tests/unit/omni_operator/test_pipeline_rules.py checks the operator's side on every run); the
 examples must be admitted; `kubectl explain` and `kubectl get` must show
 what the CRD promises.
 """

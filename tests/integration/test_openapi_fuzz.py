@@ -9,7 +9,8 @@ is OpenAI-shaped. Afterwards no request may be left in flight, in the router or 
 The router runs with limits far below the defaults, which the document states: so a valid
 request generated at a limit (the longest prompt, the most tokens) stays quick on a CPU and
 fits the tiny model's 512-token context. The pipeline answers with text, so the document
-lists no image paths (tests/unit/test_router_openapi.py checks an image pipeline's).
+lists no image paths (tests/unit/omni_runtime/router/test_router_openapi.py checks an image
+pipeline's).
 """
 
 from __future__ import annotations

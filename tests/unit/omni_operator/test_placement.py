@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-from pipeline_specs import spec_of, stage_of
 
 from omni_operator.api import OmniPipelineSpec
 from omni_operator.placement import (
@@ -14,6 +13,7 @@ from omni_operator.placement import (
 )
 from omni_runtime.config import MAX_STAGE_ID
 from omni_runtime.pod_contract import DRAIN_TIMEOUT_ENV, REVISION_ENV
+from pipeline_specs import spec_of, stage_of
 
 
 def _messages(spec: OmniPipelineSpec) -> dict[str, str]:

@@ -6,7 +6,6 @@ import json
 from typing import Any
 
 import zmq
-from pipeline_specs import spec_of, stage_of
 from zmq.utils import z85
 
 from omni_operator.api import OmniPipelineSpec
@@ -17,6 +16,7 @@ from omni_operator.render.secrets import API_KEYS_DIR, STAGE_KEYS_DIR, stage_key
 from omni_operator.stage_keys import generate_stage_keys, z85_encode
 from omni_runtime.config.credentials import CLIENT_FILES, KEYS_DIR_ENV, SERVER_FILES
 from omni_runtime.kube import KIND_PLURALS
+from pipeline_specs import spec_of, stage_of
 
 
 def _render(spec: OmniPipelineSpec) -> dict[tuple[str, str], dict[str, Any]]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from pipeline_specs import spec_of, stage_of
 
 from omni_operator.render import render
 from omni_operator.render.pods import PRESTOP_DELAY_S, drain_timeout_s, grace_period_s
@@ -18,6 +17,7 @@ from omni_runtime.pod_contract import (
     DrainTimeoutError,
 )
 from omni_runtime.router import revisions
+from pipeline_specs import spec_of, stage_of
 
 
 def _deployments(objects: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:

@@ -691,7 +691,7 @@ def test_missing_file_is_reported(tmp_path: Path) -> None:
 
 # --- GPU memory admission ----------------------------------------------------------------
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[4]
 Share = tuple[str, str, float | None]
 
 

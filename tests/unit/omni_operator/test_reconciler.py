@@ -25,7 +25,7 @@ from omni_runtime.kube import KubeClient
 from omni_runtime.pod_contract import ANNOTATION_CONFIG_HASH, REVISION_ENV
 from omni_runtime.router.revisions import revision_key
 
-TINY = Path(__file__).resolve().parents[2] / "manifests" / "examples" / "tiny-pipeline.yaml"
+TINY = Path(__file__).resolve().parents[3] / "manifests" / "examples" / "tiny-pipeline.yaml"
 
 
 def tiny_spec() -> dict[str, Any]:

@@ -23,7 +23,7 @@ from omni_runtime.pod_contract import (
     parse_drain_timeout,
 )
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 @pytest.mark.parametrize(

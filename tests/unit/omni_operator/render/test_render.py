@@ -1,10 +1,11 @@
 """Unit tests of omni_operator.render: the objects one OmniPipeline becomes.
 
 The rendered objects of the two example pipelines (manifests/examples/) are compared with
-golden files in tests/unit/golden/. After a deliberate change to the renderer, regenerate
-them and review the diff:
+golden files in golden/ beside this file. After a deliberate change to the renderer,
+regenerate them and review the diff:
 
-    OMNI_UPDATE_GOLDEN=1 .venv/bin/python -m pytest tests/unit/test_render.py -k golden
+    OMNI_UPDATE_GOLDEN=1 .venv/bin/python -m pytest -k golden \
+        tests/unit/omni_operator/render/test_render.py
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from typing import Any
 
 import pytest
 import yaml
-from pipeline_specs import spec_of, stage_of
 
 from omni_operator.api import (
     API_VERSION,
@@ -52,8 +52,9 @@ from omni_operator.render.quantities import canonical_quantity, read_quantity, s
 from omni_operator.render.stages import STAGE_STARTUP_TIMEOUT_S
 from omni_runtime.config import dump_pipeline, load_pipeline
 from omni_runtime.pod_contract import ANNOTATION_CONFIG_HASH
+from pipeline_specs import spec_of, stage_of
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[4]
 EXAMPLES = ROOT / "manifests" / "examples"
 GOLDEN = Path(__file__).parent / "golden"
 UPDATE_GOLDEN = os.environ.get("OMNI_UPDATE_GOLDEN") == "1"

@@ -21,7 +21,7 @@ from omni_runtime.config.models import (
 )
 from omni_runtime.config.topologies import STAGE_TYPES
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 CHECKED_IN = REPO / "crds" / "omnipipelines.yaml"
 Schema = dict[str, Any]
 

@@ -30,8 +30,8 @@ import yaml
 from aiohttp import web
 from kubernetes import client as k8s_client
 from kubernetes.config import incluster_config
-from test_stage_replica_pool import FakeReplica
 
+from fake_replica import FakeReplica
 from omni_operator.handlers import connection_info, login
 from omni_runtime.config import PipelineConfig
 from omni_runtime.engine.stage.stage_replica_pool import StageReplicaPool
@@ -53,7 +53,7 @@ from omni_runtime.router.discovery import (
 )
 from omni_runtime.router.replicas import ReplicaConnector
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 
 @pytest.fixture(scope="module")

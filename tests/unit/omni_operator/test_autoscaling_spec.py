@@ -7,7 +7,6 @@ import re
 from typing import Any
 
 import pytest
-from pipeline_specs import spec_of, stage_of
 from pydantic import ValidationError
 
 from omni_operator.api import OmniPipelineSpec, runtime_config
@@ -17,6 +16,7 @@ from omni_operator.planner import LatencyObjective
 from omni_operator.render import render
 from omni_operator.render.config import config_data
 from omni_operator.render.names import OPERATOR_POD_LABEL
+from pipeline_specs import spec_of, stage_of
 
 PLANNER = {"maxReplicas": 6, "minReplicas": 2, "targetInFlight": 2}
 

@@ -10,7 +10,7 @@ import pytest
 
 from omni_operator import crd, crd_reference
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 CHECKED_IN = REPO / "docs" / "crd-reference.md"
 COMMAND = "python -m omni_operator.crd_reference"
 
