@@ -32,7 +32,10 @@ status the router answers with. Retries are invisible to the caller and bounded:
   input), restarts the request from the first stage, once (hidden states handed to a dead
   replica are gone with it), on the revision then newest.
 Each retry is reported to ``on_retry`` (/metrics). Cancelling the consumer (a client that
-disconnected) aborts the request in the stage running it.
+disconnected) aborts the request in the stage running it. An attempt that ends without
+being served releases the hand-offs its stages made at once (an abort of the finished
+request, sent to the replica holding it): a companion that failed after its partner
+finished, or a next stage never reached, leaves nothing for the connector's TTL.
 """
 
 from __future__ import annotations
@@ -101,6 +104,15 @@ _HTTP_ERRORS: dict[StageErrorCode, tuple[int, str]] = {
 _HANDED_OFF_INPUTS = frozenset(
     {"prompt_embeds", "negative_prompt_embeds", "context_kv", "no_image_context_kv"}
 )
+
+
+@dataclass(frozen=True)
+class _HandOff:
+    """A stage request whose output names a hand-off, and the replica that holds it."""
+
+    stage_id: int
+    replica_id: int
+    request_id: str
 
 
 class _InputLost(Exception):
@@ -300,30 +312,60 @@ class PipelineOrchestrator:
         sticky = request.sticky_key
         # The host of the replica whose output the next stage reads.
         host: str | None = None
-        for index, stage in enumerate(self.stages):
-            stage_request = self._stage_request(
-                request, attempt.number, index, upstream, upstream_text, companion_output
-            )
-            pin = host if stage.stage_id in self._pod_local else None
-            if index == len(self.stages) - 1:
-                async for output in self._run_stage(stage, stage_request, sticky, revision, pin):
-                    yield output
-                return
-            companion = self._companion_request(request, index, stage_request)
-            placed: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-            runs = [self._final_output(stage, stage_request, sticky, revision, pin, placed)]
-            if companion is not None:
-                # Where the next stage reads both from shared memory, the companion's
-                # output must lie in the pod of the request's.
-                local = self.stages[index + 1].stage_id in self._pod_local
-                runs.append(
-                    self._final_output(
-                        stage, companion, sticky, revision, pin, follow=placed if local else None
-                    )
+        # The hand-offs this attempt's stages made, for release if it fails.
+        handed: list[_HandOff] = []
+        served = False
+        try:
+            for index, stage in enumerate(self.stages):
+                stage_request = self._stage_request(
+                    request, attempt.number, index, upstream, upstream_text, companion_output
                 )
-            results = await _all_or_none(runs)
-            upstream, upstream_text, host = results[0]
-            companion_output = results[1][0] if companion is not None else None
+                pin = host if stage.stage_id in self._pod_local else None
+                if index == len(self.stages) - 1:
+                    async for output in self._run_stage(
+                        stage, stage_request, sticky, revision, pin
+                    ):
+                        yield output
+                    served = True
+                    return
+                companion = self._companion_request(request, index, stage_request)
+                placed: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+                runs = [
+                    self._final_output(stage, stage_request, sticky, revision, pin, handed, placed)
+                ]
+                if companion is not None:
+                    # Where the next stage reads both from shared memory, the companion's
+                    # output must lie in the pod of the request's.
+                    local = self.stages[index + 1].stage_id in self._pod_local
+                    follow = placed if local else None
+                    runs.append(
+                        self._final_output(
+                            stage, companion, sticky, revision, pin, handed, follow=follow
+                        )
+                    )
+                results = await _all_or_none(runs)
+                upstream, upstream_text, host = results[0]
+                companion_output = results[1][0] if companion is not None else None
+        finally:
+            if not served and handed:
+                # Their consumer will never fetch them (a companion failed after its partner
+                # finished, the next stage refused the request, the caller went away): the
+                # producers drop them now, not at their connector's TTL.
+                await asyncio.shield(self._release(handed))
+
+    async def _release(self, handed: Sequence[_HandOff]) -> None:
+        """Tell each replica that made one of ``handed`` to drop it (a no-op for one its
+        consumer fetched already); never raises."""
+        by_replica: dict[tuple[int, int], list[str]] = {}
+        for hand_off in handed:
+            by_replica.setdefault((hand_off.stage_id, hand_off.replica_id), []).append(
+                hand_off.request_id
+            )
+        for (stage_id, replica_id), request_ids in by_replica.items():
+            try:
+                await self.pools[stage_id].release_hand_offs(replica_id, request_ids)
+            except Exception:
+                logger.debug("release of %s failed", request_ids, exc_info=True)
 
     async def _final_output(
         self,
@@ -332,25 +374,30 @@ class PipelineOrchestrator:
         sticky_key: str | None,
         revision: str,
         host: str | None,
+        handed: list[_HandOff],
         placed: asyncio.Future[str] | None = None,
         follow: asyncio.Future[str] | None = None,
     ) -> tuple[StageServerOutput, str, str]:
         """The final output of a stage that feeds another, all of its text, and the host of
-        the replica that made it. ``placed`` learns that host as soon as the request is
-        placed; ``follow`` (another request's ``placed``) says where this one must go."""
+        the replica that made it; a hand-off it names is added to ``handed``. ``placed``
+        learns that host as soon as the request is placed; ``follow`` (another request's
+        ``placed``) says where this one must go."""
         if follow is not None:
             host = await follow
         text_parts: list[str] = []
         final: StageServerOutput | None = None
-        where: list[str] = []
+        where: list[tuple[str, int]] = []
         async for output in self._run_stage(
             stage, stage_request, sticky_key, revision, host, placed, where
         ):
             text_parts.append(output.text)
             if output.finished:
                 final = output
+                if output.prompt_embeds is not None or output.context_kv is not None:
+                    # Recorded at once: a cancel before this loop ends must not lose it.
+                    handed.append(_HandOff(stage.stage_id, where[-1][1], stage_request.request_id))
         assert final is not None
-        return final, "".join(text_parts), where[-1]
+        return final, "".join(text_parts), where[-1][0]
 
     def _companion_request(
         self, request: PipelineRequest, index: int, stage_request: StageServerRequest
@@ -454,11 +501,11 @@ class PipelineOrchestrator:
         revision: str,
         host: str | None = None,
         placed: asyncio.Future[str] | None = None,
-        where: list[str] | None = None,
+        where: list[tuple[str, int]] | None = None,
     ) -> AsyncIterator[StageServerOutput]:
         """The stage's outputs for ``stage_request``, run on a replica of ``revision`` (at
         ``host`` where given). ``placed`` gets the host of the first replica it goes to;
-        ``where`` the host of each replica it goes to, in order."""
+        ``where`` the host and id of each replica it goes to, in order."""
         pool = self.pools[stage.stage_id]
         for handback in range(HANDBACK_RETRIES + 1):
             # One client span per replica tried: the stage's own spans are its children.
@@ -479,7 +526,7 @@ class PipelineOrchestrator:
                 if placed is not None and not placed.done():
                     placed.set_result(replica_host)
                 if where is not None:
-                    where.append(replica_host)
+                    where.append((replica_host, pending.replica_id))
                 finished = False
                 handed_back = False
                 try:

@@ -410,6 +410,20 @@ class StageReplicaPool:
                 return pool_request
             # The replica was lost while the request was being sent: it never ran there.
 
+    async def release_hand_offs(self, replica_id: int, request_ids: list[str]) -> None:
+        """Tell replica ``replica_id`` that the hand-offs of its finished ``request_ids``
+        will never be fetched, so that it drops them now instead of at its connector's TTL
+        (an abort of a finished request does that, and only that). Nothing to do where the
+        replica is gone: what it held went with it."""
+        self._claim_loop()
+        replica = self._replicas.get(replica_id)
+        if replica is None:
+            return
+        try:
+            await replica.client.abort_requests_async(request_ids)
+        except StageCoreDeadError as e:
+            self._evict(replica, _describe(e))
+
     async def call_utility(
         self, method: str, kwargs: dict[str, Any], timeout: float | None = None
     ) -> Any:

@@ -7,8 +7,8 @@ import asyncio
 
 import numpy as np
 import pytest
-from test_stage_replica_pool import FakeReplica
 
+from fake_replica import FakeReplica
 from omni_runtime.config import PipelineConfig
 from omni_runtime.connectors import ConnectorHandle
 from omni_runtime.engine.stage.stage_core_types import (
@@ -371,4 +371,58 @@ async def test_a_bagel_edits_companion_and_its_parent_feed_one_dit_in_their_pod(
         assert all(dits[pod].requests for pod in dits)  # both pods served
     finally:
         await thinker.close()
+        await dit.close()
+
+
+class RefusingCompanionEncoder(EncodingReplica):
+    """Encodes a request, and refuses its negative prompt's companion once the request's
+    own hand-off is made (the companion fails after its partner finished)."""
+
+    async def add_request_async(self, request: object) -> None:
+        assert isinstance(request, StageServerRequest)
+        if not request.request_id.endswith("-negative"):
+            await super().add_request_async(request)
+            return
+        await FakeReplica.add_request_async(self, request)
+        self.answer(request.request_id, error=StageError.bad_request("negative_prompt: too long"))
+
+
+class RefusingDiT(FakeReplica):
+    async def add_request_async(self, request: object) -> None:
+        await super().add_request_async(request)  # type: ignore[arg-type]
+        self.answer(self.received[-1], error=StageError.bad_request("height: too large"))
+
+
+@pytest.mark.parametrize(
+    ("encoder_replica", "dit_replica", "released"),
+    [
+        # Served: the DiT fetched both, nothing to release.
+        (EncodingReplica, AnsweringReplica, []),
+        # The companion failed after its partner finished: the partner's hand-off goes.
+        (RefusingCompanionEncoder, AnsweringReplica, ["r"]),
+        # The DiT refused the request: both hand-offs go.
+        (EncodingReplica, RefusingDiT, ["r", "r-negative"]),
+    ],
+)
+async def test_a_hand_off_no_stage_will_fetch_is_released_at_once(
+    encoder_replica: type[FakeReplica], dit_replica: type[FakeReplica], released: list[str]
+) -> None:
+    """A failed request's hand-offs are dropped by the replicas that made them (an abort of
+    a finished request releases its hand-off), not left for the connector's TTL."""
+    encoder, dit = StageReplicaPool("encoder"), StageReplicaPool("dit")
+    producer, consumer = encoder_replica("10.0.0.1"), dit_replica("10.0.0.1")
+    encoder.add_replica(producer, "10.0.0.1:52000")
+    dit.add_replica(consumer, "10.0.0.1:52001")
+    run = PipelineOrchestrator(shared_memory_family(1), {0: encoder, 1: dit})
+    try:
+        if released:
+            with pytest.raises(PipelineError) as failed:
+                await asyncio.wait_for(run.complete(PipelineRequest("r", prompt="p")), 5)
+            assert failed.value.status == 400
+        else:
+            await asyncio.wait_for(run.complete(PipelineRequest("r", prompt="p")), 5)
+        assert sorted(producer.aborted) == released
+        assert producer.received == ["r", "r-negative"]
+    finally:
+        await encoder.close()
         await dit.close()
