@@ -14,9 +14,9 @@ import base64
 import io
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Coroutine, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import numpy as np
@@ -34,11 +34,13 @@ from serving import (
 
 from omni_operator.router_load import parse_router_metrics
 from omni_runtime.config import PipelineConfig, dump_pipeline
+from omni_runtime.engine.stage.stage_core_types import StageServerOutput, StageServerRequest
 from omni_runtime.tiny_models import DIFFUSION_SUBDIR, LLM_SUBDIR
 
 pytestmark = pytest.mark.integration
 
 ENCODER, WRITER, DIT = 0, 1, 2
+T = TypeVar("T")
 LLM_FIELDS = {"type": "llm", "dtype": "float32", "enforceEager": True, "maxModelLen": 512}
 
 
@@ -156,8 +158,17 @@ def ask_image(client: openai.OpenAI, prompt: str, **extra: Any) -> list[bytes]:
     return image_parts(response)
 
 
-def omni_shm_files() -> set[str]:
-    return {name for name in os.listdir("/dev/shm") if name.startswith("omni-")}
+async def on_loop_of(pool: Any, coro: Coroutine[Any, Any, T]) -> T:
+    """Run ``coro`` on the event loop ``pool`` belongs to (the router's, in its thread)."""
+    loop = pool._loop  # the pool refuses calls from another loop
+    assert loop is not None, "the pool has not run yet"
+    return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, loop))
+
+
+def omni_shm_files(pid: int | None = None) -> set[str]:
+    """The shared-memory connector's segments in /dev/shm (of producer ``pid``, if given)."""
+    prefix = "omni-" if pid is None else f"omni-{pid}-"
+    return {name for name in os.listdir("/dev/shm") if name.startswith(prefix)}
 
 
 @pytest.mark.parametrize("connector", ["shm", "tcp", "mooncake"])
@@ -762,6 +773,36 @@ async def test_a_client_that_disconnects_aborts_its_request_in_the_stage(
             quick = {"prompt": "x", "size": "32x32", "num_inference_steps": 1}
             response = http.post("/images/generations", json=quick)
             assert response.status_code == 200, response.text
+
+
+async def test_a_hand_off_nobody_will_fetch_is_released_by_the_replica_that_made_it(
+    stages_config: dict[str, Any], stage_procs: dict[str, list[StageProcess]]
+) -> None:
+    """What the router relies on to release a failed request's hand-offs at once
+    (``StageReplicaPool.release_hand_offs``): a real encoder replica drops the segment of a
+    finished request when told its hand-off will never be fetched."""
+    ids = [ENCODER, DIT]
+    encoder_pid = stage_procs["encoder"][0].proc.pid
+    with running_router(
+        pipeline(stages_config, ids, connector="shm"), addresses(stage_procs, ids)
+    ) as router:
+        pool = router.state.pools[ENCODER]
+        request = StageServerRequest("never-fetched", prompt="a red cat", output_connector="shm")
+
+        async def encode() -> tuple[int, list[Any]]:
+            pending = await pool.add_request(request)
+            return pending.replica_id, [output async for output in pending]
+
+        # The pool is the router's, on its loop (uvicorn's thread): the test's calls go there.
+        replica_id, outputs = await on_loop_of(pool, encode())
+        final = outputs[-1]
+        assert isinstance(final, StageServerOutput)
+        assert final.prompt_embeds is not None, final
+        assert omni_shm_files(encoder_pid), "the hand-off's segment"
+        await on_loop_of(pool, pool.release_hand_offs(replica_id, [request.request_id]))
+        await asyncio.to_thread(
+            wait_until, lambda: not omni_shm_files(encoder_pid), 30, "the segment released"
+        )
 
 
 def test_probes_answer_liveness_and_readiness(config_file: Path, workdir: Path) -> None:
