@@ -41,8 +41,8 @@ import yaml
 
 from _load import exit_on_sigterm, markdown_table
 from omni_runtime.config import PipelineConfig, load_pipeline
-from omni_runtime.config.families import FAMILIES, FAMILY_NAMES, prompt_image_size
 from omni_runtime.entrypoints.cli import DEFAULT_MODELS_DIR, TINY_MODELS_ENV
+from omni_runtime.families import FAMILIES, FAMILY_NAMES, prompt_image_size
 from omni_runtime.tiny_models import ensure_tiny_models
 
 REPO = Path(__file__).resolve().parents[1]
@@ -192,9 +192,10 @@ async def measure_vllm(
                     )
             times.append(time.perf_counter() - start)
             for output in done.values():
-                if output.error is not None or output.prompt_embeds is None:
+                hand_off = output.hand_offs.get("prompt_embeds")
+                if output.error is not None or hand_off is None:
                     raise RuntimeError(f"{output.request_id}: {output.error or 'no embeddings'}")
-                connectors.get(connector).release(output.prompt_embeds.key)
+                connectors.get(connector).release(hand_off.handle.key)
     finally:
         client.shutdown()
         connectors.close()

@@ -21,11 +21,11 @@ import numpy as np
 sys.path.append(str(Path(__file__).resolve().parents[1] / "tests" / "integration"))
 import test_family_pipelines as t
 
-from omni_runtime.config.families import FAMILIES
 from omni_runtime.connectors import StageConnectors
 from omni_runtime.diffusion.engine import DiffusionEngine, DiffusionEngineConfig
 from omni_runtime.engine.stage.stage_core_types import StageDiffusionCoreRequest
 from omni_runtime.engine.stage.stage_llm_core_client import start_stage_llm_client
+from omni_runtime.families import FAMILIES
 from omni_runtime.stage_server.llm_frontend import StageLLMFrontend
 from omni_runtime.tiny_models import ensure_tiny_models
 

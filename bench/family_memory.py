@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from _load import markdown_table
-from omni_runtime.config.families import FAMILIES, FAMILY_NAMES, prompt_image_size
+from omni_runtime.families import FAMILIES, FAMILY_NAMES, prompt_image_size
 
 MIB = 1 << 20
 KINDS = ("pipeline", "dit", "encoder-transformers", "encoder-vllm")

@@ -32,7 +32,7 @@ from omni_runtime.config.models import (
     SHARED_MEMORY_CONNECTOR,
     VLLM_DEFAULT_GPU_MEMORY_UTILIZATION,
 )
-from omni_runtime.config.topologies import TOPOLOGIES
+from omni_runtime.families import FAMILIES
 
 from .api import (
     GROUP,
@@ -439,17 +439,20 @@ def _add_spec_rules(spec: dict[str, Any]) -> None:
 
 
 def _stage_type_rule() -> dict[str, str]:
-    """A stage may leave out type only where the model's known topology gives it one (the
-    runtime's model fills it in before it validates): the topology whose key is in the
-    last part of the model path, the longest key winning, as find_topology does."""
-    gives_type = "false"
-    # Shortest key first, so that the longest ends up tested first.
-    for topology in sorted(TOPOLOGIES.values(), key=lambda t: len(t.key)):
-        ids = ", ".join(str(s.stage_id) for s in topology.stages)
+    """A stage may leave out type only where the pipeline's family's topology gives it one
+    (the runtime's model fills it in before it validates): the family the spec names, else
+    the one whose name is in the last part of the model path, the longest name winning, as
+    family_of_model_name finds it."""
+    by_name = by_family = "false"
+    # Shortest name first, so that the longest ends up tested first.
+    for family in sorted(FAMILIES.values(), key=lambda f: len(f.name)):
+        ids = f"s.stageId in [{', '.join(str(s.stage_id) for s in family.topology)}]"
         in_basename = (
-            f"self.model.lowerAscii().matches(r'{re.escape(topology.key)}[^/\\\\]*[/\\\\]*$')"
+            f"self.model.lowerAscii().matches(r'{re.escape(family.name)}[^/\\\\]*[/\\\\]*$')"
         )
-        gives_type = f"({in_basename} ? s.stageId in [{ids}] : {gives_type})"
+        by_name = f"({in_basename} ? {ids} : {by_name})"
+        by_family = f"(self.family == '{family.name}' ? {ids} : {by_family})"
+    gives_type = f"(has(self.family) ? {by_family} : {by_name})"
     untyped = f"!has(s.type) && !{gives_type}"
     return _rule(
         f"!self.stages.exists(s, {untyped})",

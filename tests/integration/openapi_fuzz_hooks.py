@@ -22,13 +22,21 @@ MAX_MESSAGES = int(os.environ["FUZZ_MAX_MESSAGES"])
 # Token ids the model has (a stop token past them is refused by vLLM's checks in the stage).
 VOCAB_SIZE = int(os.environ["FUZZ_VOCAB_SIZE"])
 MAX_TOKENS = int(os.environ["FUZZ_MAX_TOKENS"])
+# The DiT's loaded pipeline makes heights and widths of this multiple (the router, which
+# loads none, cannot know it); 1 for a text pipeline.
+SIZE_MULTIPLE = int(os.environ["FUZZ_SIZE_MULTIPLE"])
 _TEXT_PATHS = ("/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize")
+_IMAGE_PATHS = ("/v1/chat/completions", "/v1/images/generations", "/v1/images/edits")
 
 
 @schemathesis.hook
 def filter_case(context: schemathesis.HookContext, case: schemathesis.Case) -> bool:
-    """Text requests within the rules no schema states; everything else as is."""
-    if case.operation.path not in _TEXT_PATHS or not isinstance(case.body, dict):
+    """Requests within the rules no schema states; everything else as is."""
+    if not isinstance(case.body, dict):
+        return True
+    if case.operation.path in _IMAGE_PATHS and _positive(case) and not _sizes_valid(case.body):
+        return False
+    if case.operation.path not in _TEXT_PATHS:
         return True
     body = case.body
     # In every mode: a negative case's mutation may leave the body valid but for a token
@@ -36,8 +44,7 @@ def filter_case(context: schemathesis.HookContext, case: schemathesis.Case) -> b
     # the vocabulary).
     if not _in_vocabulary(body.get("tokens")) or not _in_vocabulary(body.get("stop_token_ids")):
         return False
-    meta = case.meta
-    if meta is None or meta.generation.mode is not GenerationMode.POSITIVE:
+    if not _positive(case):
         return True
     if case.operation.path == "/tokenize" and (body.get("prompt") is None) == (
         body.get("messages") is None
@@ -49,6 +56,30 @@ def filter_case(context: schemathesis.HookContext, case: schemathesis.Case) -> b
     if not isinstance(messages, list):
         return True
     return len(messages) <= MAX_MESSAGES and _prompt_chars(messages) <= MAX_PROMPT_CHARS
+
+
+def _positive(case: schemathesis.Case) -> bool:
+    """Whether ``case`` is meant to be valid (and so accepted)."""
+    return case.meta is not None and case.meta.generation.mode is GenerationMode.POSITIVE
+
+
+def _sizes_valid(body: dict[str, Any]) -> bool:
+    """The image's height and width (chat's fields, or the images API's WIDTHxHEIGHT) are
+    sizes the DiT makes."""
+    sides = [body.get("height"), body.get("width")]
+    size = body.get("size")
+    if isinstance(size, str) and "x" in size:
+        sides += size.split("x")
+    return all(side is None or side % SIZE_MULTIPLE == 0 for side in map(_side, sides))
+
+
+def _side(value: Any) -> int | None:
+    """A side as the router reads it (an integral float is the integer), else None."""
+    if isinstance(value, str):
+        return int(value) if value.isdigit() else None
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return int(value) if float(value).is_integer() else None
+    return None
 
 
 def _in_vocabulary(token_ids: Any) -> bool:

@@ -37,8 +37,8 @@ from bagel_reference.harness import guidance_spec, reference_dir, run_reference
 from PIL import Image
 from serving import serving, wait_until
 
+from omni_runtime.families.bagel import THINK_SYSTEM_PROMPT
 from omni_runtime.modeling.bagel.generation import (
-    THINK_SYSTEM_PROMPT,
     BagelGenerator,
     GuidanceParams,
     default_guidance,

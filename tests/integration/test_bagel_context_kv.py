@@ -31,9 +31,10 @@ from omni_runtime.connectors import (
 from omni_runtime.diffusion.engine import DiffusionEngineConfig
 from omni_runtime.diffusion.stage.stage_diffusion_core_client import StageDiffusionCoreClient
 from omni_runtime.engine.stage.stage_core_types import (
-    ContextKVRef,
+    HandOff,
     StageDiffusionCoreOutput,
     StageDiffusionCoreRequest,
+    StageErrorCode,
 )
 from omni_runtime.modeling.bagel.generation import BagelGenerator, Contexts
 from omni_runtime.modeling.bagel.model import ContextKV
@@ -92,12 +93,12 @@ def dit(checkpoint: Path) -> Iterator[StageDiffusionCoreClient]:
 
 def put(
     connector: OmniConnector, key: str, context: ContextKV, prefix: ContextKV | None = None
-) -> ContextKVRef:
+) -> HandOff:
     kv = torch.stack([context.keys, context.values]).contiguous()
-    ref = ContextKVRef(connector.put(key, kv), rope=context.rope)
+    meta = {"rope": context.rope}
     if prefix is not None:
-        ref.prefix_length, ref.prefix_rope = prefix.length, prefix.rope
-    return ref
+        meta.update(prefix_length=prefix.length, prefix_rope=prefix.rope)
+    return HandOff(connector.put(key, kv), meta)
 
 
 async def run(
@@ -132,8 +133,14 @@ def kv_request(
         request_id=request_id,
         params={**FAST, **params},
         image=input_image(),
-        context_kv=put(source_connector, f"{request_id}-full", contexts.full, contexts.no_text),
-        no_image_context_kv=put(source_connector, f"{request_id}-no-image", contexts.no_image),
+        inputs={
+            "context_kv": put(
+                source_connector, f"{request_id}-full", contexts.full, contexts.no_text
+            ),
+            "no_image_context_kv": put(
+                source_connector, f"{request_id}-no-image", contexts.no_image
+            ),
+        },
     )
 
 
@@ -151,10 +158,9 @@ async def test_the_thinkers_kv_makes_the_image_the_dit_makes_itself(
         assert output.images is not None
     np.testing.assert_array_equal(outputs[handed.request_id].images, outputs[own.request_id].images)
     # Fetched once: the producer's copies are gone.
-    for ref in (handed.context_kv, handed.no_image_context_kv):
-        assert ref is not None
+    for hand_off in handed.inputs.values():
         with pytest.raises(ConnectorError):
-            producer.get(connector).get(ref.kv)
+            producer.get(connector).get(hand_off.handle)
 
 
 @pytest.mark.parametrize("connector", ["shm", "tcp"])
@@ -175,10 +181,10 @@ async def test_a_request_aborted_before_it_runs_frees_the_producers_copies(
             for output in (await dit.get_outputs_async()).outputs:
                 seen[output.request_id] = output
     assert seen[queued.request_id].aborted
-    for ref in (queued.context_kv, queued.no_image_context_kv):
-        assert ref is not None
+    assert len(queued.inputs) == 2
+    for hand_off in queued.inputs.values():
         with pytest.raises(ConnectorError):
-            producer.get(connector).get(ref.kv)
+            producer.get(connector).get(hand_off.handle)
 
 
 async def test_a_kv_cache_of_the_wrong_shape_or_gone_is_refused_by_name(
@@ -187,16 +193,18 @@ async def test_a_kv_cache_of_the_wrong_shape_or_gone_is_refused_by_name(
     source = producer.get("tcp")
     wrong = ContextKV(contexts.full.keys[:1], contexts.full.values[:1], contexts.full.rope)
     bad_shape = StageDiffusionCoreRequest(
-        request_id="bad-shape", params=FAST, context_kv=put(source, "bad", wrong)
+        request_id="bad-shape", params=FAST, inputs={"context_kv": put(source, "bad", wrong)}
     )
     gone_ref = put(source, "gone", contexts.full)
-    source.release(gone_ref.kv.key)
-    gone = StageDiffusionCoreRequest(request_id="gone", params=FAST, context_kv=gone_ref)
+    source.release(gone_ref.handle.key)
+    gone = StageDiffusionCoreRequest(
+        request_id="gone", params=FAST, inputs={"context_kv": gone_ref}
+    )
     no_companion = StageDiffusionCoreRequest(
         request_id="no-companion",
         params=FAST,
         image=input_image(),
-        context_kv=put(source, "alone", contexts.full, contexts.no_text),
+        inputs={"context_kv": put(source, "alone", contexts.full, contexts.no_text)},
     )
     outputs = await run(dit, bad_shape, gone, no_companion)
     error = outputs["bad-shape"].error
@@ -206,6 +214,8 @@ async def test_a_kv_cache_of_the_wrong_shape_or_gone_is_refused_by_name(
     error = outputs["gone"].error
     assert error is not None
     assert error.message.startswith("context_kv:")
+    # Named, so that a router runs the request again from the thinker (a lost hand-off).
+    assert (error.code, error.param) == (StageErrorCode.STAGE_FAILED, "context_kv")
     error = outputs["no-companion"].error
     assert error is not None
     assert error.param == "no_image_context_kv"

@@ -25,8 +25,8 @@ from PIL import Image
 from serving import run_vllm_child
 
 from omni_runtime.config import load_pipeline
+from omni_runtime.families.bagel import THINK_SYSTEM_PROMPT
 from omni_runtime.modeling.bagel.generation import (
-    THINK_SYSTEM_PROMPT,
     BagelGenerator,
     image_pixels,
     plan,
@@ -88,14 +88,14 @@ def _run_thinker(spec_path: str, out_path: str) -> None:
         request = builder.build("r", prompt=prompt, image=image, params=params)
         token_ids.append(list(request.prompt_token_ids or ()))
         pooling_params.append(request.pooling_params)
-        prompt_lengths.append(len(builder.bagel_prompt_ids(prompt)))
+        prompt_lengths.append(len(builder.framed_prompt_ids(prompt)))
         # The same prompt before vLLM's processing: think mode's system prompt, the image's
         # placeholder, then the text.
-        context = builder.bagel_prompt_ids(THINK_SYSTEM_PROMPT) if think else []
+        context = builder.framed_prompt_ids(THINK_SYSTEM_PROMPT) if think else []
         if image is not None:
             context.append(builder.tokenizer.convert_tokens_to_ids("<|image_pad|>"))
         engine_prompt: dict[str, Any] = {
-            "prompt_token_ids": [*context, *builder.bagel_prompt_ids(prompt)]
+            "prompt_token_ids": [*context, *builder.framed_prompt_ids(prompt)]
         }
         if image is not None:
             engine_prompt["multi_modal_data"] = {"image": Image.fromarray(image)}

@@ -9,8 +9,14 @@ from typing import Any
 import numpy as np
 import pytest
 
+from omni_runtime.config import ConnectorConfig
+from omni_runtime.connectors import ConnectorError, StageConnectors
 from omni_runtime.diffusion.engine import DiffusionEngine, DiffusionEngineConfig
-from omni_runtime.engine.stage.stage_core_types import InvalidStageRequestError
+from omni_runtime.engine.stage.stage_core_types import (
+    HandOff,
+    InvalidStageRequestError,
+    StageErrorCode,
+)
 from omni_runtime.engine.stage.stage_core_types import StageDiffusionCoreRequest as Request
 from omni_runtime.tiny_models import (
     DIFFUSION_SUBDIR,
@@ -132,3 +138,85 @@ def test_true_cfg_scale_is_refused_by_a_pipeline_without_it(tiny_models: Path) -
     error = error_of(sd, Request(request_id="sd", prompt="a cat", params={"true_cfg_scale": 2}))
     assert error.param == "true_cfg_scale"
     assert "StableDiffusionPipeline" in error.message
+
+
+def test_handed_off_embeddings_are_fetched_by_the_engine_itself(tiny_models: Path) -> None:
+    """The one hand-off path: an upstream stage's embeddings, put into a connector, reach
+    the DiT as named inputs that its engine fetches itself (into its dtype, on its device);
+    the image is the one the same embeddings make given as arrays, and the producer's copies
+    are gone once fetched. A refused request frees them too; one already gone is a
+    STAGE_FAILED naming the input, so that the router runs the request again."""
+    connectors = {"tcp": {"name": "TCPConnector", "extra": {"bind_host": "127.0.0.1"}}}
+    producer = StageConnectors({"tcp": ConnectorConfig.model_validate(connectors["tcp"])})
+    dit = DiffusionEngine(
+        DiffusionEngineConfig(
+            model=str(tiny_models / Z_IMAGE_SUBDIR),
+            family="z-image",
+            text_from_upstream=True,
+            connectors=connectors,
+        )
+    )
+    tcp = producer.get("tcp")
+    params = {"height": 32, "width": 32, "num_inference_steps": 2, "seed": 3}
+    positive, negative = embeds(), embeds(3)
+
+    def run(request: Request) -> Any:
+        dit.admit(request.request_id)
+        return dit.execute(request)
+
+    def handed(key: str) -> dict[str, HandOff]:
+        return {
+            "prompt_embeds": HandOff(tcp.put(f"{key}-p", positive)),
+            "negative_prompt_embeds": HandOff(tcp.put(f"{key}-n", negative)),
+        }
+
+    try:
+        arrays = run(
+            Request(
+                "arrays", params=params, prompt_embeds=positive, negative_prompt_embeds=negative
+            )
+        )
+        inputs = handed("fetched")
+        fetched = run(Request("fetched", params=params, inputs=inputs))
+        assert arrays.error is None, arrays.error
+        assert fetched.error is None, fetched.error
+        np.testing.assert_array_equal(fetched.images, arrays.images)
+        assert fetched.fetch_time > 0
+        for hand_off in inputs.values():
+            with pytest.raises(ConnectorError):
+                tcp.get(hand_off.handle)
+
+        refused_inputs = handed("refused")
+        refused = run(Request("refused", params={**params, "height": 33}, inputs=refused_inputs))
+        assert refused.error is not None
+        assert refused.error.param == "height"
+        for hand_off in refused_inputs.values():
+            with pytest.raises(ConnectorError):
+                tcp.get(hand_off.handle)
+
+        lost_inputs = handed("lost")
+        tcp.release(lost_inputs["negative_prompt_embeds"].handle.key)
+        lost = run(Request("lost", params=params, inputs=lost_inputs))
+        assert lost.error is not None
+        assert (lost.error.code, lost.error.param) == (
+            StageErrorCode.STAGE_FAILED,
+            "negative_prompt_embeds",
+        )
+
+        both = run(Request("both", params=params, prompt_embeds=positive, inputs=handed("both")))
+        assert both.error is not None
+        assert both.error.param == "prompt_embeds"
+        unknown = run(
+            Request(
+                "unknown",
+                params=params,
+                prompt_embeds=positive,
+                negative_prompt_embeds=negative,
+                inputs={"context_kv": HandOff(tcp.put("unknown", positive))},
+            )
+        )
+        assert unknown.error is not None
+        assert unknown.error.param == "context_kv"
+    finally:
+        dit.close()
+        producer.close()

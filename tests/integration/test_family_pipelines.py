@@ -33,10 +33,10 @@ from PIL import Image
 from serving import CLI, served_base_url
 
 from omni_runtime.config import PipelineConfig, load_pipeline
-from omni_runtime.config.families import FAMILIES, prompt_image_size
 from omni_runtime.connectors import StageConnectors
 from omni_runtime.engine.stage.stage_core_types import StageServerOutput, StageServerRequest
 from omni_runtime.engine.stage.stage_llm_core_client import start_stage_llm_client
+from omni_runtime.families import FAMILIES, prompt_image_size
 from omni_runtime.stage_server.llm_frontend import StageLLMFrontend
 from omni_runtime.tiny_models import QWEN_IMAGE_EDIT_SUBDIR, QWEN_IMAGE_SUBDIR, Z_IMAGE_SUBDIR
 
@@ -178,8 +178,8 @@ async def encoded(
             outputs.extend(await frontend.next_outputs())
     (final,) = outputs
     assert final.error is None, final.error
-    assert final.prompt_embeds is not None
-    handle = final.prompt_embeds
+    assert set(final.hand_offs) == {"prompt_embeds"}
+    handle = final.hand_offs["prompt_embeds"].handle
     tensor: torch.Tensor = connectors.get(handle.connector).get(handle, "cpu")
     return tensor
 

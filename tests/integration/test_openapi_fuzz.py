@@ -1,16 +1,16 @@
 """The router's OpenAPI document, fuzzed: schemathesis (`schemathesis run`, every check)
-against a router serving the tiny chat LLM from a real stage process.
+against a router serving real stage processes: the tiny chat LLM (a text pipeline), and
+the tiny Z-Image split across a vLLM encoder and a diffusers DiT (an image pipeline, whose
+document lists its family's own fields: cfg_normalization, cfg_truncation).
 
 Besides schemathesis' own checks (no 5xx, every status and content type documented,
 responses valid by their schemas, valid requests accepted and invalid ones refused,
 methods a path does not take answered 405), openapi_fuzz_hooks.py checks that every error
-is OpenAI-shaped. Afterwards no request may be left in flight, in the router or the stage.
+is OpenAI-shaped. Afterwards no request may be left in flight, in the router or a stage.
 
 The router runs with limits far below the defaults, which the document states: so a valid
-request generated at a limit (the longest prompt, the most tokens) stays quick on a CPU and
-fits the tiny model's 512-token context. The pipeline answers with text, so the document
-lists no image paths (tests/unit/omni_runtime/router/test_router_openapi.py checks an image
-pipeline's).
+request generated at a limit (the longest prompt, the most tokens, the largest image, the
+most steps) stays quick on a CPU and fits the tiny models' 512-token context.
 """
 
 from __future__ import annotations
@@ -22,39 +22,77 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+import yaml
 from serving import RunningRouter, pipeline_from, running_router, start_stage_processes, wait_until
 
-from omni_runtime.config import dump_pipeline
+from omni_runtime.config import PipelineConfig, dump_pipeline
 from omni_runtime.router.protocol import RouterLimits
-from omni_runtime.tiny_models import LLM_SUBDIR
+from omni_runtime.tiny_models import LLM_SUBDIR, Z_IMAGE_SUBDIR
 from omni_runtime.tiny_models._common import VOCAB_SIZE
 
 pytestmark = pytest.mark.integration
 
+REPO = Path(__file__).resolve().parents[2]
 HOOKS = Path(__file__).with_name("openapi_fuzz_hooks.py")
-MODEL = "tiny-chat"
 # 64 characters are at most 256 byte-level tokens; with MAX_MESSAGES messages' template
 # tokens, a prompt stays well inside the 512-token context (a generated token needs one).
-LIMITS = RouterLimits(max_prompt_chars=64, max_tokens=16, max_n=2, max_steps=2)
 MAX_MESSAGES = 16
-# Per operation and phase: about 500 requests, which take 20-40 s on two cores (the
-# stage's start, about 30 s more); RUN_TIMEOUT bounds a run that would hang.
-MAX_EXAMPLES = 200
-RUN_TIMEOUT = 180
 # A fixed seed: the same cases every run, so that a failure is the router's and can be
 # replayed. Another seed explores further (schemathesis run --seed, by hand).
 SEED = 20261202
 
 
-@pytest.fixture(scope="module")
-def router(tiny_models: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningRouter]:
-    workdir = tmp_path_factory.mktemp("openapi-fuzz")
-    pipeline = pipeline_from(
+@dataclass(frozen=True)
+class Fuzzed:
+    """A pipeline the fuzz runs against, and how hard."""
+
+    name: str
+    limits: RouterLimits
+    # Per operation and phase; RUN_TIMEOUT bounds a run that would hang.
+    max_examples: int
+    run_timeout: int
+    # The operations that must have answered both a 200 and a 400.
+    answered: tuple[str, ...]
+    # Heights and widths the DiT makes (a rule of its loaded pipeline, which the router
+    # does not know): 1 for none.
+    size_multiple: int = 1
+
+
+TEXT = Fuzzed(
+    name="text",
+    limits=RouterLimits(max_prompt_chars=64, max_tokens=16, max_n=2, max_steps=2),
+    # About 500 requests, which take 20-40 s on two cores (the stage's start, about 30 s
+    # more).
+    max_examples=200,
+    run_timeout=180,
+    answered=("POST /v1/chat/completions",),
+)
+Z_IMAGE = Fuzzed(
+    name="z-image",
+    # At most 2 images of 64x64 in 2 steps (4, the example's default, when none is asked):
+    # an image request takes a fraction of a second on two cores (the encoder's prompt and
+    # negative prompt, then the DiT). About 650 requests, which take 20-40 s (the stages'
+    # start, about 30 s more).
+    limits=RouterLimits(
+        max_prompt_chars=64, max_tokens=16, max_n=2, max_steps=2, max_image_side=64
+    ),
+    max_examples=50,
+    run_timeout=300,
+    answered=("POST /v1/chat/completions", "POST /v1/images/generations"),
+    # The tiny Z-Image's image processor's: its VAE's 8 times its transformer's patch of 2
+    # (tests/integration/test_family_dit.py sees 72 refused).
+    size_multiple=16,
+)
+
+
+def _text_pipeline(tiny_models: Path) -> PipelineConfig:
+    return pipeline_from(
         {
             "model": str(tiny_models / LLM_SUBDIR),
             "stages": [
@@ -67,31 +105,53 @@ def router(tiny_models: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
                     "maxModelLen": 512,
                 }
             ],
-            "router": {"servedModelName": MODEL},
+            "router": {"servedModelName": "tiny-chat"},
         }
     )
+
+
+def _z_image_pipeline(tiny_models: Path) -> PipelineConfig:
+    """examples/tiny-z-image.yaml: its encoder on vLLM, its DiT on diffusers."""
+    data = yaml.safe_load((REPO / "examples" / "tiny-z-image.yaml").read_text())
+    data["model"] = str(tiny_models / Z_IMAGE_SUBDIR)
+    return pipeline_from(data)
+
+
+@pytest.fixture(scope="module", params=[TEXT, Z_IMAGE], ids=lambda fuzzed: fuzzed.name)
+def router(
+    request: pytest.FixtureRequest, tiny_models: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Fuzzed, RunningRouter]]:
+    fuzzed: Fuzzed = request.param
+    workdir = tmp_path_factory.mktemp(f"openapi-fuzz-{fuzzed.name}")
+    pipeline = _text_pipeline(tiny_models) if fuzzed is TEXT else _z_image_pipeline(tiny_models)
     config = workdir / "pipeline.json"
     config.write_text(json.dumps(dump_pipeline(pipeline)))
-    (stage,) = start_stage_processes(config, [0], workdir)
+    stage_ids = [stage.stage_id for stage in pipeline.stages]
+    stages = start_stage_processes(config, stage_ids, workdir)
     try:
-        with running_router(pipeline, {0: [stage.address]}, limits=LIMITS) as running:
-            yield running
+        addresses = {stage.stage_id: [stage.address] for stage in stages}
+        with running_router(pipeline, addresses, limits=fuzzed.limits) as running:
+            yield fuzzed, running
     finally:
-        stage.stop()
-    assert stage.proc.returncode == 0, stage.log.read_text()[-2000:]
+        for stage in stages:
+            stage.stop()
+    for stage in stages:
+        assert stage.proc.returncode == 0, stage.log.read_text()[-2000:]
 
 
 def test_schemathesis_finds_nothing(
-    router: RunningRouter,
+    router: tuple[Fuzzed, RunningRouter],
     tmp_path: Path,
     record_property: Any,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
+    fuzzed, running = router
+    limits = fuzzed.limits
     har = tmp_path / "run.har"
     command = [
-        sys.executable, "-m", "schemathesis.cli", "run", f"{router.url}/openapi.json",
+        sys.executable, "-m", "schemathesis.cli", "run", f"{running.url}/openapi.json",
         "--checks", "all",
-        "--max-examples", str(MAX_EXAMPLES),
+        "--max-examples", str(fuzzed.max_examples),
         "--seed", str(SEED),
         "--workers", "1",
         "--generation-database", "none",
@@ -102,10 +162,11 @@ def test_schemathesis_finds_nothing(
     env = {
         **os.environ,
         "SCHEMATHESIS_HOOKS": str(HOOKS),
-        "FUZZ_MAX_PROMPT_CHARS": str(LIMITS.max_prompt_chars),
+        "FUZZ_MAX_PROMPT_CHARS": str(limits.max_prompt_chars),
         "FUZZ_MAX_MESSAGES": str(MAX_MESSAGES),
         "FUZZ_VOCAB_SIZE": str(VOCAB_SIZE),
-        "FUZZ_MAX_TOKENS": str(LIMITS.max_tokens),
+        "FUZZ_MAX_TOKENS": str(limits.max_tokens),
+        "FUZZ_SIZE_MULTIPLE": str(fuzzed.size_multiple),
     }
     start = time.monotonic()
     run = subprocess.run(
@@ -114,14 +175,15 @@ def test_schemathesis_finds_nothing(
         cwd=tmp_path,
         capture_output=True,
         text=True,
-        timeout=RUN_TIMEOUT,
+        timeout=fuzzed.run_timeout,
         check=False,
     )
     elapsed = time.monotonic() - start
-    document = httpx.get(f"{router.url}/openapi.json", timeout=10).json()
+    document = httpx.get(f"{running.url}/openapi.json", timeout=10).json()
     counts, streams = _counts(har, document)
     summary = (
-        f"schemathesis: {sum(counts['total'].values())} requests in {elapsed:.0f} s "
+        f"schemathesis ({fuzzed.name}): {sum(counts['total'].values())} requests in "
+        f"{elapsed:.0f} s "
         f"({streams} streamed); "
         + "; ".join(
             f"{operation}: {dict(sorted(statuses.items()))}"
@@ -131,16 +193,18 @@ def test_schemathesis_finds_nothing(
     # On the terminal whether or not output is captured, and in the JUnit report.
     with capsys.disabled():
         print(f"\n{summary}")
-    record_property("schemathesis", summary)
+    record_property(f"schemathesis-{fuzzed.name}", summary)
     assert run.returncode == 0, f"{summary}\n{run.stdout[-12000:]}\n{run.stderr[-3000:]}"
-    # Each operation was called, and chat completions were both answered and refused.
-    for operation in ("POST /v1/chat/completions", "GET /v1/models", "GET /health"):
+    # Each operation was called, and those that run the pipeline were both answered and
+    # refused.
+    for operation in (*fuzzed.answered, "GET /v1/models", "GET /health"):
         assert counts[operation], f"{operation} was never called: {summary}"
-    chat = counts["POST /v1/chat/completions"]
-    assert chat[200] > 0, summary
-    assert chat[400] > 0, summary
-    _wait_for_nothing_in_flight(router)
-    assert httpx.get(f"{router.url}/health", timeout=10).status_code == 200
+    for operation in fuzzed.answered:
+        assert counts[operation][200] > 0, summary
+        assert counts[operation][400] > 0, summary
+    assert counts["total"][500] == 0, summary
+    _wait_for_nothing_in_flight(running)
+    assert httpx.get(f"{running.url}/health", timeout=10).status_code == 200
 
 
 def _counts(har: Path, document: dict[str, Any]) -> tuple[dict[str, collections.Counter[int]], int]:
@@ -162,7 +226,7 @@ def _counts(har: Path, document: dict[str, Any]) -> tuple[dict[str, collections.
 
 
 def _wait_for_nothing_in_flight(router: RunningRouter) -> None:
-    """Every request the run made has ended in the router and in the stage: the gauges
+    """Every request the run made has ended in the router and in every stage: the gauges
     /metrics shows come back to 0 (a request ends a moment after its last byte)."""
 
     def in_flight() -> dict[str, float]:

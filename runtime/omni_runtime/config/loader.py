@@ -12,8 +12,9 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from omni_runtime.families import read_checkpoint_family
+
 from .errors import PipelineConfigError, join_path
-from .families import read_checkpoint_family
 from .models import PipelineConfig
 
 # A file may hold the pipeline at its root (the engine's deploy YAML), under this key, or as

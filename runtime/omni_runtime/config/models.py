@@ -23,10 +23,7 @@ from pydantic import (
 )
 from pydantic.alias_generators import to_camel
 
-from .errors import PipelineConfigError
-from .families import (
-    BAGEL_FAMILY,
-    BAGEL_THINKER,
+from omni_runtime.families import (
     FAMILIES,
     FAMILY_NAMES,
     EncoderRecipe,
@@ -34,7 +31,9 @@ from .families import (
     FamilyName,
     family_of_model_name,
 )
-from .topologies import STAGE_TYPES, StageType, find_topology
+
+from .errors import PipelineConfigError
+from .topologies import STAGE_TYPES, StageType
 
 LLMOutput = Literal["text", "hidden_states"]
 Dtype = Literal["auto", "float32", "float16", "bfloat16", "half", "float"]
@@ -458,21 +457,24 @@ class PipelineConfig(_Model):
         if not isinstance(data, Mapping):
             return data
         model, stages = data.get("model"), data.get("stages")
-        if isinstance(model, str) and data.get("family") is None:
-            family = family_of_model_name(model)
-            if family is not None:
-                data = {**data, "family": family.name}
-        topology = find_topology(model) if isinstance(model, str) else None
-        if topology is not None and topology.key == BAGEL_FAMILY and data.get("family") is None:
-            data = {**data, "family": BAGEL_FAMILY}
-        if topology is None or not isinstance(stages, list):
+        family = data.get("family")
+        found = family_of_model_name(model) if isinstance(model, str) else None
+        if family is None and found is not None:
+            data = {**data, "family": found.name}
+        # The family named, else the model's (a misspelt family is refused by name, and its
+        # model's stages still get their types).
+        named = FAMILIES.get(family) if isinstance(family, str) else None
+        known_family = named or found
+        if known_family is None or not isinstance(stages, list):
             return data
+        topology = known_family.topology
+        by_id = {known.stage_id: known for known in topology}
         filled: list[Any] = []
         for stage in stages:
             stage_id = (
                 stage.get("stageId", stage.get("stage_id")) if isinstance(stage, Mapping) else None
             )
-            known = topology.stage(stage_id) if type(stage_id) is int else None
+            known = by_id.get(stage_id) if type(stage_id) is int else None
             if known is not None:
                 defaults: dict[str, Any] = {"type": known.type, "name": known.name}
                 if known.output is not None:
@@ -520,13 +522,15 @@ class PipelineConfig(_Model):
                     issues.append(
                         (path, f"unknown connector {connector!r}; defined connectors: {connectors}")
                     )
-        if self.family == BAGEL_FAMILY:
-            issues += self._bagel_issues(index_of_id)
-        elif self.family is not None:
-            issues += self._family_issues(index_of_id)
+        family = self.family_recipe
+        if family is not None:
+            issues += family.pipeline_issues(self.stages, index_of_id)
+        thinkers = ", ".join(name for name, f in FAMILIES.items() if f.thinks)
         for index, stage in enumerate(self.stages):
-            if stage.think and (self.family != BAGEL_FAMILY or stage.type != "llm"):
-                issues.append((f"stages[{index}].think", "only a BAGEL pipeline's thinker thinks"))
+            if stage.think and (family is None or not family.thinks or stage.type != "llm"):
+                issues.append(
+                    (f"stages[{index}].think", f"only the encoder of a {thinkers} pipeline thinks")
+                )
         issues += self._gpu_memory_issues()
         if issues:
             raise PipelineConfigError(issues)
@@ -558,55 +562,15 @@ class PipelineConfig(_Model):
             )
         return issues
 
-    def _family_issues(self, index_of_id: Mapping[int, int]) -> list[tuple[str, str]]:
-        """A family's pipeline ends in its DiT; an LLM stage feeding it hands over hidden
-        states (the family's embeddings), not text."""
-        last = max(self.stages, key=lambda s: s.stage_id)
-        if last.type != "diffusion":
-            where = f"stages[{index_of_id[last.stage_id]}].type"
-            return [(where, f"a {self.family} pipeline ends in its DiT, a diffusion stage")]
-        issues = []
-        for upstream in last.input_stages:
-            stage = self.stages[index_of_id[upstream]] if upstream in index_of_id else None
-            if stage is not None and stage.type == "llm" and stage.output != "hidden_states":
-                issues.append(
-                    (
-                        f"stages[{index_of_id[upstream]}].output",
-                        f"the encoder of a {self.family} pipeline outputs hidden_states",
-                    )
-                )
-        return issues
-
-    def _bagel_issues(self, index_of_id: Mapping[int, int]) -> list[tuple[str, str]]:
-        """BAGEL's pipeline is its thinker (an LLM stage) and then its DiT."""
-        chain = sorted(self.stages, key=lambda s: s.stage_id)
-        kinds = [(stage.type, stage.output) for stage in chain]
-        if kinds == [("llm", "text"), ("diffusion", None)]:
-            return []
-        where = f"stages[{index_of_id[chain[-1].stage_id]}]"
-        return [
-            (
-                where,
-                "a bagel pipeline is two stages: the thinker (type llm, output text) and then "
-                "the DiT (type diffusion)",
-            )
-        ]
-
     @property
     def family_recipe(self) -> Family | None:
-        """The recipe of the pipeline's model family, if it has one (BAGEL has none)."""
+        """The pipeline's model family (``omni_runtime.families``), if it names one."""
         return FAMILIES.get(self.family) if self.family is not None else None
 
     def encoder_recipe(self, stage: StageConfig) -> EncoderRecipe | None:
-        """How ``stage`` encodes for the DiT after it, if it does: a model family's encoder
-        stage (an LLM stage that outputs hidden states) by its family's recipe; a BAGEL
-        pipeline's thinker by BAGEL's (its context's KV cache)."""
-        if stage.type != "llm":
-            return None
-        if self.family == BAGEL_FAMILY:
-            return BAGEL_THINKER
+        """How ``stage`` encodes for the DiT after it, if it is its family's encoder."""
         family = self.family_recipe
-        return family.encoder if family is not None and stage.output == "hidden_states" else None
+        return family.encoder if family is not None and family.is_encoder(stage) else None
 
     def output_connector(self, stage_id: int) -> str | None:
         """The connector stage ``stage_id`` hands its output to the next stage with: what

@@ -4,11 +4,13 @@ BAGEL generates with the same model its thinker runs: the generation expert deno
 latent tokens against the request's context KV (``omni_runtime.modeling.bagel``). The
 contexts come one of two ways:
 
-- as KV caches in a connector (``context_kv``: the full context, whose prefix is the
-  text-dropped one; ``no_image_context_kv``: the image-dropped one), as the thinker stage
-  hands them on, fetched here, in the core process: from shared memory the KV is read in
-  place, bf16 as it was put, never copied. A request that ends before it runs (refused,
-  aborted) fetches and drops them, so the producer's copy goes at once, not at its expiry;
+- as KV caches in a connector (the inputs ``context_kv``: the full context, whose prefix is
+  the text-dropped one; ``no_image_context_kv``: the image-dropped one), as the thinker
+  stage hands them on, fetched here, in the core process: from shared memory the KV is read
+  in place, bf16 as it was put, never copied. Each is ``[2, layers, tokens, kv_heads,
+  head_dim]`` (keys first); its hand-off's ``meta`` gives the RoPE position the next token
+  takes (``rope``) and, for the full context, where the text-dropped context inside it
+  ends (``prefix_length`` tokens, ``prefix_rope``);
 - or built here from the prompt text and the input image, for a request that comes with
   those alone (a DiT stage used by itself).
 
@@ -25,7 +27,6 @@ text-to-image.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 from collections.abc import Callable
@@ -34,8 +35,6 @@ from typing import Annotated, Any, Literal
 import msgspec
 import numpy as np
 
-from omni_runtime.config import ConnectorConfig
-from omni_runtime.connectors import ConnectorError, StageConnectors
 from omni_runtime.diffusion.engine import (
     MAX_IMAGES,
     MAX_SIDE,
@@ -43,15 +42,17 @@ from omni_runtime.diffusion.engine import (
     DiffusionEngineConfig,
     InvalidRequestError,
     RequestAbortedError,
-    UpstreamInputError,
+    check_input_names,
     check_sizes,
     engine_device,
     parse_params,
     torch_dtype,
 )
-from omni_runtime.engine.stage.stage_core_types import ContextKVRef, StageDiffusionCoreRequest
+from omni_runtime.engine.stage.stage_core_types import HandOff, StageDiffusionCoreRequest
 
 Fraction = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
+# The inputs BAGEL's DiT takes from its thinker.
+_CONTEXTS = ("context_kv", "no_image_context_kv")
 
 
 class BagelParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -84,7 +85,7 @@ class BagelEngine(DiffusionEngineBase):
 
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
-        super().__init__()
+        super().__init__(config.connectors)
         self.config = config
         parse_params(config.default_params, "defaultSamplingParams", BagelParams)
         self.device = engine_device(config)
@@ -97,9 +98,7 @@ class BagelEngine(DiffusionEngineBase):
         except BagelCheckpointError as e:
             raise InvalidRequestError(f"model: {e}", "model") from None
         self.shape = self.generator.shape
-        self._connectors = StageConnectors(
-            {name: ConnectorConfig.model_validate(c) for name, c in config.connectors.items()}
-        )
+        self.compute_dtype = self.generator.model.dtype
         self.size_multiple = self.shape.latent_downsample
         self.max_side = self.generator.max_side()
         transform = self.shape.vae_transform
@@ -122,11 +121,13 @@ class BagelEngine(DiffusionEngineBase):
         params = parse_params(
             {**self.config.default_params, **request.params}, "params", BagelParams
         )
-        if request.context_kv is not None:
-            self._check_context(request.context_kv, "context_kv")
-            if request.no_image_context_kv is not None:
-                self._check_context(request.no_image_context_kv, "no_image_context_kv")
-        elif request.no_image_context_kv is not None:
+        check_input_names(request, _CONTEXTS)
+        context, no_image = (request.inputs.get(name) for name in _CONTEXTS)
+        if context is not None:
+            self._check_context(context, "context_kv")
+            if no_image is not None:
+                self._check_context(no_image, "no_image_context_kv")
+        elif no_image is not None:
             raise InvalidRequestError(
                 "no_image_context_kv: given without context_kv", "no_image_context_kv"
             )
@@ -166,11 +167,7 @@ class BagelEngine(DiffusionEngineBase):
                 )
         elif params.height is None:
             params.height, params.width = self.default_size
-        if (
-            request.context_kv is not None
-            and request.image is not None
-            and request.no_image_context_kv is None
-        ):
+        if context is not None and request.image is not None and no_image is None:
             raise InvalidRequestError(
                 "no_image_context_kv: required with context_kv for an edit (the image-dropped "
                 "context its image guidance runs against)",
@@ -178,10 +175,10 @@ class BagelEngine(DiffusionEngineBase):
             )
         return params
 
-    def _check_context(self, ref: ContextKVRef, name: str) -> None:
+    def _check_context(self, hand_off: HandOff, name: str) -> None:
         llm = self.shape.llm
         expected = [2, llm.num_layers, -1, llm.num_kv_heads, llm.head_dim]
-        shape = list(ref.kv.shape)
+        shape = list(hand_off.handle.shape)
         fits = len(shape) == 5 and all(
             e in (-1, got) for e, got in zip(expected, shape, strict=True)
         )
@@ -191,34 +188,25 @@ class BagelEngine(DiffusionEngineBase):
                 f"{llm.num_kv_heads}, {llm.head_dim}], got {shape}",
                 name,
             )
-        if ref.kv.dtype not in ("bfloat16", "float16", "float32"):
-            raise InvalidRequestError(f"{name}: a {ref.kv.dtype} KV cache is not supported", name)
-        if not 0 <= ref.prefix_length <= shape[2] or ref.rope < 0 or ref.prefix_rope < 0:
+        dtype = hand_off.handle.dtype
+        if dtype not in ("bfloat16", "float16", "float32"):
+            raise InvalidRequestError(f"{name}: a {dtype} KV cache is not supported", name)
+        if "rope" not in hand_off.meta:
+            raise InvalidRequestError(f"{name}: its meta has no rope (the next position)", name)
+        rope, prefix_length, prefix_rope = _positions(hand_off)
+        if not 0 <= prefix_length <= shape[2] or rope < 0 or prefix_rope < 0:
             raise InvalidRequestError(
-                f"{name}: prefix_length {ref.prefix_length}, rope {ref.rope} and prefix_rope "
-                f"{ref.prefix_rope} do not fit a context of {shape[2]} tokens",
+                f"{name}: prefix_length {prefix_length}, rope {rope} and prefix_rope "
+                f"{prefix_rope} do not fit a context of {shape[2]} tokens",
                 name,
             )
 
-    def _fetch(self, ref: ContextKVRef) -> Any:
-        """The context ``ref`` names, fetched through its connector."""
+    def _context(self, request: StageDiffusionCoreRequest, name: str) -> Any:
+        """The context KV handed off as ``name``, fetched onto this engine's device."""
         from omni_runtime.modeling.bagel.model import ContextKV
 
-        connector = self._connectors.get(ref.kv.connector)
-        kv = connector.get(ref.kv, self.device).to(self.generator.model.dtype)
-        return ContextKV(kv[0], kv[1], ref.rope)
-
-    def _discard(self, request: StageDiffusionCoreRequest) -> None:
-        # A get releases the producer's copy; what was fetched goes with this frame.
-        for ref in (request.context_kv, request.no_image_context_kv):
-            if ref is None:
-                continue
-            # Gone already, or never reachable: nothing left to free here.
-            with contextlib.suppress(ConnectorError, KeyError, ValueError):
-                self._fetch(ref)
-
-    def close(self) -> None:
-        self._connectors.close()
+        kv = self.fetch(request, name)
+        return ContextKV(kv[0], kv[1], _positions(request.inputs[name])[0])
 
     def _run(
         self,
@@ -259,7 +247,7 @@ class BagelEngine(DiffusionEngineBase):
             assert request.image is not None
             picture = Image.fromarray(np.asarray(request.image), mode="RGB")
             image = self.generator.prepare_image(picture)
-        if request.context_kv is not None:
+        if "context_kv" in request.inputs:
             contexts = self._fetched_contexts(request, image, params)
             if image is not None:
                 # The thinker drew the VAE's sample of the image with this seed; the
@@ -282,20 +270,21 @@ class BagelEngine(DiffusionEngineBase):
     ) -> Any:
         from omni_runtime.modeling.bagel.generation import Contexts
 
-        assert request.context_kv is not None
-        ref = request.context_kv
-        try:
-            full = self._fetch(ref)
-            no_image = full
-            if request.no_image_context_kv is not None:
-                no_image = self._fetch(request.no_image_context_kv)
-        except (ConnectorError, KeyError) as e:
-            self._discard(request)
-            raise UpstreamInputError(f"context_kv: {e}") from None
+        full = self._context(request, "context_kv")
+        no_image = full
+        if "no_image_context_kv" in request.inputs:
+            no_image = self._context(request, "no_image_context_kv")
+        _, prefix_length, prefix_rope = _positions(request.inputs["context_kv"])
         size = (params.height or 0, params.width or 0)
         if image is not None and not all(size):
             size = (image.height, image.width)
-        return Contexts(full, full.prefix(ref.prefix_length, ref.prefix_rope), no_image, size)
+        return Contexts(full, full.prefix(prefix_length, prefix_rope), no_image, size)
+
+
+def _positions(hand_off: HandOff) -> tuple[int, int, int]:
+    """A context hand-off's RoPE position, its text-dropped prefix's length and position."""
+    meta = hand_off.meta
+    return meta.get("rope", 0), meta.get("prefix_length", 0), meta.get("prefix_rope", 0)
 
 
 def _local_checkpoint(model: str) -> str:

@@ -1,10 +1,15 @@
 """DiffusionEngine: one local diffusers pipeline, served request by request.
 
-A pipeline of a known family (``config.families``: Qwen-Image, Qwen-Image-Edit, Z-Image)
-fed by an encoder stage is loaded without its text encoder, tokenizer and processor, and
-takes the encoder's embeddings (and the negative prompt's, for guidance) the way the
-family's pipeline takes its own: padded with a mask, or as rows. Any other pipeline takes
-upstream hidden states as ``prompt_embeds`` as they are.
+A pipeline of a known family (``omni_runtime.families``) fed by an encoder stage is loaded
+without its text encoder, tokenizer and processor, and takes the encoder's embeddings (and
+the negative prompt's, for guidance) the way the family's pipeline takes its own: padded
+with a mask, or as rows (the family's DiTRecipe). Any other pipeline takes upstream hidden
+states as ``prompt_embeds`` as they are.
+
+Inputs an upstream stage handed off (``StageDiffusionCoreRequest.inputs``) are fetched here,
+in the core, by the request's turn: straight from the producer onto the engine's device in
+the dtype it computes in. A request that ends before it runs (refused, aborted) fetches and
+drops them, so that the producer's copy goes at once, not at its connector's expiry.
 
 The engine owns validation: a request is checked against the loaded pipeline (sizes it can
 make, whether it takes an input image, its conditioning width) before any compute, and a
@@ -18,6 +23,7 @@ and the inline client admit, abort and run requests through it
 from __future__ import annotations
 
 import abc
+import contextlib
 import inspect
 import logging
 import os
@@ -30,7 +36,8 @@ from typing import Annotated, Any, TypeVar
 import msgspec
 import numpy as np
 
-from omni_runtime.config.families import FAMILIES, Family, family_of_pipeline_class
+from omni_runtime.config import ConnectorConfig
+from omni_runtime.connectors import ConnectorError, StageConnectors
 from omni_runtime.engine.stage.stage_core_client import request_id_in_flight_error
 from omni_runtime.engine.stage.stage_core_types import (
     InvalidStageRequestError,
@@ -39,6 +46,7 @@ from omni_runtime.engine.stage.stage_core_types import (
     StageError,
     StageErrorCode,
 )
+from omni_runtime.families import FAMILIES, Family, family_of_pipeline_class
 
 logger = logging.getLogger(__name__)
 
@@ -76,8 +84,8 @@ class DiffusionEngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=
     # Whether an encoder stage upstream computes the text embeddings: a family's
     # checkpoint is then loaded without its text components (the encoder stage has them).
     text_from_upstream: bool = False
-    # The pipeline's connectors (name -> {"name": class, "extra": {...}}), for an engine
-    # that fetches its inputs itself (BAGEL's context KV caches).
+    # The pipeline's connectors (name -> {"name": class, "extra": {...}}), through which
+    # the engine fetches what upstream stages handed off.
     connectors: dict[str, dict[str, Any]] = {}
 
 
@@ -104,6 +112,8 @@ class DiffusionParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     cfg_truncation: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] | None = None
 
 
+# The inputs a diffusers pipeline takes from upstream (its own argument names).
+_EMBEDS = ("prompt_embeds", "negative_prompt_embeds")
 # Parameters passed to the pipeline's __call__ under their own name when set.
 _CALL_PARAMS = (
     "num_inference_steps",
@@ -121,7 +131,12 @@ class InvalidRequestError(InvalidStageRequestError):
 
 class UpstreamInputError(Exception):
     """An input an upstream stage left for a request is gone or unreachable: not the
-    caller's fault, and not one a resend to this stage fixes."""
+    caller's fault, and not one a resend to this stage fixes. ``name`` is the input's: the
+    router, seeing it named, runs the request again from the first stage."""
+
+    def __init__(self, name: str, message: str) -> None:
+        super().__init__(f"{name}: {message}")
+        self.name = name
 
 
 class RequestAbortedError(Exception):
@@ -137,13 +152,22 @@ class DiffusionEngineBase(abc.ABC):
     once ``should_abort()`` says so) and :meth:`describe`.
     """
 
-    def __init__(self) -> None:
+    # Where the engine computes, and in what dtype: fetched inputs land there as that.
+    device: str
+    compute_dtype: Any
+
+    def __init__(self, connectors: dict[str, dict[str, Any]]) -> None:
         # Requests admitted and not yet answered, and those of them aborted. Requests
         # arrive on one thread (the core's input thread, the inline client's event loop)
         # while another runs them (the busy loop, the inline client's worker).
         self._lock = threading.Lock()
         self._admitted: set[str] = set()
         self._aborted: set[str] = set()
+        self._connectors = StageConnectors(
+            {name: ConnectorConfig.model_validate(c) for name, c in connectors.items()}
+        )
+        # Seconds the running request has spent fetching its inputs (reported with it).
+        self._fetch_time = 0.0
 
     @abc.abstractmethod
     def describe(self) -> dict[str, Any]:
@@ -159,11 +183,32 @@ class DiffusionEngineBase(abc.ABC):
     ) -> np.ndarray:
         """The request's images, uint8 [num_images, height, width, 3]."""
 
-    def _discard(self, request: StageDiffusionCoreRequest) -> None:  # noqa: B027 - optional
-        """Free what ``request`` holds upstream: it ends refused or aborted before it ran."""
+    def fetch(self, request: StageDiffusionCoreRequest, name: str) -> Any:
+        """The input ``name`` handed off for ``request``, as a tensor on the engine's device
+        in its compute dtype; UpstreamInputError if it cannot be fetched."""
+        hand_off = request.inputs[name]
+        start = time.perf_counter()
+        try:
+            connector = self._connectors.get(hand_off.handle.connector)
+            tensor = connector.get(hand_off.handle, self.device).to(self.compute_dtype)
+        except (ConnectorError, KeyError) as e:
+            self._discard(request)
+            raise UpstreamInputError(name, str(e)) from None
+        finally:
+            self._fetch_time += time.perf_counter() - start
+        return tensor
 
-    def close(self) -> None:  # noqa: B027 - optional
+    def _discard(self, request: StageDiffusionCoreRequest) -> None:
+        """Free what ``request`` holds upstream: it ends before it ran (refused, aborted,
+        an input lost). A get releases the producer's copy; what is fetched goes with it."""
+        for hand_off in request.inputs.values():
+            # Gone already, or never reachable: nothing left to free here.
+            with contextlib.suppress(ConnectorError, KeyError, ValueError):
+                self._connectors.get(hand_off.handle.connector).get(hand_off.handle, "cpu")
+
+    def close(self) -> None:
         """Release what the engine holds beyond its model (connections)."""
+        self._connectors.close()
 
     def admit(self, request_id: str) -> StageDiffusionCoreOutput | None:
         """Take ``request_id`` as in flight until :meth:`execute` answers it; or, if an
@@ -211,12 +256,13 @@ class DiffusionEngineBase(abc.ABC):
             self._discard(request)
             return StageDiffusionCoreOutput(request_id=request_id, aborted=True)
         start = time.perf_counter()
+        self._fetch_time = 0.0
         try:
             images = self._run(request, params, should_abort)
         except RequestAbortedError:
             return StageDiffusionCoreOutput(request_id=request_id, aborted=True)
         except UpstreamInputError as e:
-            failed = StageError(StageErrorCode.STAGE_FAILED, str(e))
+            failed = StageError(StageErrorCode.STAGE_FAILED, str(e), e.name)
             return StageDiffusionCoreOutput(request_id=request_id, error=failed)
         except ValueError as e:
             # diffusers' own input checks (check_inputs) raise ValueError.
@@ -230,7 +276,10 @@ class DiffusionEngineBase(abc.ABC):
                 request_id=request_id, error=StageError(StageErrorCode.STAGE_FAILED, failure)
             )
         return StageDiffusionCoreOutput(
-            request_id=request_id, images=images, execute_time=time.perf_counter() - start
+            request_id=request_id,
+            images=images,
+            execute_time=time.perf_counter() - start,
+            fetch_time=self._fetch_time,
         )
 
 
@@ -241,10 +290,10 @@ class DiffusionEngine(DiffusionEngineBase):
         import torch
         from diffusers import AutoPipelineForImage2Image, DiffusionPipeline
 
-        self._torch_dtype = torch_dtype(config.dtype)
+        self._torch_dtype = self.compute_dtype = torch_dtype(config.dtype)
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
-        super().__init__()
+        super().__init__(config.connectors)
         self.config = config
         parse_params(config.default_params, "defaultSamplingParams", DiffusionParams)
         self.family = _family(config.family)
@@ -312,19 +361,20 @@ class DiffusionEngine(DiffusionEngineBase):
                 "num_inference_steps",
             )
         self._check_call_params(params)
-        if request.prompt is None and request.prompt_embeds is None:
+        shapes = self._embeds_shapes(request)
+        if request.prompt is None and "prompt_embeds" not in shapes:
             raise InvalidRequestError(
                 "prompt: required (or prompt_embeds from an upstream stage)", "prompt"
             )
-        if request.prompt_embeds is None and self.family and self.config.text_from_upstream:
+        if "prompt_embeds" not in shapes and self.family and self.config.text_from_upstream:
             raise InvalidRequestError(
                 "prompt_embeds: this stage's text encoder is the encoder stage; its "
                 "embeddings are required",
                 "prompt_embeds",
             )
-        if self.family is not None and request.prompt_embeds is not None:
+        if self.family is not None and "prompt_embeds" in shapes:
             negative = self.family.negative_prompt(msgspec.structs.asdict(params))
-            if negative is not None and request.negative_prompt_embeds is None:
+            if negative is not None and "negative_prompt_embeds" not in shapes:
                 guidance = self.family.dit.guidance
                 raise InvalidRequestError(
                     f"negative_prompt_embeds: required: this request runs guidance "
@@ -332,11 +382,7 @@ class DiffusionEngine(DiffusionEngineBase):
                     f"come from the encoder too (or set {guidance} to turn guidance off)",
                     "negative_prompt_embeds",
                 )
-        for name in ("prompt_embeds", "negative_prompt_embeds"):
-            embeds = getattr(request, name)
-            if embeds is None:
-                continue
-            shape = tuple(embeds.shape)
+        for name, shape in shapes.items():
             if len(shape) != 2 or shape[0] < 1 or shape[1] != self.conditioning_width:
                 raise InvalidRequestError(
                     f"{name}: expected shape [tokens, {self.conditioning_width}], "
@@ -373,6 +419,23 @@ class DiffusionEngine(DiffusionEngineBase):
                 params.width = self.default_size[1]
         check_sizes(params, self.size_multiple)
         return params
+
+    def _embeds_shapes(self, request: StageDiffusionCoreRequest) -> dict[str, tuple[int, ...]]:
+        """The shapes of the request's embeddings, given as arrays or handed off (whose
+        handles say their shape: checked before anything is fetched), by name."""
+        check_input_names(request, _EMBEDS)
+        shapes: dict[str, tuple[int, ...]] = {}
+        for name in _EMBEDS:
+            array, hand_off = getattr(request, name), request.inputs.get(name)
+            if array is not None and hand_off is not None:
+                raise InvalidRequestError(
+                    f"{name}: given as an array and as a hand-off; give one", name
+                )
+            if array is not None:
+                shapes[name] = tuple(array.shape)
+            elif hand_off is not None:
+                shapes[name] = tuple(hand_off.handle.shape)
+        return shapes
 
     def _check_call_params(self, params: DiffusionParams) -> None:
         pipeline = type(self.pipeline).__name__
@@ -414,7 +477,7 @@ class DiffusionEngine(DiffusionEngineBase):
         )
         if params.seed is not None:
             kwargs["generator"] = torch.Generator("cpu").manual_seed(params.seed)
-        if request.prompt_embeds is not None:
+        if request.prompt_embeds is not None or "prompt_embeds" in request.inputs:
             kwargs.update(self._embeds_kwargs(request))
         else:
             kwargs["prompt"] = request.prompt
@@ -441,14 +504,14 @@ class DiffusionEngine(DiffusionEngineBase):
         """The pipeline arguments that carry upstream embeddings, as its family takes them."""
         import torch
 
-        def tensor(array: np.ndarray) -> Any:
-            return torch.as_tensor(np.array(array), dtype=self._torch_dtype, device=self.device)
+        def tensor(name: str) -> Any:
+            array = getattr(request, name)
+            if array is not None:
+                return torch.as_tensor(np.array(array), dtype=self._torch_dtype, device=self.device)
+            return self.fetch(request, name) if name in request.inputs else None
 
-        assert request.prompt_embeds is not None
-        positive = tensor(request.prompt_embeds)
-        negative = None
-        if request.negative_prompt_embeds is not None:
-            negative = tensor(request.negative_prompt_embeds)
+        positive = tensor("prompt_embeds")
+        negative = tensor("negative_prompt_embeds")
         if self.family is None:
             # Guidance needs an unconditional branch of the prompt's shape; an LLM has no
             # hidden states for an empty prompt, so zeros stand for it.
@@ -500,6 +563,16 @@ def _check_family(pipeline_class: str, family: Family | None) -> None:
             f"family: the checkpoint holds a {pipeline_class}: set family: {found.name} "
             "in the pipeline",
             "family",
+        )
+
+
+def check_input_names(request: StageDiffusionCoreRequest, takes: tuple[str, ...]) -> None:
+    """InvalidRequestError naming an input of ``request`` that the engine does not take."""
+    unknown = set(request.inputs) - set(takes)
+    if unknown:
+        name = min(unknown)
+        raise InvalidRequestError(
+            f"inputs.{name}: not an input of this stage (it takes {', '.join(takes)})", name
         )
 
 

@@ -1,25 +1,28 @@
-"""The diffusion engine a stage runs, by its model family: BAGEL's own engine for a BAGEL
-checkpoint, else the diffusers pipeline the checkpoint holds.
+"""The diffusion engine a stage runs: its family's own engine where the family has one
+(``DiTRecipe.engine``: BAGEL's), else the diffusers pipeline the checkpoint holds.
 
-Apart from both engines' module so that neither imports the other: BAGEL's engine builds
-on ``diffusion.engine``'s base, and this module is the one place that knows both.
+Apart from the engines' modules so that none imports another: a family's engine builds on
+``diffusion.engine``'s base, and is imported by name only here, in the process that runs it.
 """
 
 from __future__ import annotations
 
-from omni_runtime.config.families import BAGEL_FAMILY
+import importlib
+
 from omni_runtime.diffusion.engine import (
     DiffusionEngine,
     DiffusionEngineBase,
     DiffusionEngineConfig,
 )
+from omni_runtime.families import FAMILIES
 
 
 def load_diffusion_engine(config: DiffusionEngineConfig) -> DiffusionEngineBase:
     """The engine for ``config``'s model."""
-    if config.family == BAGEL_FAMILY:
-        # BAGEL's modelling code loads only where a BAGEL stage runs.
-        from omni_runtime.diffusion.bagel_engine import BagelEngine
-
-        return BagelEngine(config)
+    family = FAMILIES.get(config.family) if config.family is not None else None
+    if family is not None and family.dit.engine is not None:
+        module_name, _, class_name = family.dit.engine.partition(":")
+        engine_class = getattr(importlib.import_module(module_name), class_name)
+        engine: DiffusionEngineBase = engine_class(config)
+        return engine
     return DiffusionEngine(config)

@@ -392,7 +392,6 @@ def _generate(args: argparse.Namespace) -> int:
 async def _generate_async(
     args: argparse.Namespace, model: str, prompts: list[str], width: int, height: int
 ) -> int:
-    from omni_runtime.config.families import read_checkpoint_family
     from omni_runtime.diffusion.engine import DiffusionEngineConfig
     from omni_runtime.diffusion.stage.generate import generate
     from omni_runtime.diffusion.stage.inline_stage_diffusion_client import (
@@ -403,6 +402,7 @@ async def _generate_async(
     )
     from omni_runtime.engine.stage.stage_core_client import StageCoreStartupError
     from omni_runtime.engine.stage.stage_core_types import StageDiffusionCoreRequest
+    from omni_runtime.families import read_checkpoint_family
     from omni_runtime.images import encode_png
 
     # The whole checkpoint (its own text encoder included), run as its family's pipeline.

@@ -37,9 +37,9 @@ from typing import TYPE_CHECKING, Any
 
 from omni_runtime import tracing
 from omni_runtime.config import PipelineConfig, StageConfig, dump_pipeline, stage_port
-from omni_runtime.config.families import EncoderRecipe
 from omni_runtime.connectors import ConnectorError, StageConnectors
 from omni_runtime.engine.stage.stage_core_client import StageCoreClientBase, StageCoreStartupError
+from omni_runtime.families import EncoderRecipe
 from omni_runtime.pod_contract import (
     HEALTH_PORT,
     REVISION_ENV,

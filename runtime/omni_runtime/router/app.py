@@ -46,17 +46,17 @@ from omni_runtime.router.metrics import RouterMetrics, batch_slots
 from omni_runtime.router.openapi import openapi_document
 from omni_runtime.router.orchestrator import PipelineError
 from omni_runtime.router.protocol import (
-    ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     ImageEditForm,
-    ImageGenerationRequest,
+    ImageEditRequest,
     RequestError,
     RouterLimits,
     TokenizeRequest,
     body_too_large,
     decode_json,
     parse_body,
+    request_models,
 )
 from omni_runtime.router.serving import (
     JSONBody,
@@ -89,6 +89,8 @@ def create_app(
         pool.on_request_done = metrics.stage_request_done
     serving = OpenAIServing(pipeline, pools, metrics, limits=limits, model_name=model_name)
     metrics.in_flight = lambda: serving.in_flight
+    # The image-making bodies take the pipeline's family's own fields, and no other's.
+    bodies = request_models(pipeline.family_recipe)
 
     @asynccontextmanager
     async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -133,7 +135,7 @@ def create_app(
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        body = parse_body(ChatCompletionRequest, await read_json(request, serving.limits))
+        body = parse_body(bodies.chat, await read_json(request, serving.limits))
         return await serving.chat(body, request)
 
     @app.post("/v1/completions")
@@ -155,12 +157,12 @@ def create_app(
 
     @app.post("/v1/images/generations")
     async def images_generations(request: Request) -> Response:
-        body = parse_body(ImageGenerationRequest, await read_json(request, serving.limits))
+        body = parse_body(bodies.images, await read_json(request, serving.limits))
         return await serving.images(body, request)
 
     @app.post("/v1/images/edits")
     async def images_edits(request: Request) -> Response:
-        body, image = (await read_form(request, serving.limits)).finish()
+        body, image = (await read_form(request, serving.limits, bodies.edits)).finish()
         return await serving.image_edits(body, image, request)
 
     @app.get("/v1/models")
@@ -190,6 +192,7 @@ def create_app(
                 output_kind=serving.orchestrator.output_kind,
                 limits=serving.limits,
                 open_paths=guarded if api_keys is not None else None,
+                family=pipeline.family_recipe,
             )
         return app.openapi_schema
 
@@ -224,10 +227,13 @@ async def read_json(request: Request, limits: RouterLimits) -> Any:
     return decode_json(b"".join(chunks), limits)
 
 
-async def read_form(request: Request, limits: RouterLimits) -> ImageEditForm:
-    """The request's multipart/form-data body, parsed as it streams in, each limit enforced
-    on the way (``ImageEditForm``): nothing past a limit is read, let alone held."""
-    form = ImageEditForm(request.headers.get("content-type", ""), limits)
+async def read_form(
+    request: Request, limits: RouterLimits, model: type[ImageEditRequest]
+) -> ImageEditForm:
+    """The request's multipart/form-data body as ``model``, parsed as it streams in, each
+    limit enforced on the way (``ImageEditForm``): nothing past a limit is read, let alone
+    held."""
+    form = ImageEditForm(request.headers.get("content-type", ""), limits, model)
     _check_declared_length(request, limits)
     async for chunk in request.stream():
         form.feed(chunk)

@@ -7,11 +7,12 @@ pydantic generates it), narrowed to what this router accepts, and every status a
 can answer with, each error in OpenAI's shape.
 
 The document describes this deployment, not the API in general: the served model's name,
-the ``RouterLimits`` in force and the pipeline's output (text or images) narrow the
-schemas, so that a request valid by the schema is one the router takes (a fuzzer in
-positive mode relies on it) and one outside it is refused with a 4xx. Two limits no JSON
-schema can state stay in the descriptions: the prompt limit is on all messages together,
-and a prompt must also fit the first stage's context in tokens.
+the ``RouterLimits`` in force, the pipeline's output (text or images) and its model family
+(whose own fields its image bodies take, and no other family's) narrow the schemas, so
+that a request valid by the schema is one the router takes (a fuzzer in positive mode
+relies on it) and one outside it is refused with a 4xx. Two limits no JSON schema can
+state stay in the descriptions: the prompt limit is on all messages together, and a
+prompt must also fit the first stage's context in tokens.
 """
 
 from __future__ import annotations
@@ -22,16 +23,15 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 from pydantic.json_schema import models_json_schema
 
+from omni_runtime.families import Family
 from omni_runtime.router.orchestrator import OutputKind
 from omni_runtime.router.protocol import (
-    IMAGE_ONLY_CHAT_FIELDS,
-    ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
-    ImageEditRequest,
-    ImageGenerationRequest,
+    RequestModels,
     RouterLimits,
     TokenizeRequest,
+    request_models,
 )
 
 OPENAPI_VERSION = "3.1.0"
@@ -222,25 +222,35 @@ def openapi_document(
     output_kind: OutputKind,
     limits: RouterLimits,
     open_paths: frozenset[str] | None = None,
+    family: Family | None = None,
 ) -> dict[str, Any]:
     """The OpenAPI 3.1 document of a router serving ``model_name``, whose pipeline makes
-    ``output_kind``, within ``limits``; with API keys, every path but ``open_paths``
-    needs one (a bearer security scheme)."""
+    ``output_kind``, within ``limits``, and is of ``family`` (None: of none); with API
+    keys, every path but ``open_paths`` needs one (a bearer security scheme)."""
+    models = request_models(family)
     _, top = models_json_schema(
-        [(model, "validation") for model in _request_models()]
+        [(model, "validation") for model in _request_models(models)]
         # Validation mode: a field with a default is one a response may leave out.
         + [(model, "validation") for model in _RESPONSE_MODELS],
         ref_template=_REF,
     )
     schemas: dict[str, Any] = copy.deepcopy(top["$defs"])
-    _narrow_requests(schemas, model_name, output_kind, limits)
-    schemas["ImageEditForm"] = _edit_form(schemas["ImageEditRequest"])
+    # A family's DiT says whether it takes an input image; a pipeline of no family may
+    # (its diffusers pipeline's image-to-image variant, which only its stage knows of).
+    takes_image = output_kind == "image" and (family is None or family.dit.takes_image)
+    _narrow_requests(schemas, model_name, output_kind, limits, models, takes_image)
+    # A form field is text: a pair of numbers has no spelling there.
+    pairs = {
+        field.name for field in (*models.fields, *models.edit_fields) if field.kind == "number_pair"
+    }
+    schemas["ImageEditForm"] = _edit_form(schemas["ImageEditRequest"], pairs)
     paths: dict[str, Any] = {
         "/v1/chat/completions": {"post": _chat_operation(output_kind)},
     }
     if output_kind == "image":
         paths["/v1/images/generations"] = {"post": _images_generations()}
-        paths["/v1/images/edits"] = {"post": _images_edits()}
+        if takes_image:
+            paths["/v1/images/edits"] = {"post": _images_edits()}
     else:
         paths["/v1/completions"] = {"post": _completions_operation()}
         paths["/tokenize"] = {"post": _tokenizer_operation("tokenize")}
@@ -262,6 +272,11 @@ def openapi_document(
             " /v1/completions, /tokenize and /detokenize answer 400 here (this pipeline "
             "answers with images), so they are not listed."
         )
+        if not takes_image:
+            description += (
+                " Nor is /v1/images/edits: this pipeline's model family takes no input "
+                "image (a request with one is a 400)."
+            )
     components: dict[str, Any] = {"schemas": schemas}
     if open_paths is not None:
         components["securitySchemes"] = {
@@ -285,22 +300,27 @@ def openapi_document(
     }
 
 
-def _request_models() -> tuple[type[BaseModel], ...]:
+def _request_models(models: RequestModels) -> tuple[type[BaseModel], ...]:
     return (
-        ChatCompletionRequest,
+        models.chat,
         CompletionRequest,
         TokenizeRequest,
         DetokenizeRequest,
-        ImageGenerationRequest,
-        ImageEditRequest,
+        models.images,
+        models.edits,
     )
 
 
 def _narrow_requests(
-    schemas: dict[str, Any], model_name: str, output_kind: OutputKind, limits: RouterLimits
+    schemas: dict[str, Any],
+    model_name: str,
+    output_kind: OutputKind,
+    limits: RouterLimits,
+    models: RequestModels,
+    takes_image: bool,
 ) -> None:
     """Write the deployment's facts into the request schemas: the one model name, the
-    limits, and what this pipeline's output allows."""
+    limits, and what this pipeline's output (and its input, ``takes_image``) allows."""
     chat = schemas["ChatCompletionRequest"]["properties"]
     _set(chat["model"], enum=[model_name])
     for name in ("max_tokens", "max_completion_tokens", "min_tokens"):
@@ -323,11 +343,12 @@ def _narrow_requests(
         schemas["ChatCompletionRequest"]["required"].append("modalities")
     else:
         # A text pipeline refuses what only images use, and makes one completion.
-        for name in IMAGE_ONLY_CHAT_FIELDS:
+        for name in models.chat.image_only_fields():
             del chat[name]
         _set(chat["n"], enum=[1])
         _set(chat["modalities"], items={"enum": ["text"], "type": "string"})
-        # Nor does it take an input image: a message's parts are text.
+    if not takes_image:
+        # A message's parts are text.
         content = schemas["ChatMessage"]["properties"]["content"]["anyOf"][1]
         content["items"] = {"$ref": _REF.format(model="TextPart")}
     completion = schemas["CompletionRequest"]["properties"]
@@ -388,18 +409,17 @@ def _up_to(limit: int) -> str:
     return "(" + "|".join(alternatives) + ")"
 
 
-def _edit_form(fields: dict[str, Any]) -> dict[str, Any]:
-    """/v1/images/edits' multipart form: the image file and ImageEditRequest's fields."""
+def _edit_form(fields: dict[str, Any], left_out: set[str]) -> dict[str, Any]:
+    """/v1/images/edits' multipart form: the image file and ImageEditRequest's fields but
+    ``left_out``."""
     properties = {
         "image": {
             "type": "string",
             "format": "binary",
             "description": "The input image file (PNG, JPEG, WebP, ...); one per request.",
         },
-        **fields["properties"],
+        **{name: schema for name, schema in fields["properties"].items() if name not in left_out},
     }
-    # A form field is text: a pair of numbers has no spelling there.
-    properties.pop("cfg_interval", None)
     return {
         "type": "object",
         "properties": properties,

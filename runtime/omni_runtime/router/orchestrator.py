@@ -1,17 +1,15 @@
 """PipelineOrchestrator: runs one request through a pipeline's stages, in order.
 
 Stage 0 gets the caller's prompt (or chat messages); each later stage gets its upstream's
-output: text as its prompt, or hidden states as ``prompt_embeds``, by a connector handle
-that the orchestrator passes on without ever holding the array. In a model family's
-pipeline (``config.families``) the encoder stage gets the prompt text (and, for an edit,
-the input image, which the DiT gets too), and where the DiT will run guidance a companion
-request of the same stage encodes the negative prompt, whose handle goes to the DiT as
-``negative_prompt_embeds``. The last stage's outputs
-are what the caller receives (streamed text, or images). Each stage's replica comes from
-its StageReplicaPool. A BAGEL pipeline's thinker prefills the request's context (the input
-image, then the text) and hands the DiT its KV cache (``context_kv``); for an edit a
-companion request prefills the image-dropped context (``no_image_context_kv``); the
-text-dropped one is a prefix of the full one.
+output: text as its prompt, or what it handed off (hidden states, a context's KV cache) as
+named inputs, by connector handles that the orchestrator passes on without ever holding the
+arrays. In a model family's pipeline (``omni_runtime.families``) the encoder stage gets the
+prompt text (and, for an edit, the input image, which the DiT gets too), and the family
+says which companion requests of the same stage the DiT needs beside it (the negative
+prompt's embeddings where the DiT will run guidance, BAGEL's image-dropped context) and
+which of the DiT's inputs each one's hand-off becomes. The last stage's outputs are what
+the caller receives (streamed text, or images). Each stage's replica comes from its
+StageReplicaPool.
 
 Every stage request of one caller's request (companions included) goes to replicas of one
 pipeline revision: the newest that every stage has a replica of (``router.revisions``);
@@ -54,6 +52,7 @@ from opentelemetry.trace import SpanKind
 from omni_runtime import tracing
 from omni_runtime.config import PipelineConfig, StageConfig
 from omni_runtime.engine.stage.stage_core_types import (
+    HandOff,
     StageError,
     StageErrorCode,
     StageServerOutput,
@@ -66,6 +65,7 @@ from omni_runtime.engine.stage.stage_replica_pool import (
     ReplicaLostError,
     StageReplicaPool,
 )
+from omni_runtime.families import Companion
 from omni_runtime.net import address_host
 from omni_runtime.router.revisions import NoCompleteRevisionError, choose_revision
 from omni_runtime.tracing import SpanScope
@@ -97,13 +97,6 @@ _HTTP_ERRORS: dict[StageErrorCode, tuple[int, str]] = {
     # Only once the hand-back retries are spent: every replica tried was draining.
     StageErrorCode.DRAINING: (503, "service_unavailable"),
 }
-
-
-# A stage's inputs that an upstream replica hands off (StageServerRequest's fields): a
-# STAGE_FAILED error naming one of them says the hand-off was lost, not that the stage broke.
-_HANDED_OFF_INPUTS = frozenset(
-    {"prompt_embeds", "negative_prompt_embeds", "context_kv", "no_image_context_kv"}
-)
 
 
 @dataclass(frozen=True)
@@ -307,7 +300,7 @@ class PipelineOrchestrator:
     ) -> AsyncIterator[StageServerOutput]:
         upstream: StageServerOutput | None = None
         upstream_text = ""
-        companion_output: StageServerOutput | None = None
+        companion_inputs: dict[str, HandOff] = {}
         revision = attempt.revision = self.choose_revision()
         sticky = request.sticky_key
         # The host of the replica whose output the next stage reads.
@@ -318,7 +311,7 @@ class PipelineOrchestrator:
         try:
             for index, stage in enumerate(self.stages):
                 stage_request = self._stage_request(
-                    request, attempt.number, index, upstream, upstream_text, companion_output
+                    request, attempt.number, index, upstream, upstream_text, companion_inputs
                 )
                 pin = host if stage.stage_id in self._pod_local else None
                 if index == len(self.stages) - 1:
@@ -328,24 +321,28 @@ class PipelineOrchestrator:
                         yield output
                     served = True
                     return
-                companion = self._companion_request(request, index, stage_request)
+                companions = self._companion_requests(request, index, stage_request)
                 placed: asyncio.Future[str] = asyncio.get_running_loop().create_future()
                 runs = [
                     self._final_output(stage, stage_request, sticky, revision, pin, handed, placed)
                 ]
-                if companion is not None:
-                    # Where the next stage reads both from shared memory, the companion's
-                    # output must lie in the pod of the request's.
-                    local = self.stages[index + 1].stage_id in self._pod_local
-                    follow = placed if local else None
+                # Where the next stage reads them from shared memory, the companions' outputs
+                # must lie in the pod of the request's.
+                local = self.stages[index + 1].stage_id in self._pod_local
+                follow = placed if local else None
+                for _, companion_request in companions:
                     runs.append(
                         self._final_output(
-                            stage, companion, sticky, revision, pin, handed, follow=follow
+                            stage, companion_request, sticky, revision, pin, handed, follow=follow
                         )
                     )
                 results = await _all_or_none(runs)
                 upstream, upstream_text, host = results[0]
-                companion_output = results[1][0] if companion is not None else None
+                companion_inputs = {
+                    companion.inputs.get(name, name): hand_off
+                    for (companion, _), (output, _, _) in zip(companions, results[1:], strict=True)
+                    for name, hand_off in output.hand_offs.items()
+                }
         finally:
             if not served and handed:
                 # Their consumer will never fetch them (a companion failed after its partner
@@ -393,47 +390,40 @@ class PipelineOrchestrator:
             text_parts.append(output.text)
             if output.finished:
                 final = output
-                if output.prompt_embeds is not None or output.context_kv is not None:
+                if output.hand_offs:
                     # Recorded at once: a cancel before this loop ends must not lose it.
                     handed.append(_HandOff(stage.stage_id, where[-1][1], stage_request.request_id))
         assert final is not None
         return final, "".join(text_parts), where[-1][0]
 
-    def _companion_request(
+    def _companion_requests(
         self, request: PipelineRequest, index: int, stage_request: StageServerRequest
-    ) -> StageServerRequest | None:
-        """The companion request of ``stage_request`` that the DiT's guidance needs, where
-        the stage at ``index`` encodes for the DiT: a family's encoder encodes the negative
-        prompt (where the DiT will run guidance); BAGEL's thinker prefills an edit's
-        image-dropped context (the prompt alone; in think mode also text to image's, which
-        then differs from the full one by its plan)."""
+    ) -> list[tuple[Companion, StageServerRequest]]:
+        """The companion requests of ``stage_request`` that the DiT needs, where the stage at
+        ``index`` is its family's encoder: each with its family's declaration."""
         stage = self.stages[index]
-        encoder = self.pipeline.encoder_recipe(stage)
-        if encoder is None:
-            return None
-        if encoder.context_kv:
-            if stage_request.image is None and not stage.think:
-                return None  # text to image: the image-dropped context is the full one
-            # The prompt alone (after think mode's system prompt, if the stage thinks): no
-            # image, and no plan.
-            return StageServerRequest(
-                request_id=f"{stage_request.request_id}-no-image",
-                prompt=stage_request.prompt,
-                params={"think": False},
-                output_connector=stage_request.output_connector,
-            )
         family = self.pipeline.family_recipe
-        if family is None:
-            return None
-        negative = family.negative_prompt(self._dit_params(request))
-        if negative is None:
-            return None
-        return StageServerRequest(
-            request_id=f"{stage_request.request_id}-negative",
-            prompt=negative,
-            image=stage_request.image,
-            output_connector=stage_request.output_connector,
+        if family is None or self.pipeline.encoder_recipe(stage) is None:
+            return []
+        companions = family.companions(
+            stage_request.prompt or "",
+            request.image is not None,
+            self._dit_params(request),
+            thinks=bool(stage.think),
         )
+        return [
+            (
+                companion,
+                StageServerRequest(
+                    request_id=f"{stage_request.request_id}-{companion.suffix}",
+                    prompt=companion.prompt,
+                    params=dict(companion.params),
+                    image=stage_request.image if companion.with_image else None,
+                    output_connector=stage_request.output_connector,
+                ),
+            )
+            for companion in companions
+        ]
 
     def _dit_params(self, request: PipelineRequest) -> dict[str, Any]:
         """The DiT's params for ``request``: its defaults, then the caller's."""
@@ -446,10 +436,10 @@ class PipelineOrchestrator:
         index: int,
         upstream: StageServerOutput | None,
         upstream_text: str,
-        companion: StageServerOutput | None,
+        companion_inputs: Mapping[str, HandOff],
     ) -> StageServerRequest:
         """The request to the stage at ``index``, given its upstream's final output and text
-        and the output of that one's companion request, if it had one."""
+        and what that one's companion requests handed off, by the input each becomes."""
         stage = self.stages[index]
         encoder = self.pipeline.encoder_recipe(stage)
         # Ids are unique per stage and attempt: a retried request must not collide with
@@ -470,12 +460,14 @@ class PipelineOrchestrator:
                 result.prompt = _prompt_text(request)
                 if encoder.takes_image:
                     result.image = request.image
-                if encoder.context_kv and request.image is not None:
+                family = self.pipeline.family_recipe
+                if family is not None:
                     # BAGEL's thinker samples the input image's VAE latent with the seed's
                     # first draw, which the DiT's generator then skips, as the reference
                     # draws both from one generator.
-                    dit = self._dit_params(request)
-                    result.params = {"seed": dit["seed"]} if "seed" in dit else {}
+                    result.params = family.encoder_params(
+                        self._dit_params(request), request.image is not None
+                    )
             else:
                 result.prompt, result.messages = request.prompt, request.messages
             return result
@@ -483,12 +475,8 @@ class PipelineOrchestrator:
         result.image = request.image
         if upstream is None:
             result.prompt = _prompt_text(request)
-        elif upstream.context_kv is not None:
-            result.context_kv = upstream.context_kv
-            result.no_image_context_kv = companion.context_kv if companion else None
-        elif upstream.prompt_embeds is not None:
-            result.prompt_embeds = upstream.prompt_embeds
-            result.negative_prompt_embeds = companion.prompt_embeds if companion else None
+        elif upstream.hand_offs:
+            result.inputs = {**upstream.hand_offs, **companion_inputs}
         else:
             result.prompt = upstream_text
         return result
@@ -542,7 +530,7 @@ class PipelineOrchestrator:
                                 handed_back = True
                                 tracing.fail(span, output.error.message)
                                 break
-                            if _input_lost(output.error):
+                            if _input_lost(output.error, stage_request):
                                 message = f"stage {stage.name!r}: {output.error.message}"
                                 raise _InputLost(stage.name, message)
                             raise _stage_error(stage, output.error)
@@ -597,8 +585,10 @@ class PipelineOrchestrator:
             logger.exception("an orchestrator hook failed")
 
 
-def _input_lost(error: StageError) -> bool:
-    return error.code is StageErrorCode.STAGE_FAILED and error.param in _HANDED_OFF_INPUTS
+def _input_lost(error: StageError, stage_request: StageServerRequest) -> bool:
+    """Whether ``error`` says the stage could not fetch an input handed off to it: a
+    STAGE_FAILED error naming one of its inputs (the hand-off was lost, the stage is fine)."""
+    return error.code is StageErrorCode.STAGE_FAILED and error.param in stage_request.inputs
 
 
 def _stage_error(stage: StageConfig, error: StageError) -> PipelineError:

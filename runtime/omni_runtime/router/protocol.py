@@ -4,28 +4,44 @@ Bodies are validated here, before any stage sees them, so that a bad request is 
 413) whose message names the field and what is allowed. Unknown fields are refused, as
 OpenAI refuses them. The image extensions of vLLM-Omni's API are accepted on chat
 completions: ``modalities: ["image"]`` with height, width, num_inference_steps,
-guidance_scale, seed and negative_prompt, and BAGEL's guidance (cfg_text_scale,
-cfg_img_scale, cfg_interval, cfg_renorm_type, cfg_renorm_min, timestep_shift); input images
-come as data URLs in the content.
+guidance_scale, seed and negative_prompt; input images come as data URLs in the content.
 /v1/images/edits takes OpenAI's multipart form (``ImageEditForm`` parses it as it arrives,
 within the limits) with the same extensions as form fields.
+
+Beyond those, a pipeline's model family declares its DiT's own fields (``Family.
+request_fields``: Qwen-Image's true_cfg_scale, BAGEL's guidance, ...), and a pipeline of no
+family takes the generic diffusers ones (``familyless_fields``, and an edit's strength).
+The models here hold the common fields only; ``request_models`` builds, once per set of
+fields, the bodies a deployment parses (and documents), so that a pipeline takes its own
+family's fields and refuses another's as unknown, naming the families that take it.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, TypeVar
 
 import numpy as np
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, ValidationError
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    Strict,
+    StrictBool,
+    ValidationError,
+    create_model,
+)
 from python_multipart.exceptions import FormParserError
 from python_multipart.multipart import MultipartParser, parse_options_header
 
 from omni_runtime.config.loader import nesting_depth
+from omni_runtime.families import FAMILIES, Family
+from omni_runtime.families.base import RequestField
 from omni_runtime.images import decode_image
 from omni_runtime.router.orchestrator import OutputKind, PipelineRequest
 
@@ -121,23 +137,16 @@ class StreamOptions(_Body):
 Integer = Annotated[int, Strict()]
 Number = Annotated[float, Strict(), Field(allow_inf_nan=False)]
 NonNegativeFloat = Annotated[Number, Field(ge=0)]
-Strength = Annotated[Number, Field(gt=0, le=1)]
-UnitFloat = Annotated[Number, Field(ge=0, le=1)]
 Seed = Annotated[Integer, Field(ge=0, le=2**63 - 1)]
 Positive = Annotated[Integer, Field(ge=1)]
 NonEmptyText = Annotated[str, Field(min_length=1)]
 
 
-class _BagelGuidance(_Body):
-    """BAGEL's guidance fields, on every body that makes images (a bagel pipeline's DiT
-    takes them; any other refuses them by name)."""
+class _FamilyFields(_Body):
+    """A body that makes images: its subclass for a deployment (``request_models``) adds
+    the fields of the pipeline's family, and names them here."""
 
-    cfg_text_scale: NonNegativeFloat | None = None
-    cfg_img_scale: NonNegativeFloat | None = None
-    cfg_interval: tuple[UnitFloat, UnitFloat] | None = None
-    cfg_renorm_type: Literal["global", "channel", "text_channel"] | None = None
-    cfg_renorm_min: UnitFloat | None = None
-    timestep_shift: Annotated[Number, Field(gt=0, le=100)] | None = None
+    family_fields: ClassVar[tuple[str, ...]] = ()
 
 
 class _Sampling(_Body):
@@ -182,7 +191,7 @@ class _Sampling(_Body):
         return params
 
 
-class ChatCompletionRequest(_BagelGuidance, _Sampling):
+class ChatCompletionRequest(_FamilyFields, _Sampling):
     """POST /v1/chat/completions."""
 
     # Optional as in vLLM's own server: a request without it is served by the one model
@@ -201,11 +210,13 @@ class ChatCompletionRequest(_BagelGuidance, _Sampling):
     width: Positive | None = None
     num_inference_steps: Positive | None = None
     guidance_scale: NonNegativeFloat | None = None
-    true_cfg_scale: NonNegativeFloat | None = None
     negative_prompt: str | None = None
-    strength: Strength | None = None
-    cfg_normalization: StrictBool | None = None
-    cfg_truncation: UnitFloat | None = None
+
+    @classmethod
+    def image_only_fields(cls) -> tuple[str, ...]:
+        """The fields only images use (the seed seeds text sampling too), which a text
+        pipeline refuses by name."""
+        return (*_IMAGE_ONLY_CHAT_FIELDS, *cls.family_fields)
 
     def has_input_image(self) -> bool:
         """Whether converting this request decodes an image (worth a thread of its own)."""
@@ -248,15 +259,13 @@ class ChatCompletionRequest(_BagelGuidance, _Sampling):
                 request_id=request_id,
                 messages=messages,
                 llm_params=llm_params,
-                diffusion_params=_diffusion_params(
-                    self, height=self.height, width=self.width, strength=self.strength
-                ),
+                diffusion_params=_diffusion_params(self, height=self.height, width=self.width),
                 image=images[0] if images else None,
                 sticky_key=self.user,
             )
         if images:
             raise RequestError(400, "messages: this pipeline takes no input image", "messages")
-        for name in IMAGE_ONLY_CHAT_FIELDS:
+        for name in self.image_only_fields():
             # Ignoring it would answer a question the caller did not ask.
             if getattr(self, name) is not None:
                 raise RequestError(
@@ -396,7 +405,7 @@ class DetokenizeRequest(_Body):
         return {"tokens": self.tokens}
 
 
-class _ImageRequest(_BagelGuidance):
+class _ImageRequest(_FamilyFields):
     """What /v1/images/generations and /v1/images/edits share: the prompt, how many images
     of what size, and the diffusion stage's params; one place checks them all."""
 
@@ -409,13 +418,7 @@ class _ImageRequest(_BagelGuidance):
     seed: Seed | None = None
     num_inference_steps: Positive | None = None
     guidance_scale: NonNegativeFloat | None = None
-    # Qwen-Image's classifier-free guidance scale (with a negative prompt).
-    true_cfg_scale: NonNegativeFloat | None = None
     negative_prompt: str | None = None
-    # Z-Image's: the guided prediction renormalised, and guidance stopped after this
-    # fraction of the steps (a pipeline without them refuses them by name).
-    cfg_normalization: StrictBool | None = None
-    cfg_truncation: UnitFloat | None = None
     user: str | None = None
 
     def _diffusion_params(
@@ -468,15 +471,13 @@ class ImageGenerationRequest(_ImageRequest):
 class ImageEditRequest(_ImageRequest):
     """POST /v1/images/edits: the form's fields (the image travels beside, as bytes)."""
 
-    strength: Strength | None = None
-
     def to_pipeline_request(
         self, request_id: str, output_kind: OutputKind, limits: RouterLimits, image: bytes
     ) -> PipelineRequest:
         """The pipeline request that edits ``image`` (a PNG/JPEG/... file's bytes), decoded
         last, once every field has passed; RequestError naming the field otherwise. The
         decode takes milliseconds: call this off the event loop."""
-        params = self._diffusion_params(output_kind, limits, strength=self.strength)
+        params = self._diffusion_params(output_kind, limits)
         return self._pipeline_request(
             request_id, params, decode_input_image(image, limits, "image")
         )
@@ -486,38 +487,174 @@ def _given(**params: Any) -> dict[str, Any]:
     return {name: value for name, value in params.items() if value is not None}
 
 
-# The diffusion stage's params every image request spells the same way.
-_DIFFUSION_FIELDS = (
-    "num_inference_steps",
-    "guidance_scale",
-    "true_cfg_scale",
-    "seed",
-    "negative_prompt",
-    "cfg_text_scale",
-    "cfg_img_scale",
-    "cfg_interval",
-    "cfg_renorm_type",
-    "cfg_renorm_min",
-    "timestep_shift",
-    "cfg_normalization",
-    "cfg_truncation",
-)
-
-
-# The chat completion fields that only images use (seed seeds text sampling too).
-IMAGE_ONLY_CHAT_FIELDS = (
+# The diffusion stage's params every image request spells the same way (besides its
+# family's fields, also the DiT's by the same name).
+_DIFFUSION_FIELDS = ("num_inference_steps", "guidance_scale", "seed", "negative_prompt")
+# The common chat completion fields that only images use (seed seeds text sampling too).
+_IMAGE_ONLY_CHAT_FIELDS = (
     "height",
     "width",
-    "strength",
     *(name for name in _DIFFUSION_FIELDS if name != "seed"),
 )
 
 
 def _diffusion_params(body: ChatCompletionRequest | _ImageRequest, **more: Any) -> dict[str, Any]:
-    """The diffusion stage's params of an image request: its shared fields, its ``n`` as
-    num_images, and ``more`` (those the path spells its own way); unset ones left out."""
-    shared = {name: getattr(body, name) for name in _DIFFUSION_FIELDS}
+    """The diffusion stage's params of an image request: its shared fields and its family's,
+    its ``n`` as num_images, and ``more`` (those the path spells its own way); unset ones
+    left out."""
+    shared = {name: getattr(body, name) for name in (*_DIFFUSION_FIELDS, *body.family_fields)}
     return _given(**shared, num_images=body.n, **more)
+
+
+# -- the bodies of one deployment: the common fields and its family's --------------------
+
+
+@dataclass(frozen=True)
+class RequestModels:
+    """The image-making bodies one deployment parses and documents (the others have no
+    family fields): the common models, subclassed with ``fields``, and the ones that take
+    an input image (chat completions, edits) with ``edit_fields`` too."""
+
+    chat: type[ChatCompletionRequest]
+    images: type[ImageGenerationRequest]
+    edits: type[ImageEditRequest]
+    fields: tuple[RequestField, ...]
+    edit_fields: tuple[RequestField, ...]
+
+
+# Image-to-image's: how far from the input image to go. Only a pipeline of no family has
+# that variant (diffusers' AutoPipelineForImage2Image beside its own pipeline); a family's
+# DiT edits its own way and refuses it. Without an input image the DiT runs text-to-image
+# and leaves it out, as it always has.
+STRENGTH = RequestField(
+    name="strength",
+    kind="number",
+    description="An edit's: how far from the input image to go (1 ignores it).",
+    gt=0,
+    le=1,
+)
+
+
+def request_models(family: Family | None) -> RequestModels:
+    """The bodies a pipeline of ``family`` (None: of no family) takes; built once per set
+    of fields, so that the app and its OpenAPI document share the very classes."""
+    if family is None:
+        return _request_models(familyless_fields(), (STRENGTH,))
+    return _request_models(family.request_fields, ())
+
+
+def familyless_fields() -> tuple[RequestField, ...]:
+    """What a pipeline of no family takes beyond the common fields.
+
+    Its DiT runs a plain diffusers pipeline in DiffusionEngine, whose DiffusionParams take
+    the call arguments of every family that a diffusers pipeline runs (true_cfg_scale,
+    cfg_normalization, cfg_truncation) and hand each to whichever pipeline is loaded when
+    its __call__ takes it (FluxPipeline takes true_cfg_scale), refusing it by name when not.
+    So such a pipeline takes those families' fields together, exactly as it did before
+    families declared them (tests/unit/omni_runtime/router checks the set against
+    DiffusionParams). A family with an engine of its own (BAGEL's) declares fields that no
+    DiffusionEngine takes (DiffusionParams refuses them): those are left out.
+    """
+    fields: dict[str, RequestField] = {}
+    for family in FAMILIES.values():
+        if family.dit.engine is not None:
+            continue
+        for field in family.request_fields:
+            if fields.setdefault(field.name, field) != field:
+                raise ValueError(
+                    f"request field {field.name}: families declare it differently; a pipeline "
+                    "of no family could not take both"
+                )
+    return tuple(fields.values())
+
+
+@functools.cache
+def _request_models(
+    fields: tuple[RequestField, ...], edit_fields: tuple[RequestField, ...]
+) -> RequestModels:
+    return RequestModels(
+        chat=_with_fields(ChatCompletionRequest, fields, edit_fields),
+        images=_with_fields(ImageGenerationRequest, fields, ()),
+        edits=_with_fields(ImageEditRequest, fields, edit_fields),
+        fields=fields,
+        edit_fields=edit_fields,
+    )
+
+
+_Model = TypeVar("_Model", bound=_FamilyFields)
+
+
+def _with_fields(
+    base: type[_Model], fields: tuple[RequestField, ...], edit_fields: tuple[RequestField, ...]
+) -> type[_Model]:
+    """``base`` with ``fields`` and ``edit_fields`` added, each optional (None: the stage's
+    default), under ``base``'s name: the OpenAPI document's schemas keep their names."""
+    definitions: dict[str, Any] = {}
+    for field in (*fields, *edit_fields):
+        if field.name in base.model_fields or hasattr(base, field.name):
+            # A family's field would silently replace a common one's checks.
+            raise ValueError(f"request field {field.name}: {base.__name__} has it already")
+        definitions[field.name] = (
+            _annotation(field) | None,
+            Field(default=None, description=field.description),
+        )
+    model = create_model(
+        base.__name__,
+        __base__=base,
+        __module__=base.__module__,
+        __doc__=base.__doc__,
+        **definitions,
+    )
+    model.family_fields = tuple(field.name for field in (*fields, *edit_fields))
+    return model
+
+
+def _annotation(field: RequestField) -> Any:
+    """The pydantic type of a family's field: JSON's types, strictly, as the common
+    fields are (true is no number, "1.5" none either)."""
+    # A bound left None is no bound (pydantic skips it).
+    bounds = Field(ge=field.ge, gt=field.gt, le=field.le, lt=field.lt)
+    match field.kind:
+        case "number":
+            return Annotated[Number, bounds]
+        case "integer":
+            return Annotated[Integer, bounds]
+        case "boolean":
+            return StrictBool
+        case "enum":
+            literal: Any = Literal
+            return literal[field.values]
+        case "number_pair":
+            each: Any = Annotated[Number, bounds]
+            return tuple[each, each]
+
+
+def _takers(name: str, model: type[BaseModel]) -> list[str]:
+    """The kinds of pipeline whose ``model`` body takes the field ``name``: families by
+    name, and "family-less" for pipelines of none."""
+    if not issubclass(model, _FamilyFields):
+        return []  # no family adds to it
+    takers = [
+        family.name
+        for family in FAMILIES.values()
+        if any(field.name == name for field in family.request_fields)
+    ]
+    # Generations take no input image: no pipeline's take an edit's strength.
+    edit = () if issubclass(model, ImageGenerationRequest) else (STRENGTH,)
+    if any(field.name == name for field in (*familyless_fields(), *edit)):
+        takers.append("family-less")
+    return takers
+
+
+def unknown_field(name: str, model: type[BaseModel]) -> str:
+    """Why the top-level field ``name`` of a ``model`` body is refused: not part of this
+    API, or not of this pipeline (another family's field, named as such so that the caller
+    knows where it belongs; "unknown parameter", as a DiT words one it does not take)."""
+    takers = _takers(name, model)
+    if not takers:
+        return "unknown field (not part of this API)"
+    listed = ", ".join(takers[:-1]) + " and " + takers[-1] if len(takers) > 1 else takers[0]
+    return f"unknown parameter for this pipeline ({listed} pipelines take it)"
 
 
 def decode_json(raw: bytes, limits: RouterLimits) -> Any:
@@ -548,7 +685,7 @@ def parse_body(model: type[_Body], body: Any) -> Any:
     try:
         return model.model_validate(_integral_as_int(body))
     except ValidationError as e:
-        raise _first_error(e) from None
+        raise _first_error(e, model) from None
 
 
 def _integral_as_int(value: Any) -> Any:
@@ -564,9 +701,11 @@ def _integral_as_int(value: Any) -> Any:
     return value
 
 
-def _first_error(error: ValidationError) -> RequestError:
+def _first_error(error: ValidationError, model: type[BaseModel]) -> RequestError:
     first = error.errors(include_url=False)[0]
     path = _path(first["loc"])
+    if first["type"] == "extra_forbidden" and len(first["loc"]) == 1:
+        return RequestError(400, f"{path}: {unknown_field(path, model)}", param=path)
     return RequestError(400, f"{path}: {_describe(first)}", param=path)
 
 
@@ -726,7 +865,6 @@ _UNSUPPORTED_PARTS = {
     "mask": "inpainting masks are not supported here; send the image alone (all of it is "
     "edited, as far as strength says)",
 }
-_EDIT_FIELDS = frozenset(ImageEditRequest.model_fields)
 
 
 class ImageEditForm:
@@ -738,10 +876,12 @@ class ImageEditForm:
     ``max_prompt_chars`` (413 naming it); python-multipart bounds each part's headers. A
     second image, a mask, a field given twice or one that is not part of this API is refused
     (400 naming it) as soon as its part's headers arrive, before its data: so a form has at
-    most one part per field.
+    most one part per field. ``model``: the deployment's edit body (``request_models``).
     """
 
-    def __init__(self, content_type: str, limits: RouterLimits) -> None:
+    def __init__(
+        self, content_type: str, limits: RouterLimits, model: type[ImageEditRequest]
+    ) -> None:
         media, options = parse_options_header(content_type)
         if media != b"multipart/form-data":
             raise RequestError(
@@ -754,6 +894,7 @@ class ImageEditForm:
                 400, "Content-Type: multipart/form-data needs its boundary parameter"
             )
         self.limits = limits
+        self.model = model
         self.fields: dict[str, str] = {}
         self.image: bytes | None = None
         self._max_field_bytes = 4 * limits.max_prompt_chars
@@ -796,9 +937,9 @@ class ImageEditForm:
             raise RequestError(400, "image: required (a file part named image)", param="image")
         try:
             # Form fields are text: "2" is the integer 2 here, "abc" is not.
-            request = ImageEditRequest.model_validate_strings(self.fields)
+            request = self.model.model_validate_strings(self.fields)
         except ValidationError as e:
-            raise _first_error(e) from None
+            raise _first_error(e, self.model) from None
         return request, self.image
 
     # -- python-multipart's callbacks --------------------------------------------------
@@ -834,8 +975,8 @@ class ImageEditForm:
                 raise RequestError(400, "image: one input image per request", param="image")
         elif name in _UNSUPPORTED_PARTS:
             raise RequestError(400, f"{name}: {_UNSUPPORTED_PARTS[name]}", param=name)
-        elif name not in _EDIT_FIELDS:
-            raise RequestError(400, f"{label}: unknown field (not part of this API)", param=label)
+        elif name not in self.model.model_fields:
+            raise RequestError(400, f"{label}: {unknown_field(name, self.model)}", param=label)
         elif name in self.fields:
             raise RequestError(400, f"{name}: given more than once", param=name)
 

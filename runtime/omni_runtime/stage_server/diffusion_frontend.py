@@ -1,28 +1,23 @@
 """StageDiffusionFrontend: a diffusion stage behind the stage server protocol.
 
-An upstream stage's hidden states (and its negative prompt's, for guidance) arrive as
-connector handles; they are fetched here, in the stage's process, straight from the
-producer (the router never carries them), and go to the core as the request's
-``prompt_embeds`` and ``negative_prompt_embeds``.
+What upstream stages handed off for a request arrives as named hand-offs (connector handles)
+and goes on to the core as they are: the core fetches each, straight from the producer onto
+its own device (the router and this process never carry the arrays).
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 
-import numpy as np
-
-from omni_runtime import tracing
 from omni_runtime.config import PipelineConfig, StageConfig
-from omni_runtime.connectors import ConnectorError, ConnectorHandle, StageConnectors
+from omni_runtime.connectors import StageConnectors
 from omni_runtime.engine.stage.stage_core_client import StageCoreClientBase
 from omni_runtime.engine.stage.stage_core_types import (
+    HandOff,
     StageDiffusionCoreOutput,
     StageDiffusionCoreOutputs,
     StageDiffusionCoreRequest,
     StageError,
-    StageErrorCode,
     StageServerOutput,
     StageServerRequest,
 )
@@ -30,7 +25,7 @@ from omni_runtime.stage_server.frontend import RequestSpans, StageFrontend, refu
 
 
 class StageDiffusionFrontend(StageFrontend):
-    """Fetch upstream hidden states, run the request, return its images."""
+    """Pass a request and its hand-offs to the core, return its images."""
 
     def __init__(
         self,
@@ -42,8 +37,8 @@ class StageDiffusionFrontend(StageFrontend):
         super().__init__(pipeline, stage, client, connectors)
         # Unique: the stage server refuses an id in flight before it gets here. In the
         # order sent: the core runs one request at a time, first come first served. Each
-        # with its spans, while tracing.
-        self._in_flight: dict[str, RequestSpans | None] = {}
+        # with its spans, while tracing, and its hand-offs.
+        self._in_flight: dict[str, tuple[RequestSpans | None, dict[str, HandOff]]] = {}
 
     @property
     def in_flight(self) -> int:
@@ -59,21 +54,9 @@ class StageDiffusionFrontend(StageFrontend):
             error = StageError.bad_request("messages: a diffusion stage takes a prompt", "messages")
             return [refusal(request_id, error)]
         spans = RequestSpans.of(self.stage, request)
-        fetched: dict[str, np.ndarray | None] = {}
-        for name in ("prompt_embeds", "negative_prompt_embeds"):
-            handle = getattr(request, name)
-            try:
-                fetched[name] = None if handle is None else await self._fetch(handle, spans)
-            except (ConnectorError, KeyError) as e:
-                # The upstream stage's hand-off is gone or unreachable (its replica went
-                # away before this one fetched it): not this request's fault, and not one
-                # a resend here fixes. ``param`` names the lost input, so that the router
-                # can run the request again from the first stage (orchestrator.py).
-                failed = StageError(StageErrorCode.STAGE_FAILED, f"{name}: {e}", name)
-                return [refusal(request_id, failed)]
         if spans is not None:
             spans.queued()
-        self._in_flight[request_id] = spans
+        self._in_flight[request_id] = (spans, request.inputs)
         try:
             await self.client.add_request_async(
                 StageDiffusionCoreRequest(
@@ -81,11 +64,7 @@ class StageDiffusionFrontend(StageFrontend):
                     prompt=request.prompt,
                     params=request.params,
                     image=request.image,
-                    prompt_embeds=fetched["prompt_embeds"],
-                    negative_prompt_embeds=fetched["negative_prompt_embeds"],
-                    # Fetched by the core itself: from shared memory it reads in place.
-                    context_kv=request.context_kv,
-                    no_image_context_kv=request.no_image_context_kv,
+                    inputs=request.inputs,
                 )
             )
         except BaseException:
@@ -103,17 +82,8 @@ class StageDiffusionFrontend(StageFrontend):
         if running:
             await self.client.abort_requests_async(running)
 
-    async def _fetch(self, handle: ConnectorHandle, spans: RequestSpans | None) -> np.ndarray:
-        connector = self.connectors.get(handle.connector)
-        traced = spans.connector("get", handle.connector, handle.nbytes) if spans else None
-        with traced or tracing.NO_SPAN:
-            tensor = await asyncio.to_thread(connector.get, handle, "cpu")
-        # The engine casts to its own dtype; float32 is what numpy can carry for bf16 too.
-        array: np.ndarray = tensor.float().numpy()
-        return array
-
     def _convert(self, output: StageDiffusionCoreOutput) -> StageServerOutput:
-        spans = self._in_flight.pop(output.request_id, None)
+        spans, inputs = self._in_flight.pop(output.request_id, (None, {}))
         result = StageServerOutput(
             request_id=output.request_id,
             finished=True,
@@ -129,7 +99,14 @@ class StageDiffusionFrontend(StageFrontend):
             result.finish_reason = "stop"
         if spans is not None:
             if output.execute_time > 0:
-                # The engine ran it for execute_time seconds, up to this output.
-                spans.started(time.time_ns() - round(output.execute_time * 1e9))
+                # The engine ran it for execute_time seconds, up to this output, fetching
+                # its inputs first.
+                started = time.time_ns() - round(output.execute_time * 1e9)
+                spans.started(started)
+                if inputs and output.fetch_time > 0:
+                    handles = [hand_off.handle for hand_off in inputs.values()]
+                    connector = ",".join(sorted({handle.connector for handle in handles}))
+                    nbytes = sum(handle.nbytes for handle in handles)
+                    spans.connector_get(connector, nbytes, round(output.fetch_time * 1e9))
             spans.finished(result)
         return result

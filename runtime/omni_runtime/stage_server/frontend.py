@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from abc import ABC, abstractmethod
-from typing import Any, Literal
+from typing import Any
 
 from opentelemetry.trace import Span, SpanKind
 
@@ -60,7 +60,15 @@ class RequestSpans:
     recorded once the start is known, and the execution span starts at that moment. A
     frontend makes one per request only while tracing is on (:meth:`of`)."""
 
-    __slots__ = ("_attributes", "_execute", "_finished", "_parent", "_queued_ns", "_stage")
+    __slots__ = (
+        "_attributes",
+        "_execute",
+        "_execute_ns",
+        "_finished",
+        "_parent",
+        "_queued_ns",
+        "_stage",
+    )
 
     def __init__(self, stage: StageConfig, request: StageServerRequest) -> None:
         context = request.trace_context
@@ -75,34 +83,42 @@ class RequestSpans:
         }
         self._queued_ns = time.time_ns()
         self._execute: Span | None = None
+        self._execute_ns: int | None = None
         self._finished = False
 
     @classmethod
     def of(cls, stage: StageConfig, request: StageServerRequest) -> RequestSpans | None:
         return cls(stage, request) if tracing.enabled() else None
 
-    def connector(
-        self, operation: Literal["put", "get"], connector: str, nbytes: int | None = None
-    ) -> SpanScope:
-        """A hand-off's span: the producer's put (within the execution, where it has
-        begun), the consumer's get (before the queue: see :meth:`queued`). A put's size,
-        known once it is done, is the caller's to set."""
+    def connector_put(self, connector: str) -> SpanScope:
+        """The producer's put of a hand-off (within the execution, where it has begun). Its
+        size, known once it is done, is the caller's to set."""
         attributes = {**self._attributes, tracing.CONNECTOR_NAME: connector}
-        if nbytes is not None:
-            attributes[tracing.BYTES] = nbytes
-        if operation == "put":
-            parent = self._parent
-            if self._execute is not None:
-                parent = tracing.context_of(self._execute)
-            return tracing.span(
-                "connector put", parent=parent, kind=SpanKind.PRODUCER, attributes=attributes
-            )
+        parent = self._parent
+        if self._execute is not None:
+            parent = tracing.context_of(self._execute)
         return tracing.span(
-            "connector get", parent=self._parent, kind=SpanKind.CONSUMER, attributes=attributes
+            "connector put", parent=parent, kind=SpanKind.PRODUCER, attributes=attributes
         )
 
+    def connector_get(self, connector: str, nbytes: int, duration_ns: int) -> None:
+        """The consumer's get of its hand-offs, which its core made in ``duration_ns`` as it
+        began executing the request (after :meth:`started`)."""
+        attributes = {**self._attributes, tracing.CONNECTOR_NAME: connector, tracing.BYTES: nbytes}
+        parent = self._parent
+        if self._execute is not None:
+            parent = tracing.context_of(self._execute)
+        span = tracing.start_span(
+            "connector get",
+            parent=parent,
+            kind=SpanKind.CONSUMER,
+            attributes=attributes,
+            start_ns=self._execute_ns,
+        )
+        span.end(end_time=(self._execute_ns or time.time_ns()) + duration_ns)
+
     def queued(self) -> None:
-        """The request goes into the core's queue now (after its connector gets)."""
+        """The request goes into the core's queue now."""
         self._queued_ns = time.time_ns()
 
     def started(self, at_ns: int | None = None) -> None:
@@ -111,6 +127,7 @@ class RequestSpans:
         if self._execute is not None or self._finished:
             return
         at_ns = max(self._queued_ns, at_ns if at_ns is not None else time.time_ns())
+        self._execute_ns = at_ns
         self._record_queue(at_ns)
         self._execute = tracing.start_span(
             f"stage {self._stage} execute",

@@ -6,7 +6,8 @@ chat template) by the stage's request builder, generated token ids become text d
 through vLLM's incremental detokenizer (as its output processor drives it), and an encode
 stage's hidden states are put into the connector that carries them to the next stage (the
 router receives only the handle); a model family's encoder first drops the rows of its
-template, as the family's pipeline does.
+template, as the family's pipeline does, and one that hands off a context KV (its recipe's
+``hand_off``) has its architecture's ContextHandOff shape the rows and say their layout.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from vllm.v1.engine.detokenizer import IncrementalDetokenizer
 from omni_runtime import tracing
 from omni_runtime.config import PipelineConfig, StageConfig
 from omni_runtime.connectors import DEFAULT_HANDOFF_CONNECTOR, ConnectorHandle, StageConnectors
+from omni_runtime.engine.models import context_hand_off
 from omni_runtime.engine.stage.stage_core_types import (
-    ContextKVRef,
+    HandOff,
     StageError,
     StageErrorCode,
     StageLLMCoreOutput,
@@ -34,7 +36,6 @@ from omni_runtime.engine.stage.stage_core_types import (
 )
 from omni_runtime.engine.stage.stage_llm_core_client import StageLLMCoreClientBase
 from omni_runtime.engine.stage.stage_llm_request_builder import InvalidLLMRequestError
-from omni_runtime.modeling.bagel.model import context_layout
 from omni_runtime.stage_server.frontend import RequestSpans, StageFrontend, refusal
 
 # vLLM's REPETITION (a repetition detector's stop) is a stop to an OpenAI client.
@@ -54,9 +55,10 @@ class _Request:
     detokenizer: IncrementalDetokenizer
     prompt_tokens: int
     output_connector: str | None
-    # A BAGEL thinker's: the context's token ids, and how many of the last are its prompt.
+    # A context-KV encoder's: the context's token ids, and how many of the last are its
+    # prompt.
     prompt_token_ids: list[int] | None = None
-    bagel_prompt_length: int = 0
+    prompt_length: int = 0
     stream: bool = True
     # What a request that does not stream has generated so far (sent when it finishes).
     text: list[str] = field(default_factory=list)
@@ -92,14 +94,15 @@ class StageLLMFrontend(StageFrontend):
             pipeline.output_connector(stage.stage_id) or DEFAULT_HANDOFF_CONNECTOR
         )
         encoder = client.encoder_recipe
-        self._hands_off_context = encoder is not None and encoder.context_kv
-        if self._hands_off_context:
-            from omni_runtime.modeling.bagel.config import read_bagel_shape
-            from omni_runtime.modeling.bagel.generation import special_tokens
-
-            llm = read_bagel_shape(client.vllm_config.model_config.model).llm
-            self._kv_shape = (llm.num_layers, llm.num_kv_heads, llm.head_dim)
-            self._bagel_tokens = special_tokens(client.request_builder.tokenizer)
+        self._hand_off_name = encoder.hand_off if encoder is not None else "prompt_embeds"
+        self._context_hand_off: Any = None
+        if encoder is not None and encoder.context_kv:
+            assert encoder.architecture is not None
+            self._context_hand_off = context_hand_off(
+                encoder.architecture,
+                client.vllm_config.model_config.model,
+                client.request_builder.tokenizer,
+            )
 
     @property
     def in_flight(self) -> int:
@@ -126,15 +129,9 @@ class StageLLMFrontend(StageFrontend):
 
     async def add(self, request: StageServerRequest) -> list[StageServerOutput]:
         request_id = request.request_id
-        for name in (
-            "prompt_embeds",
-            "negative_prompt_embeds",
-            "context_kv",
-            "no_image_context_kv",
-        ):
-            if getattr(request, name) is not None:
-                message = f"{name}: an LLM stage takes text (prompt or messages)"
-                return [refusal(request_id, StageError.bad_request(message, name))]
+        for name in request.inputs:
+            message = f"{name}: an LLM stage takes text (prompt or messages)"
+            return [refusal(request_id, StageError.bad_request(message, name))]
         builder = self.client.request_builder
         try:
             core_request = builder.build(
@@ -146,18 +143,13 @@ class StageLLMFrontend(StageFrontend):
             )
         except InvalidLLMRequestError as e:
             return [refusal(request_id, e.error)]
+        context = self._context_hand_off is not None
         self._requests[request_id] = _Request(
             self._detokenizer(core_request),
             prompt_tokens=len(core_request.prompt_token_ids or ()),
             output_connector=request.output_connector or self._handoff_connector,
-            prompt_token_ids=(
-                list(core_request.prompt_token_ids or ()) if self._hands_off_context else None
-            ),
-            bagel_prompt_length=(
-                len(builder.bagel_prompt_ids(request.prompt or ""))
-                if self._hands_off_context
-                else 0
-            ),
+            prompt_token_ids=list(core_request.prompt_token_ids or ()) if context else None,
+            prompt_length=len(builder.framed_prompt_ids(request.prompt or "")) if context else 0,
             stream=request.stream,
             spans=RequestSpans.of(self.stage, request),
         )
@@ -235,18 +227,15 @@ class StageLLMFrontend(StageFrontend):
         result.text = text
         result.completion_tokens = state.detokenizer.num_output_tokens()
         if output.pooling_output is not None:
+            name = self._hand_off_name
             try:
-                if state.prompt_token_ids is not None:
-                    result.context_kv = await self._hand_off_context(request_id, state, output)
-                else:
-                    result.prompt_embeds = await self._hand_off(request_id, state, output)
+                result.hand_offs = {name: await self._hand_off(request_id, state, output)}
             except Exception as e:
                 finished = True
                 output.finish_reason = FinishReason.ERROR
-                what = "the context KV" if state.prompt_token_ids is not None else "hidden states"
                 output.error = StageError(
                     StageErrorCode.STAGE_FAILED,
-                    f"handing {what} to connector {state.output_connector!r} failed: {e}",
+                    f"handing {name} to connector {state.output_connector!r} failed: {e}",
                 )
         if finished:
             del self._requests[request_id]
@@ -264,37 +253,25 @@ class StageLLMFrontend(StageFrontend):
                 state.spans.finished(result)
         return result
 
-    async def _hand_off_context(
-        self, request_id: str, state: _Request, output: StageLLMCoreOutput
-    ) -> ContextKVRef:
-        """A BAGEL thinker's rows (a token's keys and values per row) to the DiT, as the
-        context KV ``[2, layers, tokens, kv_heads, head_dim]`` its ContextKVRef names."""
-        assert state.prompt_token_ids is not None
-        rows = output.pooling_output
-        ids = state.prompt_token_ids
-        layout = context_layout(ids, self._bagel_tokens, state.bagel_prompt_length)
-        # Rows past the prompt's are think mode's plan: text, a position each.
-        rope = layout.rope + rows.shape[0] - len(ids)
-        shape = self._kv_shape
-        # Reordered as the connector copies it in (one copy, no intermediate array).
-        kv = rows.view(rows.shape[0], 2, shape[0], *shape[1:]).permute(1, 2, 0, 3, 4)
-        handle = await self._put(request_id, state, kv)
-        return ContextKVRef(handle, rope, layout.prefix_length, layout.prefix_rope)
-
     async def _hand_off(
         self, request_id: str, state: _Request, output: StageLLMCoreOutput
-    ) -> ConnectorHandle:
-        hidden_states = output.pooling_output
-        encoder = self.client.encoder_recipe
-        if encoder is not None and encoder.drop_prefix:
-            # The family's pipeline drops its template's rows before its DiT sees them.
-            hidden_states = hidden_states[encoder.drop_prefix :]
-        return await self._put(request_id, state, hidden_states)
+    ) -> HandOff:
+        """The request's pooled rows, put into its connector as the next stage reads them."""
+        rows = output.pooling_output
+        meta: dict[str, int] = {}
+        if state.prompt_token_ids is not None:
+            rows, meta = self._context_hand_off(rows, state.prompt_token_ids, state.prompt_length)
+        else:
+            encoder = self.client.encoder_recipe
+            if encoder is not None and encoder.drop_prefix:
+                # The family's pipeline drops its template's rows before its DiT sees them.
+                rows = rows[encoder.drop_prefix :]
+        return HandOff(await self._put(request_id, state, rows), meta)
 
     async def _put(self, request_id: str, state: _Request, array: Any) -> ConnectorHandle:
         assert state.output_connector is not None
         connector = self.connectors.get(state.output_connector)
-        traced = state.spans.connector("put", connector.name) if state.spans else None
+        traced = state.spans.connector_put(connector.name) if state.spans else None
         with traced or tracing.NO_SPAN as span:
             handle = await asyncio.to_thread(connector.put, request_id, array)
             span.set_attribute(tracing.BYTES, handle.nbytes)

@@ -8,6 +8,9 @@ these with ``hf_overrides={"architectures": [name]}``.
 
 from __future__ import annotations
 
+import importlib
+from typing import Any
+
 # Architecture name -> "module:class": vLLM imports the class only when an engine uses it,
 # so loading the plugin costs no import of torch models.
 ARCHITECTURES = {
@@ -16,6 +19,23 @@ ARCHITECTURES = {
     ),
     "OmniBagelThinker": "omni_runtime.engine.models.bagel_thinker:OmniBagelThinker",
 }
+
+
+# Architecture name -> "module:class" of what shapes its pooled rows into the context KV
+# hand-off a DiT reads (EncoderRecipe.hand_off "context_kv"): called with the rows, the
+# context's token ids and its prompt's length, it returns the array and the hand-off's meta.
+CONTEXT_HAND_OFFS = {
+    "OmniBagelThinker": "omni_runtime.engine.models.bagel_thinker:ContextHandOff",
+}
+
+
+def context_hand_off(architecture: str, model: str, tokenizer: Any) -> Any:
+    """The context KV hand-off of ``architecture`` for ``model``; ValueError if it has none."""
+    target = CONTEXT_HAND_OFFS.get(architecture)
+    if target is None:
+        raise ValueError(f"architecture {architecture!r} hands off no context KV")
+    module_name, _, class_name = target.partition(":")
+    return getattr(importlib.import_module(module_name), class_name)(model, tokenizer)
 
 
 def register_models() -> None:

@@ -63,7 +63,7 @@ from omni_runtime.modeling.bagel.generation import (
     special_tokens,
     vae_noise,
 )
-from omni_runtime.modeling.bagel.model import BagelModel, ContextKV, SpecialTokens
+from omni_runtime.modeling.bagel.model import BagelModel, ContextKV, SpecialTokens, context_layout
 from omni_runtime.modeling.bagel.vae import FluxVAE, build_autoencoder, diffusers_state_dict
 
 # A request's PoolingParams.extra_kwargs key: think mode's most plan tokens.
@@ -395,3 +395,33 @@ class OmniBagelThinker(nn.Module, VllmModelForPooling, SupportsMultiModal):  # t
                 f"the checkpoint lacks {len(missing)} of BAGEL's weights (first: {missing[0]})"
             )
         return loaded
+
+
+class ContextHandOff:
+    """What a thinker stage hands BAGEL's DiT for one request: its pooled rows (a token's
+    keys and values per row) as the context KV ``[2, layers, tokens, kv_heads, head_dim]``
+    (keys first), and the context's layout as the hand-off's meta: the RoPE position the
+    next token takes (``rope``) and where the text-dropped context inside it ends
+    (``prefix_length`` tokens, ``prefix_rope``)."""
+
+    def __init__(self, model: str, tokenizer: Any) -> None:
+        llm = _shape(model).llm
+        self._kv_shape = (llm.num_layers, llm.num_kv_heads, llm.head_dim)
+        self._tokens = special_tokens(tokenizer)
+
+    def __call__(
+        self, rows: torch.Tensor, prompt_token_ids: Sequence[int], prompt_length: int
+    ) -> tuple[torch.Tensor, dict[str, int]]:
+        """``prompt_length``: how many of the context's last tokens are its prompt."""
+        layout = context_layout(prompt_token_ids, self._tokens, prompt_length)
+        # Rows past the prompt's are think mode's plan: text, a position each.
+        rope = layout.rope + rows.shape[0] - len(prompt_token_ids)
+        layers, kv_heads, head_dim = self._kv_shape
+        # Reordered as the connector copies it in (one copy, no intermediate array).
+        kv = rows.view(rows.shape[0], 2, layers, kv_heads, head_dim).permute(1, 2, 0, 3, 4)
+        meta = {
+            "rope": rope,
+            "prefix_length": layout.prefix_length,
+            "prefix_rope": layout.prefix_rope,
+        }
+        return kv, meta

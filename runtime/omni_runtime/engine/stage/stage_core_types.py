@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     )
 
 __all__ = [
-    "ContextKVRef",
+    "HandOff",
     "InvalidStageRequestError",
     "StageCoreOutput",
     "StageCoreOutputs",
@@ -99,17 +99,16 @@ class InvalidStageRequestError(ValueError):
         return cls(f"{where}: {located[1] if located else message}")
 
 
-class ContextKVRef(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """Where a BAGEL DiT finds one context's KV cache: a connector handle of its keys and
-    values, bf16 ``[2, layers, tokens, kv_heads, head_dim]`` (keys first), and the RoPE
-    position the next token takes. A context whose first ``prefix_length`` tokens are a
-    context of their own (the text-dropped context inside the full one) says where that
-    one ends: ``prefix_length`` tokens, ``prefix_rope``."""
+class HandOff(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True, gc=False):
+    """One array a stage hands the next through a connector: where it lies (``handle``:
+    the consumer's core fetches it, onto its own device), and the few numbers a reader needs
+    beside the array (BAGEL's context KV: the RoPE position the next token takes, ``rope``,
+    and where the text-dropped context inside it ends, ``prefix_length`` and
+    ``prefix_rope``). Stages name their hand-offs and inputs by what the array is
+    ("prompt_embeds", "context_kv"); the router passes them on without reading them."""
 
-    kv: ConnectorHandle
-    rope: int
-    prefix_length: int = 0
-    prefix_rope: int = 0
+    handle: ConnectorHandle
+    meta: dict[str, int] = {}
 
 
 class TraceContext(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True, gc=False):
@@ -135,18 +134,16 @@ class StageDiffusionCoreRequest(StageCoreRequest):
     params: dict[str, Any] = {}
     # Image-to-image input: uint8 RGB, [height, width, 3].
     image: np.ndarray | None = None
-    # Text conditioning computed upstream (an LLM stage's hidden states), [tokens, width];
-    # replaces the pipeline's own text encoder for this request.
+    # Text conditioning given as arrays by a caller that holds them, [tokens, width]
+    # (diffusers' own arguments): replaces the pipeline's own text encoder.
     prompt_embeds: np.ndarray | None = None
-    # The negative prompt's, for guidance (from the same upstream stage), [tokens, width].
     negative_prompt_embeds: np.ndarray | None = None
     arrival_time: float = 0.0
-    # BAGEL: the thinker's context KV cache (the full context, with the text-dropped one
-    # as its prefix) and the image-dropped context's, fetched by the core itself (shared
-    # memory: read in place, no copy). Last, as every field added to an array-like struct
-    # is: a peer of an older revision reads the fields it knows and ignores the rest.
-    context_kv: ContextKVRef | None = None
-    no_image_context_kv: ContextKVRef | None = None
+    # What upstream stages handed off for this request, by input name ("prompt_embeds",
+    # "negative_prompt_embeds", BAGEL's "context_kv" and "no_image_context_kv"), fetched by
+    # the core itself onto its device in the dtype it computes in (from shared memory: read
+    # in place). An input comes as an array or as a hand-off, not both.
+    inputs: dict[str, HandOff] = {}
 
 
 class StageDiffusionCoreOutput(StageCoreOutput):
@@ -160,6 +157,9 @@ class StageDiffusionCoreOutput(StageCoreOutput):
     aborted: bool = False
     # Seconds spent in the pipeline (0 for refused requests).
     execute_time: float = 0.0
+    # Of those, the seconds spent fetching the request's handed-off inputs, which the core
+    # does first.
+    fetch_time: float = 0.0
 
 
 class StageUtilityOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -217,19 +217,15 @@ class StageServerRequest(StageCoreRequest):
     params: dict[str, Any] = {}
     # Image-to-image input: uint8 RGB, [height, width, 3].
     image: np.ndarray | None = None
-    # An upstream stage's hidden states, to fetch through their connector.
-    prompt_embeds: ConnectorHandle | None = None
-    # The same stage's hidden states of the request's negative prompt (guidance).
-    negative_prompt_embeds: ConnectorHandle | None = None
     # LLM hidden-states stages: the connector that carries them to the next stage.
     output_connector: str | None = None
     # LLM generate stages: whether the caller reads the text as it is generated. False:
     # one output when the request finishes, with all of its text and token ids (a stage
     # that feeds another, or a caller that does not stream, needs no more).
     stream: bool = True
-    # BAGEL's DiT: the thinker's context KV caches (StageDiffusionCoreRequest's fields).
-    context_kv: ContextKVRef | None = None
-    no_image_context_kv: ContextKVRef | None = None
+    # What upstream stages handed off for this request, by the name this stage reads each
+    # under (StageDiffusionCoreRequest.inputs): passed to the core, which fetches them.
+    inputs: dict[str, HandOff] = {}
     # The router's span of this stage call, when it traces. Last, as every field added
     # here: a frame without it decodes with None, and an older peer ignores it.
     trace_context: TraceContext | None = None
@@ -249,14 +245,13 @@ class StageServerOutput(StageCoreOutput):
     error: StageError | None = None
     # Diffusion stages: uint8 RGB, [num_images, height, width, 3].
     images: np.ndarray | None = None
-    # Hidden-states stages: where the next stage fetches them.
-    prompt_embeds: ConnectorHandle | None = None
+    # What the request's stage handed off for the next one, by name ("prompt_embeds", a
+    # context's "context_kv"): where the next stage's core fetches each.
+    hand_offs: dict[str, HandOff] = {}
     prompt_tokens: int = 0
     completion_tokens: int = 0
     # Seconds the stage spent on the request (0 for refused requests).
     execute_time: float = 0.0
-    # BAGEL thinker stages: where the DiT fetches the prompt's context KV.
-    context_kv: ContextKVRef | None = None
 
 
 class StageLoad(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

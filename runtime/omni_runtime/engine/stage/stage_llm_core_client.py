@@ -35,7 +35,6 @@ from vllm.v1.executor import Executor
 from vllm.v1.serial_utils import MsgpackDecoder
 
 from omni_runtime.config import StageConfig
-from omni_runtime.config.families import EncoderRecipe
 from omni_runtime.engine.stage.stage_core_client import StageCoreClientBase, StageCoreDeadError
 from omni_runtime.engine.stage.stage_core_types import (
     StageCoreRequest,
@@ -53,6 +52,7 @@ from omni_runtime.engine.stage.stage_llm_request_builder import (
     InvalidLLMRequestError,
     StageLLMRequestBuilder,
 )
+from omni_runtime.families import EncoderRecipe
 from omni_runtime.net import advertised_host
 
 _T = TypeVar("_T")

@@ -24,8 +24,8 @@ from vllm.engine.arg_utils import EngineArgs
 from vllm.usage.usage_lib import UsageContext
 
 from omni_runtime.config import StageConfig
-from omni_runtime.config.families import MODEL_INDEX, EncoderRecipe
 from omni_runtime.config.models import ENGINE_ARG_FIELDS
+from omni_runtime.families import MODEL_INDEX, EncoderRecipe
 
 _ENGINE_ARG_NAMES = frozenset(field.name for field in dataclasses.fields(EngineArgs))
 

@@ -33,13 +33,12 @@ from vllm.renderers.params import ChatParams
 from vllm.v1.engine import EngineCoreRequest
 from vllm.v1.engine.input_processor import InputProcessor
 
-from omni_runtime.config.families import EncoderRecipe, prompt_image_size
 from omni_runtime.engine.models.bagel_thinker import THINK_TOKENS
 from omni_runtime.engine.stage.stage_core_types import (
     InvalidStageRequestError,
     StageLLMCoreRequest,
 )
-from omni_runtime.modeling.bagel.generation import THINK_SYSTEM_PROMPT
+from omni_runtime.families import EncoderRecipe, prompt_image_size
 
 # The sampling parameters an engine core honours by itself. Others are front-end work that
 # a stage does not do (n > 1 fans out into several requests, stop strings need the
@@ -65,12 +64,6 @@ SAMPLING_PARAM_NAMES = (
 HIDDEN_STATES_POOLING = PoolingParams(task="token_embed", use_activation=False)
 
 
-# BAGEL's thinker: the prompt's token for its input image, and the tokens that frame and
-# fill an image's spans in the context, which a prompt's text cannot stand for.
-_BAGEL_IMAGE_PLACEHOLDER = "<|image_pad|>"
-_BAGEL_IMAGE_MARKERS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|vision_pad|>")
-
-
 class InvalidLLMRequestError(InvalidStageRequestError):
     """A request the LLM stage refuses before it reaches the core."""
 
@@ -85,7 +78,8 @@ class StageLLMRequestBuilder:
         encoder: EncoderRecipe | None = None,
         think_tokens: int | None = None,
     ) -> None:
-        """``think_tokens``: a BAGEL thinker in think mode, the most tokens of its plans."""
+        """``think_tokens``: an encoder in think mode (its family's), the most tokens of its
+        plans."""
         self.model_config = vllm_config.model_config
         self.encoder = encoder
         self.think_tokens = think_tokens
@@ -128,7 +122,7 @@ class StageLLMRequestBuilder:
         if self.encoder is not None:
             image_kwargs: dict[str, Any] = {}
             if self.encoder.context_kv:
-                image_kwargs = _bagel_image_kwargs(params)
+                image_kwargs = _encoder_dit_params(params, self.encoder.dit_params)
                 thinks = self._thinks(params)
             engine_input, field_name = self._render_for_family(
                 self.encoder, prompt, messages, prompt_token_ids, image, image_kwargs
@@ -286,15 +280,16 @@ class StageLLMRequestBuilder:
             )
         engine_prompt: dict[str, Any] = {"prompt_token_ids": token_ids}
         if encoder.context_kv:
-            self._refuse_image_markers(token_ids)
-            # BAGEL's context: in think mode its system prompt, then the input image (its
-            # spans where the placeholder is: omni_runtime.engine.models.bagel_thinker), then
-            # the prompt.
+            self._refuse_reserved_tokens(token_ids)
+            # A context (BAGEL's): in think mode its system prompt, then the input image
+            # (its spans where the placeholder is, made by the architecture's multimodal
+            # processor: omni_runtime.engine.models), then the prompt.
             context: list[int] = []
-            if self.think_tokens is not None:
-                context += self.bagel_prompt_ids(THINK_SYSTEM_PROMPT)
+            if self.think_tokens is not None and encoder.think_system_prompt is not None:
+                context += self.framed_prompt_ids(encoder.think_system_prompt)
             if image is not None:
-                context.append(self.tokenizer.convert_tokens_to_ids(_BAGEL_IMAGE_PLACEHOLDER))
+                assert encoder.image_placeholder is not None
+                context.append(self.tokenizer.convert_tokens_to_ids(encoder.image_placeholder))
                 engine_prompt["multi_modal_data"] = {"image": _rgb_image(image)}
                 engine_prompt["mm_processor_kwargs"] = dict(image_kwargs)
             engine_prompt["prompt_token_ids"] = [*context, *token_ids]
@@ -313,15 +308,15 @@ class StageLLMRequestBuilder:
             raise InvalidLLMRequestError(f"prompt: {e}", "prompt") from None
         return engine_input, "prompt"
 
-    def bagel_prompt_ids(self, text: str) -> list[int]:
-        """A text as BAGEL's thinker frames it in its context (the recipe's template)."""
+    def framed_prompt_ids(self, text: str) -> list[int]:
+        """A text as a context encoder frames it in its context (the recipe's template)."""
         assert self.encoder is not None
         assert self.encoder.template is not None
         return list(self.tokenizer(self.encoder.template.format(text))["input_ids"])
 
     def _thinks(self, params: dict[str, Any]) -> bool:
-        """Whether a BAGEL thinker's request writes a plan: in think mode, unless its params
-        say ``think: false`` (the image-dropped companion, which holds the prompt alone)."""
+        """Whether an encoder's request writes a plan: in think mode, unless its params say
+        ``think: false`` (BAGEL's image-dropped companion, which holds the prompt alone)."""
         think = params.pop("think", None)
         if think is None:
             return self.think_tokens is not None
@@ -331,16 +326,17 @@ class StageLLMRequestBuilder:
             )
         if think and self.think_tokens is None:
             raise InvalidLLMRequestError(
-                "params.think: this thinker's stage is not in think mode (its think option)",
+                "params.think: this encoder's stage is not in think mode (its think option)",
                 "think",
             )
         return think
 
-    def _refuse_image_markers(self, token_ids: Sequence[int]) -> None:
-        for marker in _BAGEL_IMAGE_MARKERS:
+    def _refuse_reserved_tokens(self, token_ids: Sequence[int]) -> None:
+        assert self.encoder is not None
+        for marker in self.encoder.reserved_tokens:
             if self.tokenizer.convert_tokens_to_ids(marker) in token_ids:
                 raise InvalidLLMRequestError(
-                    f"prompt: contains {marker}, which stands for an image in BAGEL's "
+                    f"prompt: contains {marker}, which stands for an image in this encoder's "
                     "context (send the image as an image)",
                     "prompt",
                 )
@@ -383,12 +379,13 @@ def _rgb_image(image: np.ndarray) -> Any:
     return Image.fromarray(image, mode="RGB")
 
 
-def _bagel_image_kwargs(params: dict[str, Any]) -> dict[str, Any]:
-    """What BAGEL's thinker takes of a request's generation params, taken out of
-    ``params``: ``seed`` (its input image's VAE sample is the seed's first draw, as the
-    DiT's generator expects)."""
+def _encoder_dit_params(params: dict[str, Any], names: Sequence[str]) -> dict[str, Any]:
+    """What a context encoder takes of a request's DiT params (its recipe's ``dit_params``),
+    taken out of ``params`` for its multimodal processor. Only ``seed`` is known so far
+    (BAGEL's input image's VAE sample is the seed's first draw, as the DiT's generator
+    expects)."""
     kwargs: dict[str, Any] = {}
-    seed = params.pop("seed", None)
+    seed = params.pop("seed", None) if "seed" in names else None
     if seed is not None:
         if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**63:
             raise InvalidLLMRequestError(

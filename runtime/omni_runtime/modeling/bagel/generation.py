@@ -265,15 +265,6 @@ class BagelGenerator:
         return pixels.permute(1, 2, 0).cpu().numpy()  # type: ignore[no-any-return]
 
 
-# BAGEL's think mode for image generation: the system prompt its context starts with, in
-# BAGEL's words (the model was trained on it).
-THINK_SYSTEM_PROMPT = (
-    "You should first think about the planning process in the mind and then generate the "
-    "image. \nThe planning process is enclosed within <think> </think> tags, i.e. <think> "
-    "planning process here </think> image here"
-)
-
-
 def plan(
     model: BagelModel, tokenizer: Any, tokens: SpecialTokens, context: ContextKV, max_tokens: int
 ) -> tuple[str, ContextKV]:

@@ -19,7 +19,7 @@ from omni_runtime.config import (
     dump_pipeline,
     load_pipeline,
 )
-from omni_runtime.config.topologies import find_topology
+from omni_runtime.families import family_of_model_name
 
 BAGEL_MODEL = "ByteDance-Seed/BAGEL-7B-MoT"
 
@@ -279,16 +279,16 @@ def test_missing_model_is_asked_for() -> None:
     ],
 )
 def test_bagel_topology_matches_by_last_path_component(model: str) -> None:
-    topology = find_topology(model)
-    assert topology is not None
-    assert topology.key == "bagel"
+    family = family_of_model_name(model)
+    assert family is not None
+    assert family.name == "bagel"
     config = load_pipeline(seed_mapping(), model=model)
     assert [(s.type, s.name) for s in config.stages] == [("llm", "thinker"), ("diffusion", "dit")]
 
 
 @pytest.mark.parametrize("model", ["Qwen/Qwen2.5-7B-Instruct", "/models/qwen-image/sdxl", ""])
 def test_other_models_have_no_topology(model: str) -> None:
-    assert find_topology(model) is None
+    assert family_of_model_name(model) is None
 
 
 def test_unknown_model_without_types_asks_for_type() -> None:
@@ -336,13 +336,13 @@ def test_only_a_bagel_thinker_thinks() -> None:
     thinking = load_pipeline(data, model=BAGEL_MODEL)
     assert thinking.stages[0].think is True
     data["stages"][1]["think"] = True
-    with pytest.raises(PipelineConfigError, match=r"stages\[1\]\.think: only a BAGEL"):
+    with pytest.raises(PipelineConfigError, match=r"stages\[1\]\.think: only the encoder"):
         load_pipeline(data, model=BAGEL_MODEL)
     other = {
         "model": "m",
         "stages": [{"stageId": 0, "name": "llm", "type": "llm", "think": True}],
     }
-    with pytest.raises(PipelineConfigError, match=r"stages\[0\]\.think: only a BAGEL"):
+    with pytest.raises(PipelineConfigError, match=r"stages\[0\]\.think: only the encoder"):
         load_pipeline(other)
 
 

@@ -9,8 +9,9 @@ from typing import Any
 import pytest
 
 from omni_runtime.config import PipelineConfigError, load_pipeline
-from omni_runtime.config.families import (
+from omni_runtime.families import (
     FAMILIES,
+    FAMILY_NAMES,
     family_of_model_name,
     family_of_pipeline_class,
     prompt_image_size,
@@ -122,3 +123,66 @@ def test_edit_image_resized_as_the_pipeline_does(
     width, height = prompt_image_size(*size, 1024 * 1024)
     assert (width, height) == expected
     assert width % 32 == height % 32 == 0
+
+
+def test_the_schemas_family_names_are_the_registrys() -> None:
+    """FamilyName (the schema's enum, and so the CRD's) lists exactly the registered
+    families, each under its own name."""
+    assert sorted(FAMILY_NAMES) == sorted(FAMILIES)
+    assert all(family.name == name for name, family in FAMILIES.items())
+
+
+def test_every_family_declares_a_topology_its_rules_accept() -> None:
+    """A config of a family's model that gives no stage types gets its topology, and the
+    family's own rules accept it."""
+    for family in FAMILIES.values():
+        stages = [{"stageId": stage.stage_id} for stage in family.topology]
+        stages[-1]["inputConnectors"] = {"from_stage_0": "shm"}
+        config = load_pipeline(
+            {
+                "model": "m",
+                "family": family.name,
+                "stages": stages,
+                "connectors": {"shm": {"name": "SharedMemoryConnector"}},
+            }
+        )
+        encoders = [stage for stage in config.stages if config.encoder_recipe(stage)]
+        assert [stage.stage_id for stage in encoders] == [0], family.name
+
+
+@pytest.mark.parametrize(
+    ("family", "params", "has_image", "thinks", "companions"),
+    [
+        # Guidance: the negative prompt's embeddings, with an edit's image.
+        ("qwen-image", {"true_cfg_scale": 4.0, "negative_prompt": "dark"}, False, False,
+         [("negative", "dark", False, {"prompt_embeds": "negative_prompt_embeds"})]),
+        ("qwen-image-edit", {"true_cfg_scale": 4.0, "negative_prompt": "dark"}, True, False,
+         [("negative", "dark", True, {"prompt_embeds": "negative_prompt_embeds"})]),
+        ("qwen-image", {"true_cfg_scale": 1.0, "negative_prompt": "dark"}, False, False, []),
+        ("z-image", {}, False, False,
+         [("negative", "", False, {"prompt_embeds": "negative_prompt_embeds"})]),
+        ("z-image", {"guidance_scale": 0.0}, False, False, []),
+        # BAGEL: the image-dropped context, for an edit or in think mode.
+        ("bagel", {}, True, False,
+         [("no-image", "p", False, {"context_kv": "no_image_context_kv"})]),
+        ("bagel", {}, False, True,
+         [("no-image", "p", False, {"context_kv": "no_image_context_kv"})]),
+        ("bagel", {}, False, False, []),
+    ],
+)  # fmt: skip
+def test_a_familys_companion_requests(
+    family: str,
+    params: dict[str, Any],
+    has_image: bool,
+    thinks: bool,
+    companions: list[tuple[str, str, bool, dict[str, str]]],
+) -> None:
+    found = FAMILIES[family].companions("p", has_image, params, thinks)
+    assert [(c.suffix, c.prompt, c.with_image, dict(c.inputs)) for c in found] == companions
+
+
+def test_bagels_thinker_takes_the_seed_of_an_edit_alone() -> None:
+    bagel = FAMILIES["bagel"]
+    assert bagel.encoder_params({"seed": 5, "height": 32}, has_image=True) == {"seed": 5}
+    assert bagel.encoder_params({"seed": 5}, has_image=False) == {}
+    assert FAMILIES["qwen-image-edit"].encoder_params({"seed": 5}, has_image=True) == {}

@@ -12,7 +12,7 @@ from fake_replica import FakeReplica
 from omni_runtime.config import PipelineConfig
 from omni_runtime.connectors import ConnectorHandle
 from omni_runtime.engine.stage.stage_core_types import (
-    ContextKVRef,
+    HandOff,
     StageError,
     StageErrorCode,
     StageServerOutput,
@@ -124,40 +124,71 @@ class LostInputReplica(FakeReplica):
             self.answer(self.received[-1], "image")
 
 
+ENCODER_THEN_DIT = PipelineConfig.model_validate(
+    {
+        "model": "m",
+        "stages": [
+            {"stageId": 0, "name": "encoder", "type": "llm", "output": "hidden_states"},
+            {"stageId": 1, "name": "dit", "type": "diffusion"},
+        ],
+    }
+)
+
+
+def encoder_then_dit(dit: FakeReplica) -> tuple[PipelineOrchestrator, list[tuple[str, ...]]]:
+    encoder_pool, dit_pool = StageReplicaPool("encoder"), StageReplicaPool("dit")
+    encoder_pool.add_replica(EncodingReplica("e"), "e", revision="1-a")
+    dit_pool.add_replica(dit, "d", revision="1-a")
+    events: list[tuple[str, ...]] = []
+    run = PipelineOrchestrator(
+        ENCODER_THEN_DIT,
+        {0: encoder_pool, 1: dit_pool},
+        on_retry=lambda stage, why: events.append(("retry", stage, why)),
+    )
+    return run, events
+
+
 async def test_a_lost_hand_off_restarts_the_request_once_then_fails_with_a_503() -> None:
-    pool = StageReplicaPool("dit")
     replica = LostInputReplica("a")
-    pool.add_replica(replica, "a", revision="1-a")
-    run, events = orchestrator(pool)
+    run, events = encoder_then_dit(replica)
     outputs = await asyncio.wait_for(run.complete(PipelineRequest("r1", prompt="p")), 5)
     assert outputs[-1].text == "image"
     assert len(replica.received) == 2
     assert ("retry", "dit", "input_lost") in events
     # Lost again on the restart: a 503 (try again), never a 500 for a rollout's race.
-    pool = StageReplicaPool("dit")
-    pool.add_replica(LostInputReplica("b", losses=2), "b", revision="1-a")
-    run, _ = orchestrator(pool)
+    run, _ = encoder_then_dit(LostInputReplica("b", losses=2))
     with pytest.raises(PipelineError) as failed:
         await asyncio.wait_for(run.complete(PipelineRequest("r2", prompt="p")), 5)
     assert failed.value.status == 503
     assert "cannot fetch key" in str(failed.value)
 
 
-async def test_a_stage_failure_that_names_no_hand_off_is_not_retried() -> None:
-    class Broken(FakeReplica):
-        async def add_request_async(self, request: object) -> None:
-            await super().add_request_async(request)  # type: ignore[arg-type]
-            error = StageError(StageErrorCode.STAGE_FAILED, "the engine failed this request")
-            self.answer(self.received[-1], error=error)
+class BrokenReplica(FakeReplica):
+    async def add_request_async(self, request: object) -> None:
+        await super().add_request_async(request)  # type: ignore[arg-type]
+        error = StageError(StageErrorCode.STAGE_FAILED, "the engine failed this request")
+        self.answer(self.received[-1], error=error)
 
+
+@pytest.mark.parametrize(
+    "replica",
+    [
+        BrokenReplica("a"),
+        # It names prompt_embeds, but the request was given none: the stage broke, nothing
+        # handed off was lost.
+        LostInputReplica("a"),
+    ],
+)
+async def test_a_stage_failure_that_names_no_hand_off_of_its_request_is_not_retried(
+    replica: FakeReplica,
+) -> None:
     pool = StageReplicaPool("dit")
-    broken = Broken("a")
-    pool.add_replica(broken, "a", revision="1-a")
+    pool.add_replica(replica, "a", revision="1-a")
     run, events = orchestrator(pool)
     with pytest.raises(PipelineError) as failed:
         await asyncio.wait_for(run.complete(PipelineRequest("r1", prompt="p")), 5)
     assert failed.value.status == 500
-    assert broken.received == ["r1"]
+    assert replica.received == ["r1"]
     assert not [e for e in events if e[0] == "retry"]
 
 
@@ -228,7 +259,11 @@ class EncodingReplica(FakeReplica):
         request_id = self.received[-1]
         handle = ConnectorHandle("shm", request_id, "float32", [1, 4], 16)
         self.pending.discard(request_id)
-        self.emit(StageServerOutput(request_id, finished=True, prompt_embeds=handle))
+        self.emit(
+            StageServerOutput(
+                request_id, finished=True, hand_offs={"prompt_embeds": HandOff(handle)}
+            )
+        )
 
 
 def shared_memory_family(replicas: int) -> PipelineConfig:
@@ -299,7 +334,8 @@ class ThinkerReplica(FakeReplica):
         request_id = request.request_id
         handle = ConnectorHandle("shm", request_id, "bfloat16", [2, 1, 3, 1, 2], 24)
         self.pending.discard(request_id)
-        self.emit(StageServerOutput(request_id, finished=True, context_kv=ContextKVRef(handle, 3)))
+        hand_off = HandOff(handle, {"rope": 3})
+        self.emit(StageServerOutput(request_id, finished=True, hand_offs={"context_kv": hand_off}))
 
 
 class RecordingDiT(AnsweringReplica):
@@ -354,17 +390,17 @@ async def test_a_bagel_edits_companion_and_its_parent_feed_one_dit_in_their_pod(
         for pod in thinkers:
             by_id = {r.request_id: r for r in thinkers[pod].requests}
             for request in dits[pod].requests:
-                assert request.context_kv is not None
-                parent = request.context_kv.kv.key
+                assert "context_kv" in request.inputs
+                parent = request.inputs["context_kv"].handle.key
                 if parent == "t2i":
                     assert by_id[parent].image is None
-                    assert request.no_image_context_kv is None
+                    assert "no_image_context_kv" not in request.inputs
                     continue
                 assert by_id[parent].image is not None
                 # The seed alone: the edit's size is the DiT's, not its context's.
                 assert by_id[parent].params == {"seed": 52}
-                assert request.no_image_context_kv is not None
-                companion = request.no_image_context_kv.kv.key
+                assert "no_image_context_kv" in request.inputs
+                companion = request.inputs["no_image_context_kv"].handle.key
                 assert companion == f"{parent}-no-image"
                 assert by_id[companion].image is None
                 assert by_id[companion].prompt == by_id[parent].prompt

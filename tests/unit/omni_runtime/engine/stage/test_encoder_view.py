@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from omni_runtime.config.families import FAMILIES
 from omni_runtime.engine.stage.stage_llm_engine_config import (
     StageLLMConfigError,
     encoder_model_view,
 )
+from omni_runtime.families import FAMILIES
 
 EDIT = FAMILIES["qwen-image-edit"].encoder
 

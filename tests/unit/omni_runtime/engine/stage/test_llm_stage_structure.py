@@ -18,7 +18,6 @@ from vllm.v1.engine.utils import CoreEngineProcManager
 from vllm.v1.serial_utils import CUSTOM_TYPE_RAW_VIEW, MsgpackDecoder, MsgpackEncoder
 
 from omni_runtime.config import StageConfig
-from omni_runtime.config.families import BAGEL_THINKER
 from omni_runtime.config.models import VLLM_DEFAULT_GPU_MEMORY_UTILIZATION
 from omni_runtime.diffusion.stage.inline_stage_diffusion_client import InlineStageDiffusionClient
 from omni_runtime.diffusion.stage.stage_diffusion_core_client import StageDiffusionCoreClient
@@ -43,9 +42,10 @@ from omni_runtime.engine.stage.stage_llm_engine_config import (
 )
 from omni_runtime.engine.stage.stage_llm_request_builder import (
     InvalidLLMRequestError,
-    _bagel_image_kwargs,
+    _encoder_dit_params,
 )
 from omni_runtime.engine.stage.zmq_stage_client import ZmqStageClientBase
+from omni_runtime.families import FAMILIES
 
 CONTRACT = (
     "add_request_async",
@@ -264,7 +264,7 @@ def test_an_unset_gpu_share_is_counted_as_what_vllm_reserves() -> None:
 
 def test_a_bagel_thinker_is_the_plugin_prefilling_whole_prompts() -> None:
     thinker = _stage(name="thinker", maxNumBatchedTokens=32768, enforceEager=False)
-    args = make_stage_llm_engine_args(thinker, "/m", BAGEL_THINKER)
+    args = make_stage_llm_engine_args(thinker, "/m", FAMILIES["bagel"].encoder)
     assert (args.runner, args.convert) == ("pooling", "embed")
     assert args.hf_overrides == {"architectures": ["OmniBagelThinker"]}
     assert (args.enable_chunked_prefill, args.enable_prefix_caching) == (False, False)
@@ -322,7 +322,7 @@ def test_a_bagel_thinker_takes_the_seed_of_its_params(
     params: dict[str, object], taken: dict[str, object], left: dict[str, object]
 ) -> None:
     params = dict(params)
-    assert _bagel_image_kwargs(params) == taken
+    assert _encoder_dit_params(params, ("seed",)) == taken
     assert params == left  # the rest is checked as the stage's params
 
 
@@ -338,5 +338,5 @@ def test_a_bagel_thinkers_bad_seed_is_refused_by_name(
     params: dict[str, object], field: str
 ) -> None:
     with pytest.raises(InvalidLLMRequestError, match=rf"params\.{field}: expected") as refused:
-        _bagel_image_kwargs(dict(params))
+        _encoder_dit_params(dict(params), ("seed",))
     assert refused.value.error.param == field

@@ -1,0 +1,88 @@
+"""Model families, one module each (the registry is the one place that lists them).
+
+``base`` is the interface every family fills in; see it for what a family declares. To add a
+family: write its module (its recipes, topology and rules), list it in ``FAMILIES`` and in
+``FamilyName`` below, and build its tiny checkpoint in ``omni_runtime.tiny_models``
+(docs/model-families.md walks through it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Literal, get_args
+
+from .bagel import BAGEL
+from .base import (
+    Companion,
+    DiTRecipe,
+    EmbeddingsFamily,
+    EncoderRecipe,
+    Family,
+    HandOffKind,
+    StageView,
+    TopologyStage,
+    model_basename,
+    prompt_image_size,
+)
+from .qwen_image import QWEN_IMAGE, QWEN_IMAGE_EDIT
+from .z_image import Z_IMAGE
+
+__all__ = [
+    "FAMILIES",
+    "FAMILY_NAMES",
+    "MODEL_INDEX",
+    "Companion",
+    "DiTRecipe",
+    "EmbeddingsFamily",
+    "EncoderRecipe",
+    "Family",
+    "FamilyName",
+    "HandOffKind",
+    "StageView",
+    "TopologyStage",
+    "family_of_model_name",
+    "family_of_pipeline_class",
+    "model_basename",
+    "prompt_image_size",
+    "read_checkpoint_family",
+]
+
+# The pipeline schema's enum (and so the CRD's); a unit test keeps it equal to FAMILIES.
+FamilyName = Literal["qwen-image", "qwen-image-edit", "z-image", "bagel"]
+FAMILY_NAMES: tuple[str, ...] = get_args(FamilyName)
+FAMILIES: Mapping[str, Family] = MappingProxyType(
+    {family.name: family for family in (QWEN_IMAGE, QWEN_IMAGE_EDIT, Z_IMAGE, BAGEL)}
+)
+MODEL_INDEX = "model_index.json"
+
+
+def family_of_pipeline_class(class_name: str) -> Family | None:
+    """The family whose DiT runs diffusers' ``class_name``, if any."""
+    for family in FAMILIES.values():
+        if family.dit.pipeline_class == class_name:
+            return family
+    return None
+
+
+def family_of_model_name(model: str) -> Family | None:
+    """The family a model path or hub id names (``Qwen/Qwen-Image-Edit`` -> qwen-image-edit,
+    ``/models/z-image-turbo`` -> z-image, ``ByteDance-Seed/BAGEL-7B-MoT`` -> bagel), by the
+    longest family name in its last component."""
+    basename = model_basename(model).replace("_", "-")
+    matches = [name for name in FAMILIES if name in basename]
+    return FAMILIES[max(matches, key=len)] if matches else None
+
+
+def read_checkpoint_family(path: str) -> Family | None:
+    """The family of the diffusers checkpoint at ``path`` (its model_index.json's class);
+    None if ``path`` is no local checkpoint or its pipeline is of no known family."""
+    index = os.path.join(os.path.expanduser(os.path.expandvars(path)), MODEL_INDEX)
+    try:
+        with open(index, encoding="utf-8") as f:
+            class_name = json.load(f).get("_class_name")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return family_of_pipeline_class(class_name) if isinstance(class_name, str) else None

@@ -1,0 +1,74 @@
+"""Qwen-Image and Qwen-Image-Edit: Qwen2.5-VL's hidden states, template rows dropped, are the
+MMDiT's text conditioning (diffusers' QwenImagePipeline and QwenImageEditPipeline, whose
+_get_qwen_prompt_embeds and __call__ defaults these recipes follow, diffusers 0.42.1)."""
+
+from __future__ import annotations
+
+from .base import DiTRecipe, EmbeddingsFamily, EncoderRecipe, RequestField, encoder_then_dit
+
+_TEMPLATE = (
+    "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, "
+    "quantity, text, spatial relationships of the objects and background:<|im_end|>\n"
+    "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
+)
+_EDIT_TEMPLATE = (
+    "<|im_start|>system\nDescribe the key features of the input image (color, shape, size, "
+    "texture, objects, background), then explain how the user's text instruction should "
+    "alter or modify the image. Generate a new image that meets the user's requirements "
+    "while maintaining consistency with the original input where appropriate.<|im_end|>\n"
+    "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>{}<|im_end|>\n"
+    "<|im_start|>assistant\n"
+)
+
+# The pipelines' classifier-free guidance scale (their __call__'s true_cfg_scale).
+_REQUEST_FIELDS = (
+    RequestField(
+        name="true_cfg_scale",
+        kind="number",
+        description="Classifier-free guidance scale: above 1, and with a negative_prompt, "
+        "the image is guided away from the negative prompt.",
+        ge=0,
+    ),
+)
+
+QWEN_IMAGE = EmbeddingsFamily(
+    name="qwen-image",
+    encoder=EncoderRecipe(
+        template=_TEMPLATE,
+        drop_prefix=34,
+        max_length=1024 + 34,
+        vision_language=True,
+    ),
+    dit=DiTRecipe(
+        pipeline_class="QwenImagePipeline",
+        embeds="padded",
+        guidance="true_cfg_scale",
+        guidance_default=4.0,
+    ),
+    topology=encoder_then_dit("encoder", "hidden_states"),
+    hub_ids=("Qwen/Qwen-Image",),
+    request_fields=_REQUEST_FIELDS,
+)
+
+QWEN_IMAGE_EDIT = EmbeddingsFamily(
+    name="qwen-image-edit",
+    encoder=EncoderRecipe(
+        template=_EDIT_TEMPLATE,
+        drop_prefix=64,
+        max_length=None,
+        image_area=1024 * 1024,
+        tokenizer_subfolder="processor",
+        vision_language=True,
+    ),
+    dit=DiTRecipe(
+        pipeline_class="QwenImageEditPipeline",
+        embeds="padded",
+        guidance="true_cfg_scale",
+        guidance_default=4.0,
+        text_components=("text_encoder", "tokenizer", "processor"),
+        takes_image=True,
+    ),
+    topology=encoder_then_dit("encoder", "hidden_states"),
+    hub_ids=("Qwen/Qwen-Image-Edit",),
+    request_fields=_REQUEST_FIELDS,
+)

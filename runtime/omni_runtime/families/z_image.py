@@ -1,0 +1,45 @@
+"""Z-Image: Qwen3's penultimate layer is the DiT's text conditioning, one array of rows per
+prompt (diffusers' ZImagePipeline, whose _encode_prompt and __call__ defaults this recipe
+follows, diffusers 0.42.1)."""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+
+from .base import DiTRecipe, EmbeddingsFamily, EncoderRecipe, RequestField, encoder_then_dit
+
+Z_IMAGE = EmbeddingsFamily(
+    name="z-image",
+    encoder=EncoderRecipe(
+        template=None,
+        chat_template_kwargs=MappingProxyType(
+            {"add_generation_prompt": True, "enable_thinking": True}
+        ),
+        drop_prefix=0,
+        max_length=512,
+        architecture="OmniQwen3PenultimateModel",
+    ),
+    dit=DiTRecipe(
+        pipeline_class="ZImagePipeline",
+        embeds="rows",
+        guidance="guidance_scale",
+        guidance_default=5.0,
+    ),
+    topology=encoder_then_dit("encoder", "hidden_states"),
+    hub_ids=("Tongyi-MAI/Z-Image-Turbo",),
+    # ZImagePipeline.__call__'s guidance knobs, beyond guidance_scale.
+    request_fields=(
+        RequestField(
+            name="cfg_normalization",
+            kind="boolean",
+            description="Renormalise the guided prediction to the norm of the unguided one.",
+        ),
+        RequestField(
+            name="cfg_truncation",
+            kind="number",
+            description="Guidance stops once this fraction of the steps is done.",
+            ge=0,
+            le=1,
+        ),
+    ),
+)
