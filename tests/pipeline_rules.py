@@ -455,6 +455,14 @@ def _topology(m: Manifest) -> None:
         del stage(m, index)["name"]
 
 
+def _named_family(m: Manifest) -> None:
+    # A family named outright gives its topology whatever the model's path says.
+    m["spec"]["family"] = "z-image"
+    stage(m, 0)["output"] = "hidden_states"
+    for index in (0, 1):
+        del stage(m, index)["type"]
+
+
 _SCALING = {"maxReplicas": 4, "latencyObjective": {"seconds": 8}}
 
 VALID: list[ValidCase] = [
@@ -472,4 +480,5 @@ VALID: list[ValidCase] = [
         _both(_set(0, autoscaling=dict(_SCALING)), _set(1, autoscaling=dict(_SCALING))),
     ),
     ValidCase("known-topology-gives-stage-types", _topology),
+    ValidCase("named-family-gives-stage-types", _named_family),
 ]
