@@ -78,7 +78,7 @@ class DiffusionEngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=
     # The stage's gpuMemoryUtilization: on a GPU, the fraction of its memory this process
     # may allocate (the share the pipeline was admitted with); None: uncapped.
     gpu_memory_utilization: float | None = None
-    # The model family (config.families) whose pipeline the checkpoint holds; None: any
+    # The model family (omni_runtime.families) whose pipeline the checkpoint holds; None: any
     # other pipeline, which must then be of no known family.
     family: str | None = None
     # Whether an encoder stage upstream computes the text embeddings: a family's

@@ -12,7 +12,7 @@ return each prompt token's hidden state. A request the builder refuses raises
 InvalidLLMRequestError, whose ``error`` names the offending field (``param``) and says what
 is wrong in a message that starts with it, e.g. ``params.temperature: ...``.
 
-The encoder stage of a model family (``config.families``) renders a prompt as the family's
+The encoder stage of a model family (``omni_runtime.families``) renders a prompt as the family's
 pipeline does before its text encoder sees it: its template (or its tokenizer's chat
 template), its truncation, and for an edit the input image, resized as the pipeline resizes
 it, through vLLM's multimodal processor.
