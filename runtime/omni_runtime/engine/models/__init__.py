@@ -21,6 +21,10 @@ ARCHITECTURES = {
 }
 
 
+# A request's PoolingParams.extra_kwargs key: in think mode, the most tokens of the plan an
+# encoder architecture writes before it hands its context off (BAGEL's thinker).
+THINK_TOKENS = "think_tokens"
+
 # Architecture name -> "module:class" of what shapes its pooled rows into the context KV
 # hand-off a DiT reads (EncoderRecipe.hand_off "context_kv"): called with the rows, the
 # context's token ids and its prompt's length, it returns the array and the hand-off's meta.

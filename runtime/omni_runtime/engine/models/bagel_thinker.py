@@ -55,6 +55,7 @@ from vllm.multimodal.processing import (
 )
 from vllm.utils.torch_utils import set_default_torch_dtype
 
+from omni_runtime.engine.models import THINK_TOKENS
 from omni_runtime.modeling.bagel.config import BagelShape, read_bagel_shape
 from omni_runtime.modeling.bagel.generation import (
     image_pixels,
@@ -66,8 +67,6 @@ from omni_runtime.modeling.bagel.generation import (
 from omni_runtime.modeling.bagel.model import BagelModel, ContextKV, SpecialTokens, context_layout
 from omni_runtime.modeling.bagel.vae import FluxVAE, build_autoencoder, diffusers_state_dict
 
-# A request's PoolingParams.extra_kwargs key: think mode's most plan tokens.
-THINK_TOKENS = "think_tokens"
 # The prompt's one token per input image, which processing replaces with the image's spans.
 IMAGE_PLACEHOLDER = "<|image_pad|>"
 # Inside an image's first span: its VAE tokens (ViT tokens take IMAGE_PLACEHOLDER's id).

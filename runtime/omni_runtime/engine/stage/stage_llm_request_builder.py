@@ -33,7 +33,7 @@ from vllm.renderers.params import ChatParams
 from vllm.v1.engine import EngineCoreRequest
 from vllm.v1.engine.input_processor import InputProcessor
 
-from omni_runtime.engine.models.bagel_thinker import THINK_TOKENS
+from omni_runtime.engine.models import THINK_TOKENS
 from omni_runtime.engine.stage.stage_core_types import (
     InvalidStageRequestError,
     StageLLMCoreRequest,
