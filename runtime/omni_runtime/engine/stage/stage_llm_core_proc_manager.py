@@ -20,6 +20,7 @@ import time
 import weakref
 from dataclasses import dataclass
 from multiprocessing import resource_tracker
+from multiprocessing.process import BaseProcess
 from typing import Any
 
 import zmq
@@ -144,21 +145,15 @@ class StageLLMCoreProcManager(CoreEngineProcManager):  # type: ignore[misc]
         for proc in self.processes:
             if proc.pid is not None:
                 proc.join(_KILLED_REAP_S)
+                if not proc.is_alive():
+                    _settle_exit_code(proc)
 
     def wait_for_first_exit(self, timeout: float = ANNOUNCED_EXIT_WAIT_S) -> None:
         """Wait up to ``timeout`` seconds for any proc to end by itself."""
         ended = multiprocessing.connection.wait([p.sentinel for p in self.processes], timeout)
-        deadline = time.monotonic() + _EXIT_SETTLE_S
         for proc in self.processes:
-            if proc.sentinel not in ended:
-                continue
-            # ``exitcode`` can say None a while longer, which is how a dead core came to be
-            # reported "running": the sentinel fires as the process closes its files,
-            # before its exit status exists, and vLLM's liveness monitor may be collecting
-            # that status in its own thread (then ours finds nothing to collect until the
-            # monitor has stored it). Neither lasts long: poll until it shows.
-            while proc.exitcode is None and time.monotonic() < deadline:
-                time.sleep(_EXIT_POLL_S)
+            if proc.sentinel in ended:
+                _settle_exit_code(proc)
 
     def describe_exit(self) -> str:
         """How the procs ended (or that they run), for error messages."""
@@ -186,6 +181,20 @@ class StageLLMCoreProcManager(CoreEngineProcManager):  # type: ignore[misc]
             except (EOFError, OSError):
                 pass  # it ended without a word
         return self._failures.get(rank)
+
+
+def _settle_exit_code(proc: BaseProcess) -> None:
+    """Wait (briefly) until an ended proc's ``exitcode`` shows.
+
+    It can say None a while after the end, which is how a dead core came to be reported
+    "running": the sentinel fires as the process closes its files, before its exit status
+    exists, and vLLM's liveness monitor may be collecting that status in its own thread
+    (then ours finds nothing to collect until the monitor has stored it). Neither lasts
+    long: poll until it shows.
+    """
+    deadline = time.monotonic() + _EXIT_SETTLE_S
+    while proc.exitcode is None and time.monotonic() < deadline:
+        time.sleep(_EXIT_POLL_S)
 
 
 @dataclass
@@ -271,10 +280,12 @@ def launch_stage_llm_cores(
             deadline.cancel()
         if proc_manager is not None and isinstance(e, Exception) and not expired.is_set():
             proc_manager.wait_for_first_exit()
-        if proc_manager is not None and expired.is_set():
+        if deadline is not None and expired.is_set():
             # The deadline's stop, waited for here: the cores it ended are reaped, so the
-            # error says how (SIGTERM, or SIGKILL past the grace), not "running".
-            proc_manager.shutdown()
+            # error says how (SIGTERM, or SIGKILL past the grace), not "running". Joined,
+            # not repeated: vLLM's shutdown runs once, and a second call returns while the
+            # first still waits out its grace.
+            deadline.join()
         exits = proc_manager.describe_exit() if proc_manager is not None else "not started"
         if proc_manager is not None:
             proc_manager.shutdown()
