@@ -175,11 +175,10 @@ async def measure_vllm(
             start = time.perf_counter()
             async with asyncio.timeout(DEADLINE_S):
                 for index, request_id in enumerate(ids):
-                    image = images[index] if images is not None else None
                     request = StageServerRequest(
                         request_id=request_id,
                         prompt=prompts[index],
-                        image=image,
+                        images=[images[index]] if images is not None else [],
                         output_connector=connector,
                     )
                     refused = await frontend.add(request)

@@ -42,15 +42,15 @@ async def main() -> None:
         frontend = StageLLMFrontend(pipeline, stage, client, connectors)
         try:
             reference = t.monolithic(family, root)
-            image = t.input_image(3) if FAMILIES[family].encoder.takes_image else None
+            images = t.input_images(family, 3)
             worst = 0.0
             for n, prompt in enumerate([*t.PROMPTS, ""]):
-                served = await t.encoded(frontend, connectors, f"{family}-{n}", prompt, image)
-                expected = t.reference_embeds(family, reference, prompt, image)
+                served = await t.encoded(frontend, connectors, f"{family}-{n}", prompt, images)
+                expected = t.reference_embeds(family, reference, prompt, images)
                 worst = max(worst, float((served - expected).abs().max()))
             negative = "blurry, dark" if family != "z-image" else None
-            positive = await t.encoded(frontend, connectors, "p", t.PROMPTS[0], image)
-            unwanted = await t.encoded(frontend, connectors, "n", negative or "", image)
+            positive = await t.encoded(frontend, connectors, "p", t.PROMPTS[0], images)
+            unwanted = await t.encoded(frontend, connectors, "n", negative or "", images)
             dit = DiffusionEngine(
                 DiffusionEngineConfig(model=pipeline.model, family=family, text_from_upstream=True)
             )
@@ -64,12 +64,12 @@ async def main() -> None:
                 params=params,
                 prompt_embeds=positive.numpy(),
                 negative_prompt_embeds=unwanted.numpy(),
-                image=image,
+                images=images,
             )
             dit.admit(request.request_id)
             output = dit.execute(request)
             assert output.images is not None, output.error
-            expected_image = t.monolithic_image(family, root, t.PROMPTS[0], negative, 7, image)
+            expected_image = t.monolithic_image(family, root, t.PROMPTS[0], negative, 7, images)
             diff = np.abs(output.images[0].astype(np.int16) - expected_image.astype(np.int16))
             identical = 100 * float((diff == 0).mean())
             print(f"| {family} | {worst:.1e} | {int(diff.max())} | {identical:.2f}% |", flush=True)

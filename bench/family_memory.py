@@ -109,7 +109,7 @@ def child_dit(family: str, root: Path) -> dict[str, int]:
         request_id="memory",
         prompt_embeds=embeds,
         negative_prompt_embeds=embeds,
-        image=edit_image() if takes_image else None,
+        images=[edit_image()] if takes_image else [],
         params={"num_inference_steps": 4, "height": 64, "width": 64},
     )
     engine.admit("memory")
@@ -153,13 +153,13 @@ def child_encoder_vllm(family: str, root: Path) -> dict[str, int]:
     client = start_stage_llm_client(stage, pipeline.model, encoder=FAMILIES[family].encoder)
     connectors = StageConnectors(pipeline.connectors)
     frontend = StageLLMFrontend(pipeline, stage, client, connectors)
-    image = edit_image() if FAMILIES[family].encoder.takes_image else None
+    images = [edit_image()] if FAMILIES[family].encoder.takes_image else []
 
     async def encode() -> None:
         request = StageServerRequest(
             request_id="memory",
             prompt=PROMPT,
-            image=image,
+            images=images,
             output_connector="shared_memory_connector",
         )
         if refused := await frontend.add(request):

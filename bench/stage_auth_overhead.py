@@ -146,7 +146,7 @@ async def hop(keys: Path | None, concurrency: int, image_bytes: int, seconds: fl
         f"127.0.0.1:{server.port}", keys=load_client_keys(keys) if keys is not None else None
     )
     side = max(1, int((image_bytes / 3) ** 0.5))
-    image = np.zeros((side, side, 3), np.uint8) if image_bytes else None
+    images = [np.zeros((side, side, 3), np.uint8)] if image_bytes else []
     waiting: dict[str, asyncio.Future[None]] = {}
     ids = itertools.count()
 
@@ -159,7 +159,7 @@ async def hop(keys: Path | None, concurrency: int, image_bytes: int, seconds: fl
         request_id = f"r{next(ids)}"
         done = asyncio.get_running_loop().create_future()
         waiting[request_id] = done
-        await client.add_request_async(StageServerRequest(request_id, prompt="x", image=image))
+        await client.add_request_async(StageServerRequest(request_id, prompt="x", images=images))
         await done
         return 0
 

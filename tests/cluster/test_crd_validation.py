@@ -165,6 +165,7 @@ def example_files() -> list[Any]:
             "tiny-pipeline.yaml",
             "qwen-image-pipeline.yaml",
             "qwen-image-edit-pipeline.yaml",
+            "qwen-image-edit-plus-pipeline.yaml",
             "z-image-turbo-pipeline.yaml",
         )
     ]

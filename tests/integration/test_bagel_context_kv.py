@@ -132,7 +132,7 @@ def kv_request(
     return StageDiffusionCoreRequest(
         request_id=request_id,
         params={**FAST, **params},
-        image=input_image(),
+        images=[input_image()],
         inputs={
             "context_kv": put(
                 source_connector, f"{request_id}-full", contexts.full, contexts.no_text
@@ -149,7 +149,7 @@ async def test_the_thinkers_kv_makes_the_image_the_dit_makes_itself(
     dit: StageDiffusionCoreClient, producer: StageConnectors, contexts: Contexts, connector: str
 ) -> None:
     own = StageDiffusionCoreRequest(
-        request_id=f"own-{connector}", prompt=PROMPT, params=FAST, image=input_image()
+        request_id=f"own-{connector}", prompt=PROMPT, params=FAST, images=[input_image()]
     )
     handed = kv_request(f"kv-{connector}", producer, connector, contexts)
     outputs = await run(dit, own, handed)
@@ -203,7 +203,7 @@ async def test_a_kv_cache_of_the_wrong_shape_or_gone_is_refused_by_name(
     no_companion = StageDiffusionCoreRequest(
         request_id="no-companion",
         params=FAST,
-        image=input_image(),
+        images=[input_image()],
         inputs={"context_kv": put(source, "alone", contexts.full, contexts.no_text)},
     )
     outputs = await run(dit, bad_shape, gone, no_companion)

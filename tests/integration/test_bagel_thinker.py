@@ -85,7 +85,8 @@ def _run_thinker(spec_path: str, out_path: str) -> None:
         builder = builders[think]
         params: dict[str, Any] = {"seed": SEED}
         image = None if image_seed is None else input_image(image_seed)
-        request = builder.build("r", prompt=prompt, image=image, params=params)
+        images = [] if image is None else [image]
+        request = builder.build("r", prompt=prompt, images=images, params=params)
         token_ids.append(list(request.prompt_token_ids or ()))
         pooling_params.append(request.pooling_params)
         prompt_lengths.append(len(builder.framed_prompt_ids(prompt)))

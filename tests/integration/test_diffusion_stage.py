@@ -164,7 +164,10 @@ async def test_a_request_id_in_flight_is_refused_and_the_first_goes_on(
 async def test_image_to_image_keeps_input_size(proc_client: StageDiffusionCoreClient) -> None:
     source = np.random.default_rng(0).integers(0, 256, size=(96, 64, 3), dtype=np.uint8)
     req = StageDiffusionCoreRequest(
-        request_id="i2i", prompt="gold", image=source, params={**FAST, "seed": 1, "strength": 0.5}
+        request_id="i2i",
+        prompt="gold",
+        images=[source],
+        params={**FAST, "seed": 1, "strength": 0.5},
     )
     output = await run_one(proc_client, req)
     assert output.error is None

@@ -21,6 +21,7 @@ from omni_runtime.engine.stage.stage_core_types import StageDiffusionCoreRequest
 from omni_runtime.tiny_models import (
     DIFFUSION_SUBDIR,
     HIDDEN_SIZE,
+    QWEN_IMAGE_EDIT_PLUS_SUBDIR,
     QWEN_IMAGE_EDIT_SUBDIR,
     QWEN_IMAGE_SUBDIR,
     Z_IMAGE_SUBDIR,
@@ -57,6 +58,11 @@ def error_of(dit: DiffusionEngine, request: Request) -> Any:
     [
         (QWEN_IMAGE_SUBDIR, "qwen-image", ("text_encoder", "tokenizer")),
         (QWEN_IMAGE_EDIT_SUBDIR, "qwen-image-edit", ("text_encoder", "tokenizer", "processor")),
+        (
+            QWEN_IMAGE_EDIT_PLUS_SUBDIR,
+            "qwen-image-edit-plus",
+            ("text_encoder", "tokenizer", "processor"),
+        ),
         (Z_IMAGE_SUBDIR, "z-image", ("text_encoder", "tokenizer")),
     ],
 )
@@ -84,7 +90,20 @@ def test_a_family_dit_loads_without_the_encoders_components(
         (
             QWEN_IMAGE_SUBDIR,
             "qwen-image",
-            {"image": np.zeros((32, 32, 3), np.uint8)},
+            {"images": [np.zeros((32, 32, 3), np.uint8)]},
+            "image",
+        ),
+        # More input images than the family's pipeline takes.
+        (
+            QWEN_IMAGE_EDIT_SUBDIR,
+            "qwen-image-edit",
+            {"images": [np.zeros((32, 32, 3), np.uint8)] * 2},
+            "image",
+        ),
+        (
+            QWEN_IMAGE_EDIT_PLUS_SUBDIR,
+            "qwen-image-edit-plus",
+            {"images": [np.zeros((32, 32, 3), np.uint8)] * 4},
             "image",
         ),
         # Embeddings of another width than the DiT's conditioning.
@@ -116,8 +135,8 @@ def test_what_the_family_cannot_take_is_refused_by_name(
     # The stage goes on serving.
     good = Request(request_id=f"good-{param}", prompt_embeds=embeds(), params={"height": 32,
                    "width": 32, "num_inference_steps": 2})  # fmt: skip
-    if family == "qwen-image-edit":
-        good.image = np.zeros((32, 32, 3), np.uint8)
+    if family in ("qwen-image-edit", "qwen-image-edit-plus"):
+        good.images = [np.zeros((32, 32, 3), np.uint8)]
     if family == "z-image":
         good.negative_prompt_embeds = embeds(3)
     dit.admit(good.request_id)

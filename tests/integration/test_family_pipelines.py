@@ -1,7 +1,8 @@
-"""Qwen-Image, Qwen-Image-Edit and Z-Image split over a vLLM encoder and a diffusers DiT.
+"""Qwen-Image, Qwen-Image-Edit, Qwen-Image-Edit-Plus and Z-Image split over a vLLM encoder
+and a diffusers DiT.
 
 On each family's tiny random checkpoint: the embeddings the encoder stage hands over equal
-the family's own (diffusers' ``encode_prompt``; for the edit family transformers called
+the family's own (diffusers' ``encode_prompt``; for the edit families transformers called
 with ``mm_token_type_ids``, which diffusers 0.42.1 leaves out), and the image `serve`
 returns equals the image the monolithic diffusers pipeline makes from the same weights,
 prompt, negative prompt, seed, steps and size.
@@ -38,7 +39,12 @@ from omni_runtime.engine.stage.stage_core_types import StageServerOutput, StageS
 from omni_runtime.engine.stage.stage_llm_core_client import start_stage_llm_client
 from omni_runtime.families import FAMILIES, prompt_image_size
 from omni_runtime.stage_server.llm_frontend import StageLLMFrontend
-from omni_runtime.tiny_models import QWEN_IMAGE_EDIT_SUBDIR, QWEN_IMAGE_SUBDIR, Z_IMAGE_SUBDIR
+from omni_runtime.tiny_models import (
+    QWEN_IMAGE_EDIT_PLUS_SUBDIR,
+    QWEN_IMAGE_EDIT_SUBDIR,
+    QWEN_IMAGE_SUBDIR,
+    Z_IMAGE_SUBDIR,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -46,8 +52,10 @@ REPO = Path(__file__).resolve().parents[2]
 CHECKPOINTS = {
     "qwen-image": QWEN_IMAGE_SUBDIR,
     "qwen-image-edit": QWEN_IMAGE_EDIT_SUBDIR,
+    "qwen-image-edit-plus": QWEN_IMAGE_EDIT_PLUS_SUBDIR,
     "z-image": Z_IMAGE_SUBDIR,
 }
+EDITS = ("qwen-image-edit", "qwen-image-edit-plus")
 PROMPTS = ["a red cat on a green hydrant", "paint a blue river under the moon"]
 STEPS = 3
 SIZE = 64
@@ -69,6 +77,16 @@ def example(family: str, tiny_models: Path) -> PipelineConfig:
 def input_image(seed: int = 0, size: tuple[int, int] = (80, 48)) -> np.ndarray:
     rng = np.random.default_rng(seed)
     return rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
+
+
+def input_images(family: str, seed: int = 0) -> list[np.ndarray]:
+    """What an edit of ``family`` edits: one image, or for the several-image family two of
+    different shapes (the last one sets the output's default size)."""
+    if family not in EDITS:
+        return []
+    if family == "qwen-image-edit":
+        return [input_image(seed)]
+    return [input_image(seed), input_image(seed + 1, (40, 56))]
 
 
 def png(image: np.ndarray) -> bytes:
@@ -107,21 +125,39 @@ def monolithic(family: str, tiny_models: Path) -> Any:
     return _MONOLITHIC[family]
 
 
-def edit_reference_inputs(pipeline: Any, prompt: str, image: np.ndarray) -> Any:
-    """What QwenImageEditPipeline gives its text encoder, plus the mm_token_type_ids that
-    make transformers apply M-RoPE as Qwen2.5-VL defines it."""
-    picture = Image.fromarray(image)
-    width, height = prompt_image_size(picture.width, picture.height, 1024 * 1024)
-    prompt_image = pipeline.image_processor.resize(picture, height, width)
-    template = FAMILIES["qwen-image-edit"].encoder.template
-    assert template is not None
+# What the edit pipelines resize an input image to for their text encoder (QwenImageEdit-
+# Pipeline: ~1024x1024; QwenImageEditPlusPipeline: its CONDITION_IMAGE_SIZE).
+PROMPT_IMAGE_AREA = {"qwen-image-edit": 1024 * 1024, "qwen-image-edit-plus": 384 * 384}
+# QwenImageEditPlusPipeline._get_qwen_prompt_embeds's placeholder of input image N.
+PLUS_IMAGE_PROMPT = "Picture {}: <|vision_start|><|image_pad|><|vision_end|>"
+
+
+def edit_reference_inputs(family: str, pipeline: Any, prompt: str, images: list[np.ndarray]) -> Any:
+    """What the edit pipeline gives its text encoder, plus the mm_token_type_ids that make
+    transformers apply M-RoPE as Qwen2.5-VL defines it; the template and the dropped rows
+    are the pipeline's own."""
+    resized = []
+    for image in images:
+        picture = Image.fromarray(image)
+        area = PROMPT_IMAGE_AREA[family]
+        width, height = prompt_image_size(picture.width, picture.height, area)
+        resized.append(pipeline.image_processor.resize(picture, height, width))
+    text = pipeline.prompt_template_encode
+    if family == "qwen-image-edit-plus":
+        pictures = "".join(PLUS_IMAGE_PROMPT.format(n + 1) for n in range(len(images)))
+        text = text.format(pictures + prompt)
+    else:
+        text = text.format(prompt)
     return pipeline.processor(
-        text=[template.format(prompt)], images=prompt_image, padding=True, return_tensors="pt"
+        text=[text],
+        images=resized if len(resized) > 1 else resized[0],
+        padding=True,
+        return_tensors="pt",
     )
 
 
 @torch.inference_mode()
-def reference_embeds(family: str, pipeline: Any, prompt: str, image: np.ndarray | None) -> Any:
+def reference_embeds(family: str, pipeline: Any, prompt: str, images: list[np.ndarray]) -> Any:
     if family == "qwen-image":
         embeds, _ = pipeline.encode_prompt(prompt=prompt, device="cpu")
         return embeds[0]
@@ -130,10 +166,11 @@ def reference_embeds(family: str, pipeline: Any, prompt: str, image: np.ndarray 
             prompt=prompt, device="cpu", do_classifier_free_guidance=False
         )
         return embeds[0]
-    assert image is not None
-    inputs = edit_reference_inputs(pipeline, prompt, image)
+    assert images
+    inputs = edit_reference_inputs(family, pipeline, prompt, images)
     hidden = pipeline.text_encoder(**inputs, output_hidden_states=True).hidden_states[-1]
-    return hidden[0][FAMILIES[family].encoder.drop_prefix :]
+    assert FAMILIES[family].encoder.drop_prefix == pipeline.prompt_template_encode_start_idx
+    return hidden[0][pipeline.prompt_template_encode_start_idx :]
 
 
 # --- the encoder stage, in this process, as a stage server runs it
@@ -161,13 +198,13 @@ async def encoded(
     connectors: StageConnectors,
     request_id: str,
     prompt: str,
-    image: np.ndarray | None,
+    images: list[np.ndarray],
 ) -> torch.Tensor:
     refused = await frontend.add(
         StageServerRequest(
             request_id=request_id,
             prompt=prompt,
-            image=image,
+            images=images,
             output_connector="shared_memory_connector",
         )
     )
@@ -189,10 +226,14 @@ async def test_encoder_stage_hands_over_the_familys_own_embeddings(
 ) -> None:
     family, _, frontend, connectors = encoder
     reference_pipeline = monolithic(family, tiny_models)
-    image = input_image() if FAMILIES[family].encoder.takes_image else None
+    images = input_images(family)
+    if family == "qwen-image-edit-plus":
+        # The template is the pipeline's own.
+        assert FAMILIES[family].encoder.template == reference_pipeline.prompt_template_encode
+        assert FAMILIES[family].encoder.image_prompt == PLUS_IMAGE_PROMPT
     for n, prompt in enumerate([*PROMPTS, ""]):
-        served = await encoded(frontend, connectors, f"{family}-{n}", prompt, image)
-        reference = reference_embeds(family, reference_pipeline, prompt, image)
+        served = await encoded(frontend, connectors, f"{family}-{n}", prompt, images)
+        reference = reference_embeds(family, reference_pipeline, prompt, images)
         assert served.shape == reference.shape
         assert torch.allclose(served.float(), reference.float(), atol=1e-4, rtol=0), (
             family,
@@ -206,7 +247,7 @@ async def test_encoder_stage_refuses_what_its_family_does_not_take(encoder: Any)
     request = StageServerRequest(
         request_id=f"{family}-wrong",
         prompt="a cat",
-        image=None if takes_image else input_image(),
+        images=[] if takes_image else [input_image()],
         output_connector="shared_memory_connector",
     )
     (refusal,) = await frontend.add(request)
@@ -268,7 +309,7 @@ def decoded(b64: str | None) -> np.ndarray:
 
 def monolithic_image(
     family: str, tiny_models: Path, prompt: str, negative: str | None, seed: int,
-    image: np.ndarray | None = None, **call: Any,
+    images: list[np.ndarray] | None = None, **call: Any,
 ) -> np.ndarray:  # fmt: skip
     pipeline = monolithic(family, tiny_models)
     kwargs: dict[str, Any] = {
@@ -279,18 +320,19 @@ def monolithic_image(
         "generator": torch.Generator("cpu").manual_seed(seed),
         "output_type": "np",
     }
-    if family == "qwen-image-edit":
-        assert image is not None
+    if family in EDITS:
+        assert images
         # The edit family's own embeddings, as Qwen2.5-VL computes them (see
         # reference_embeds): diffusers' encode_prompt would leave out M-RoPE.
-        positive = reference_embeds(family, pipeline, prompt, image)[None]
+        positive = reference_embeds(family, pipeline, prompt, images)[None]
+        pictures = [Image.fromarray(image) for image in images]
         kwargs.update(
-            image=Image.fromarray(image),
+            image=pictures if family == "qwen-image-edit-plus" else pictures[0],
             prompt_embeds=positive,
             prompt_embeds_mask=torch.ones(positive.shape[:2], dtype=torch.long),
         )
         if negative is not None:
-            negative_embeds = reference_embeds(family, pipeline, negative, image)[None]
+            negative_embeds = reference_embeds(family, pipeline, negative, images)[None]
             kwargs.update(
                 negative_prompt_embeds=negative_embeds,
                 negative_prompt_embeds_mask=torch.ones(negative_embeds.shape[:2], dtype=torch.long),
@@ -309,17 +351,18 @@ def test_served_image_equals_the_monolithic_pipelines(
     family, client = served
     negative = "blurry, dark" if family != "z-image" else None
     extra = {"negative_prompt": negative, "num_inference_steps": STEPS, "seed": 7}
-    if family == "qwen-image-edit":
-        image = input_image(3)
+    images = input_images(family, 3)
+    if images:
+        files = [(f"in{n}.png", png(image), "image/png") for n, image in enumerate(images)]
         answer = client.images.edit(
             model=client.models.list().data[0].id,
-            image=("in.png", png(image), "image/png"),
+            # One file as one (the "image" part), several as a list ("image[]").
+            image=files if len(files) > 1 else files[0],
             prompt=PROMPTS[0],
             size=f"{SIZE}x{SIZE}",  # type: ignore[arg-type]
             extra_body=extra,
         )
     else:
-        image = None
         answer = client.images.generate(
             model=client.models.list().data[0].id,
             prompt=PROMPTS[0],
@@ -328,7 +371,7 @@ def test_served_image_equals_the_monolithic_pipelines(
         )
     assert answer.data is not None
     served_image = decoded(answer.data[0].b64_json)
-    reference = monolithic_image(family, tiny_models, PROMPTS[0], negative, 7, image)
+    reference = monolithic_image(family, tiny_models, PROMPTS[0], negative, 7, images)
     assert_same_image(served_image, reference)
 
 
@@ -361,25 +404,24 @@ def test_z_images_own_guidance_knobs_are_its_pipelines(
     assert not np.array_equal(plain, reference), "the knobs must change the image"
 
 
-@pytest.mark.parametrize("served", ["qwen-image-edit"], indirect=True)
+@pytest.mark.parametrize("served", EDITS, indirect=True)
 def test_chat_completion_with_an_image_edits_it(
     served: tuple[str, openai.OpenAI], tiny_models: Path
 ) -> None:
-    """The seed's request: an image_url data URL and an instruction, modalities image."""
+    """The seed's request: image_url data URLs (one, or for the several-image family two)
+    and an instruction, modalities image."""
     family, client = served
-    image = input_image(5)
-    url = "data:image/png;base64," + base64.b64encode(png(image)).decode()
+    images = input_images(family, 5)
+    parts: list[Any] = [
+        {
+            "type": "image_url",
+            "image_url": {"url": "data:image/png;base64," + base64.b64encode(png(image)).decode()},
+        }
+        for image in images
+    ]
     response = client.chat.completions.create(
         model=client.models.list().data[0].id,
-        messages=[
-            {
-                "role": "user",
-                "content": [
-                    {"type": "image_url", "image_url": {"url": url}},
-                    {"type": "text", "text": PROMPTS[1]},
-                ],
-            }
-        ],
+        messages=[{"role": "user", "content": [*parts, {"type": "text", "text": PROMPTS[1]}]}],
         extra_body={
             "modalities": ["image"],
             "height": SIZE,
@@ -388,11 +430,11 @@ def test_chat_completion_with_an_image_edits_it(
             "seed": 11,
         },
     )
-    parts = response.choices[0].message.content
-    assert isinstance(parts, list)
-    data_url = parts[0]["image_url"]["url"]
+    content = response.choices[0].message.content
+    assert isinstance(content, list)
+    data_url = content[0]["image_url"]["url"]
     served_image = decoded(data_url.split(",", 1)[1])
-    reference = monolithic_image(family, tiny_models, PROMPTS[1], None, 11, image)
+    reference = monolithic_image(family, tiny_models, PROMPTS[1], None, 11, images)
     assert_same_image(served_image, reference)
 
 

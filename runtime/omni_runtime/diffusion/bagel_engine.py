@@ -157,8 +157,12 @@ class BagelEngine(DiffusionEngineBase):
         check_sizes(params, self.size_multiple, self.max_side)
         if (params.height is None) != (params.width is None):
             raise InvalidRequestError("height: give height and width together", "height")
-        if request.image is not None:
-            image = request.image
+        if len(request.images) > 1:
+            raise InvalidRequestError(
+                f"image: BAGEL edits one input image (got {len(request.images)})", "image"
+            )
+        if request.images:
+            image = request.images[0]
             if image.ndim != 3 or image.shape[2] != 3 or image.dtype != np.uint8:
                 raise InvalidRequestError(
                     f"image: expected uint8 RGB [height, width, 3], got {image.dtype} "
@@ -167,7 +171,7 @@ class BagelEngine(DiffusionEngineBase):
                 )
         elif params.height is None:
             params.height, params.width = self.default_size
-        if context is not None and request.image is not None and no_image is None:
+        if context is not None and request.images and no_image is None:
             raise InvalidRequestError(
                 "no_image_context_kv: required with context_kv for an edit (the image-dropped "
                 "context its image guidance runs against)",
@@ -223,7 +227,7 @@ class BagelEngine(DiffusionEngineBase):
             if should_abort():
                 raise RequestAbortedError
 
-        edit = request.image is not None
+        edit = bool(request.images)
         guidance = default_guidance(edit)
         overrides: dict[str, Any] = {
             "num_timesteps": params.num_inference_steps,
@@ -244,8 +248,7 @@ class BagelEngine(DiffusionEngineBase):
             generator.seed()
         image = None
         if edit:
-            assert request.image is not None
-            picture = Image.fromarray(np.asarray(request.image), mode="RGB")
+            picture = Image.fromarray(np.asarray(request.images[0]), mode="RGB")
             image = self.generator.prepare_image(picture)
         if "context_kv" in request.inputs:
             contexts = self._fetched_contexts(request, image, params)

@@ -394,19 +394,27 @@ class DiffusionEngine(DiffusionEngineBase):
                     f"got {list(shape)}",
                     name,
                 )
-        if request.image is not None:
+        if request.images:
             if not self.takes_image:
                 raise InvalidRequestError(
                     "image: this pipeline does not take an input image", "image"
                 )
-            image = request.image
-            if image.ndim != 3 or image.shape[2] != 3 or image.dtype != np.uint8:
+            most = self.family.max_input_images if self.family is not None else 1
+            if len(request.images) > most:
                 raise InvalidRequestError(
-                    f"image: expected uint8 RGB [height, width, 3], got {image.dtype} "
-                    f"{list(image.shape)}",
+                    f"image: at most {most} input image{'s' if most > 1 else ''} per "
+                    f"request (got {len(request.images)})",
                     "image",
                 )
+            for image in request.images:
+                if image.ndim != 3 or image.shape[2] != 3 or image.dtype != np.uint8:
+                    raise InvalidRequestError(
+                        f"image: expected uint8 RGB [height, width, 3], got {image.dtype} "
+                        f"{list(image.shape)}",
+                        "image",
+                    )
             if self.family is None:
+                image = request.images[0]
                 # Image-to-image makes an image the size of its input unless told.
                 if params.height is None:
                     params.height = int(image.shape[0])
@@ -487,11 +495,13 @@ class DiffusionEngine(DiffusionEngineBase):
         else:
             kwargs["prompt"] = request.prompt
             kwargs["negative_prompt"] = params.negative_prompt
-        image = None
-        if request.image is not None:
-            image = Image.fromarray(np.asarray(request.image), mode="RGB")
+        pictures = [Image.fromarray(np.asarray(image), mode="RGB") for image in request.images]
+        image = pictures[0] if pictures else None
         with torch.inference_mode():
-            if image is not None and self._img2img is not None:
+            if len(pictures) > 1:
+                # A pipeline of several input images (Qwen-Image-Edit-Plus) takes them as a list.
+                result = self.pipeline(image=pictures, **kwargs)
+            elif image is not None and self._img2img is not None:
                 if image.size != (params.width, params.height):
                     image = image.resize((params.width, params.height), Image.Resampling.BICUBIC)
                 # Image-to-image makes the size of its input, resized above.

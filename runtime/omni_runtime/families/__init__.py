@@ -27,7 +27,7 @@ from .base import (
     model_basename,
     prompt_image_size,
 )
-from .qwen_image import QWEN_IMAGE, QWEN_IMAGE_EDIT
+from .qwen_image import QWEN_IMAGE, QWEN_IMAGE_EDIT, QWEN_IMAGE_EDIT_PLUS
 from .z_image import Z_IMAGE
 
 __all__ = [
@@ -51,10 +51,13 @@ __all__ = [
 ]
 
 # The pipeline schema's enum (and so the CRD's); a unit test keeps it equal to FAMILIES.
-FamilyName = Literal["qwen-image", "qwen-image-edit", "z-image", "bagel"]
+FamilyName = Literal["qwen-image", "qwen-image-edit", "qwen-image-edit-plus", "z-image", "bagel"]
 FAMILY_NAMES: tuple[str, ...] = get_args(FamilyName)
 FAMILIES: Mapping[str, Family] = MappingProxyType(
-    {family.name: family for family in (QWEN_IMAGE, QWEN_IMAGE_EDIT, Z_IMAGE, BAGEL)}
+    {
+        family.name: family
+        for family in (QWEN_IMAGE, QWEN_IMAGE_EDIT, QWEN_IMAGE_EDIT_PLUS, Z_IMAGE, BAGEL)
+    }
 )
 MODEL_INDEX = "model_index.json"
 
@@ -69,11 +72,17 @@ def family_of_pipeline_class(class_name: str) -> Family | None:
 
 def family_of_model_name(model: str) -> Family | None:
     """The family a model path or hub id names (``Qwen/Qwen-Image-Edit`` -> qwen-image-edit,
-    ``/models/z-image-turbo`` -> z-image, ``ByteDance-Seed/BAGEL-7B-MoT`` -> bagel), by the
-    longest family name in its last component."""
+    ``Qwen/Qwen-Image-Edit-2509`` -> qwen-image-edit-plus, ``/models/z-image-turbo`` ->
+    z-image, ``ByteDance-Seed/BAGEL-7B-MoT`` -> bagel), by the longest family name or alias
+    in its last component."""
     basename = model_basename(model).replace("_", "-")
-    matches = [name for name in FAMILIES if name in basename]
-    return FAMILIES[max(matches, key=len)] if matches else None
+    matches = [
+        (name, family)
+        for family in FAMILIES.values()
+        for name in (family.name, *family.aliases)
+        if name in basename
+    ]
+    return max(matches, key=lambda match: len(match[0]))[1] if matches else None
 
 
 def read_checkpoint_family(path: str) -> Family | None:

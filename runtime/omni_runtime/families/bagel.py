@@ -88,6 +88,7 @@ BAGEL = BagelFamily(
     topology=encoder_then_dit("thinker", None),
     hub_ids=("ByteDance-Seed/BAGEL-7B-MoT",),
     thinks=True,
+    max_input_images=1,
     # BAGEL's guidance (its inferencer's names; the DiT's BagelParams checks them again,
     # with what no schema states: cfg_interval's low below its high).
     request_fields=(

@@ -126,9 +126,15 @@ class EncoderRecipe:
     # truncation (the edit pipeline's processor call has none).
     max_length: int | None
     chat_template_kwargs: Mapping[str, object] = field(default_factory=dict)
-    # Edit families: the input image is part of the encoder's input, resized to about this
-    # many pixels (keeping its aspect ratio, sides multiples of 32) as the pipeline does.
+    # Edit families: the input images are part of the encoder's input, each resized to
+    # about this many pixels (keeping its aspect ratio, sides multiples of 32) as the
+    # pipeline does.
     image_area: int | None = None
+    # Edit families whose template takes any number of images: what stands for image N
+    # (its ``{}``, counted from 1), all of them put before the prompt in the template's
+    # ``{}`` (Qwen-Image-Edit-Plus: "Picture 1: <|vision_start|>...Picture 2: ...").
+    # None: the template holds the one image's placeholder itself.
+    image_prompt: str | None = None
     # Where a diffusers checkpoint keeps the encoder's weights and its tokenizer (or, for
     # the edit family, the processor that also prepares the image).
     text_encoder_subfolder: str = "text_encoder"
@@ -164,6 +170,15 @@ class EncoderRecipe:
     @property
     def takes_image(self) -> bool:
         return self.image_area is not None or self.image_placeholder is not None
+
+    def template_text(self, prompt: str, image_count: int) -> str:
+        """The template filled in with the prompt, after the images' own placeholders where
+        the template takes several (``image_prompt``)."""
+        assert self.template is not None
+        if self.image_prompt is None:
+            return self.template.format(prompt)
+        images = "".join(self.image_prompt.format(n + 1) for n in range(image_count))
+        return self.template.format(images + prompt)
 
 
 @dataclass(frozen=True)
@@ -211,6 +226,11 @@ class Family:
     topology: tuple[TopologyStage, ...]
     # Hub ids of the family's public checkpoints (for docs and examples).
     hub_ids: tuple[str, ...] = ()
+    # Other names a model's path or hub id may carry for the family (lower case, "-" for
+    # "_"): Qwen-Image-Edit-Plus is published as Qwen-Image-Edit-2509 and -2511.
+    aliases: tuple[str, ...] = ()
+    # The most input images one request may carry (an edit family's; 0: it takes none).
+    max_input_images: int = 0
     # Whether the family's encoder may think (BAGEL's think mode: a plan written first).
     thinks: bool = False
     # The request fields of the family's own DiT (its guidance knobs), beyond the common

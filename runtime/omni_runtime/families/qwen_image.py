@@ -1,6 +1,7 @@
-"""Qwen-Image and Qwen-Image-Edit: Qwen2.5-VL's hidden states, template rows dropped, are the
-MMDiT's text conditioning (diffusers' QwenImagePipeline and QwenImageEditPipeline, whose
-_get_qwen_prompt_embeds and __call__ defaults these recipes follow, diffusers 0.42.1)."""
+"""Qwen-Image, Qwen-Image-Edit and Qwen-Image-Edit-Plus: Qwen2.5-VL's hidden states,
+template rows dropped, are the MMDiT's text conditioning (diffusers' QwenImagePipeline,
+QwenImageEditPipeline and QwenImageEditPlusPipeline, whose _get_qwen_prompt_embeds and
+__call__ defaults these recipes follow, diffusers 0.42.1)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,17 @@ _EDIT_TEMPLATE = (
     "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>{}<|im_end|>\n"
     "<|im_start|>assistant\n"
 )
+
+# Edit-Plus (the 2509 and 2511 checkpoints): the edit's system prompt, and before the
+# user's text one "Picture N: ..." placeholder per input image.
+_EDIT_PLUS_TEMPLATE = (
+    "<|im_start|>system\nDescribe the key features of the input image (color, shape, size, "
+    "texture, objects, background), then explain how the user's text instruction should "
+    "alter or modify the image. Generate a new image that meets the user's requirements "
+    "while maintaining consistency with the original input where appropriate.<|im_end|>\n"
+    "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
+)
+_EDIT_PLUS_IMAGE_PROMPT = "Picture {}: <|vision_start|><|image_pad|><|vision_end|>"
 
 # The pipelines' classifier-free guidance scale (their __call__'s true_cfg_scale).
 _REQUEST_FIELDS = (
@@ -71,4 +83,34 @@ QWEN_IMAGE_EDIT = EmbeddingsFamily(
     topology=encoder_then_dit("encoder", "hidden_states"),
     hub_ids=("Qwen/Qwen-Image-Edit",),
     request_fields=_REQUEST_FIELDS,
+    max_input_images=1,
+)
+
+# Several input images (the model card's 1 to 3), each encoded at about 384x384 (the
+# pipeline's CONDITION_IMAGE_SIZE) and given to the VAE at about 1024x1024 (its DiT's own
+# resizing); the output's default size follows the last image.
+QWEN_IMAGE_EDIT_PLUS = EmbeddingsFamily(
+    name="qwen-image-edit-plus",
+    encoder=EncoderRecipe(
+        template=_EDIT_PLUS_TEMPLATE,
+        drop_prefix=64,
+        max_length=None,
+        image_area=384 * 384,
+        image_prompt=_EDIT_PLUS_IMAGE_PROMPT,
+        tokenizer_subfolder="processor",
+        vision_language=True,
+    ),
+    dit=DiTRecipe(
+        pipeline_class="QwenImageEditPlusPipeline",
+        embeds="padded",
+        guidance="true_cfg_scale",
+        guidance_default=4.0,
+        text_components=("text_encoder", "tokenizer", "processor"),
+        takes_image=True,
+    ),
+    topology=encoder_then_dit("encoder", "hidden_states"),
+    hub_ids=("Qwen/Qwen-Image-Edit-2509", "Qwen/Qwen-Image-Edit-2511"),
+    aliases=("qwen-image-edit-2509", "qwen-image-edit-2511"),
+    request_fields=_REQUEST_FIELDS,
+    max_input_images=3,
 )

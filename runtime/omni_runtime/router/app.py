@@ -162,8 +162,8 @@ def create_app(
 
     @app.post("/v1/images/edits")
     async def images_edits(request: Request) -> Response:
-        body, image = (await read_form(request, serving.limits, bodies.edits)).finish()
-        return await serving.image_edits(body, image, request)
+        body, images = (await read_form(request, serving.limits, bodies.edits)).finish()
+        return await serving.image_edits(body, images, request)
 
     @app.get("/v1/models")
     async def models() -> Response:

@@ -243,7 +243,9 @@ def openapi_document(
     pairs = {
         field.name for field in (*models.fields, *models.edit_fields) if field.kind == "number_pair"
     }
-    schemas["ImageEditForm"] = _edit_form(schemas["ImageEditRequest"], pairs)
+    schemas["ImageEditForm"] = _edit_form(
+        schemas["ImageEditRequest"], pairs, models.edits.max_input_images
+    )
     paths: dict[str, Any] = {
         "/v1/chat/completions": {"post": _chat_operation(output_kind)},
     }
@@ -409,21 +411,36 @@ def _up_to(limit: int) -> str:
     return "(" + "|".join(alternatives) + ")"
 
 
-def _edit_form(fields: dict[str, Any], left_out: set[str]) -> dict[str, Any]:
-    """/v1/images/edits' multipart form: the image file and ImageEditRequest's fields but
+def _edit_form(fields: dict[str, Any], left_out: set[str], max_images: int) -> dict[str, Any]:
+    """/v1/images/edits' multipart form: the image file (or, where the pipeline takes
+    several, ``image[]`` files, up to ``max_images``) and ImageEditRequest's fields but
     ``left_out``."""
+    binary = {"type": "string", "format": "binary"}
+    images: dict[str, Any] = {
+        "image": {**binary, "description": "The input image file (PNG, JPEG, WebP, ...)."}
+    }
+    form: dict[str, Any] = {"required": ["image", *fields.get("required", [])]}
+    if max_images > 1:
+        images["image[]"] = {
+            "type": "array",
+            "items": binary,
+            "minItems": 1,
+            "maxItems": max_images,
+            "description": f"The input image files, 1 to {max_images}, in the order the "
+            "prompt numbers them (picture 1, picture 2, ...); instead of image.",
+        }
+        form = {
+            "required": fields.get("required", []),
+            "oneOf": [{"required": ["image"]}, {"required": ["image[]"]}],
+        }
     properties = {
-        "image": {
-            "type": "string",
-            "format": "binary",
-            "description": "The input image file (PNG, JPEG, WebP, ...); one per request.",
-        },
+        **images,
         **{name: schema for name, schema in fields["properties"].items() if name not in left_out},
     }
     return {
         "type": "object",
         "properties": properties,
-        "required": ["image", *fields.get("required", [])],
+        **form,
         "additionalProperties": False,
         "description": fields.get("description", ""),
     }

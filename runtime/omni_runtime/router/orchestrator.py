@@ -164,8 +164,8 @@ class PipelineRequest:
     # Sampling params for LLM stages that generate text, and for diffusion stages.
     llm_params: dict[str, Any] = field(default_factory=dict)
     diffusion_params: dict[str, Any] = field(default_factory=dict)
-    # An input image (image-to-image), uint8 RGB [height, width, 3].
-    image: np.ndarray | None = None
+    # Input images (image-to-image, an edit's), uint8 RGB [height, width, 3] each.
+    images: list[np.ndarray] = field(default_factory=list)
     sticky_key: str | None = None
     # Whether the caller reads the last stage's text as it is generated.
     stream: bool = False
@@ -407,7 +407,7 @@ class PipelineOrchestrator:
             return []
         companions = family.companions(
             stage_request.prompt or "",
-            request.image is not None,
+            bool(request.images),
             self._dit_params(request),
             thinks=bool(stage.think),
         )
@@ -418,7 +418,7 @@ class PipelineOrchestrator:
                     request_id=f"{stage_request.request_id}-{companion.suffix}",
                     prompt=companion.prompt,
                     params=dict(companion.params),
-                    image=stage_request.image if companion.with_image else None,
+                    images=stage_request.images if companion.with_image else [],
                     output_connector=stage_request.output_connector,
                 ),
             )
@@ -459,20 +459,20 @@ class PipelineOrchestrator:
                 # An encoder applies its model's own template to the prompt text.
                 result.prompt = _prompt_text(request)
                 if encoder.takes_image:
-                    result.image = request.image
+                    result.images = request.images
                 family = self.pipeline.family_recipe
                 if family is not None:
                     # BAGEL's thinker samples the input image's VAE latent with the seed's
                     # first draw, which the DiT's generator then skips, as the reference
                     # draws both from one generator.
                     result.params = family.encoder_params(
-                        self._dit_params(request), request.image is not None
+                        self._dit_params(request), bool(request.images)
                     )
             else:
                 result.prompt, result.messages = request.prompt, request.messages
             return result
         result.params = dict(request.diffusion_params)
-        result.image = request.image
+        result.images = request.images
         if upstream is None:
             result.prompt = _prompt_text(request)
         elif upstream.hand_offs:

@@ -22,6 +22,7 @@ import base64
 import binascii
 import functools
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, TypeVar
 
@@ -147,6 +148,8 @@ class _FamilyFields(_Body):
     the fields of the pipeline's family, and names them here."""
 
     family_fields: ClassVar[tuple[str, ...]] = ()
+    # The most input images a request may carry (the family's; 0: its DiT takes none).
+    max_input_images: ClassVar[int] = 1
 
 
 class _Sampling(_Body):
@@ -246,11 +249,10 @@ class ChatCompletionRequest(_FamilyFields, _Sampling):
                 'modalities: this pipeline makes images; ask for them with "modalities": ["image"]',
                 param="modalities",
             )
-        messages, images = flatten_messages(self.messages, limits)
+        most = self.max_input_images if wants_image else 0
+        messages, images = flatten_messages(self.messages, limits, most)
         prompt_chars = sum(len(m["content"]) for m in messages)
         check_common(limits, prompt_chars, self.n, self.num_inference_steps)
-        if len(images) > 1:
-            raise RequestError(400, "messages: at most one input image per request", "messages")
         llm_params = self._llm_params(self.max_completion_tokens or self.max_tokens, limits)
         if wants_image:
             check_size(limits, self.height, self.width)
@@ -260,11 +262,9 @@ class ChatCompletionRequest(_FamilyFields, _Sampling):
                 messages=messages,
                 llm_params=llm_params,
                 diffusion_params=_diffusion_params(self, height=self.height, width=self.width),
-                image=images[0] if images else None,
+                images=images,
                 sticky_key=self.user,
             )
-        if images:
-            raise RequestError(400, "messages: this pipeline takes no input image", "messages")
         for name in self.image_only_fields():
             # Ignoring it would answer a question the caller did not ask.
             if getattr(self, name) is not None:
@@ -385,7 +385,7 @@ class TokenizeRequest(_Body):
             for m in self.messages
         ):
             raise RequestError(400, "messages: /tokenize takes text only", "messages")
-        messages, _ = flatten_messages(self.messages, limits)
+        messages, _ = flatten_messages(self.messages, limits, 0)
         check_common(limits, sum(len(m["content"]) for m in messages), 1, None)
         return {"messages": messages}
 
@@ -444,7 +444,7 @@ class _ImageRequest(_FamilyFields):
         return _diffusion_params(self, height=height, width=width, **more)
 
     def _pipeline_request(
-        self, request_id: str, params: dict[str, Any], image: np.ndarray | None = None
+        self, request_id: str, params: dict[str, Any], images: list[np.ndarray] | None = None
     ) -> PipelineRequest:
         return PipelineRequest(
             request_id=request_id,
@@ -452,7 +452,7 @@ class _ImageRequest(_FamilyFields):
             # the same prompt sent to /v1/chat/completions.
             messages=[{"role": "user", "content": self.prompt}],
             diffusion_params=params,
-            image=image,
+            images=images or [],
             sticky_key=self.user,
         )
 
@@ -469,17 +469,22 @@ class ImageGenerationRequest(_ImageRequest):
 
 
 class ImageEditRequest(_ImageRequest):
-    """POST /v1/images/edits: the form's fields (the image travels beside, as bytes)."""
+    """POST /v1/images/edits: the form's fields (the images travel beside, as bytes)."""
 
     def to_pipeline_request(
-        self, request_id: str, output_kind: OutputKind, limits: RouterLimits, image: bytes
+        self,
+        request_id: str,
+        output_kind: OutputKind,
+        limits: RouterLimits,
+        images: Sequence[bytes],
     ) -> PipelineRequest:
-        """The pipeline request that edits ``image`` (a PNG/JPEG/... file's bytes), decoded
-        last, once every field has passed; RequestError naming the field otherwise. The
-        decode takes milliseconds: call this off the event loop."""
+        """The pipeline request that edits ``images`` (PNG/JPEG/... files' bytes, as many
+        as the form may carry), decoded last, once every field has passed; RequestError
+        naming the field otherwise. The decode takes milliseconds: call this off the event
+        loop."""
         params = self._diffusion_params(output_kind, limits)
         return self._pipeline_request(
-            request_id, params, decode_input_image(image, limits, "image")
+            request_id, params, [decode_input_image(image, limits, "image") for image in images]
         )
 
 
@@ -539,8 +544,9 @@ def request_models(family: Family | None) -> RequestModels:
     """The bodies a pipeline of ``family`` (None: of no family) takes; built once per set
     of fields, so that the app and its OpenAPI document share the very classes."""
     if family is None:
-        return _request_models(familyless_fields(), (STRENGTH,))
-    return _request_models(family.request_fields, ())
+        # Its DiT's image-to-image variant takes one input image.
+        return _request_models(familyless_fields(), (STRENGTH,), 1)
+    return _request_models(family.request_fields, (), family.max_input_images)
 
 
 def familyless_fields() -> tuple[RequestField, ...]:
@@ -570,12 +576,12 @@ def familyless_fields() -> tuple[RequestField, ...]:
 
 @functools.cache
 def _request_models(
-    fields: tuple[RequestField, ...], edit_fields: tuple[RequestField, ...]
+    fields: tuple[RequestField, ...], edit_fields: tuple[RequestField, ...], max_input_images: int
 ) -> RequestModels:
     return RequestModels(
-        chat=_with_fields(ChatCompletionRequest, fields, edit_fields),
-        images=_with_fields(ImageGenerationRequest, fields, ()),
-        edits=_with_fields(ImageEditRequest, fields, edit_fields),
+        chat=_with_fields(ChatCompletionRequest, fields, edit_fields, max_input_images),
+        images=_with_fields(ImageGenerationRequest, fields, (), 0),
+        edits=_with_fields(ImageEditRequest, fields, edit_fields, max_input_images),
         fields=fields,
         edit_fields=edit_fields,
     )
@@ -585,10 +591,14 @@ _Model = TypeVar("_Model", bound=_FamilyFields)
 
 
 def _with_fields(
-    base: type[_Model], fields: tuple[RequestField, ...], edit_fields: tuple[RequestField, ...]
+    base: type[_Model],
+    fields: tuple[RequestField, ...],
+    edit_fields: tuple[RequestField, ...],
+    max_input_images: int,
 ) -> type[_Model]:
     """``base`` with ``fields`` and ``edit_fields`` added, each optional (None: the stage's
-    default), under ``base``'s name: the OpenAPI document's schemas keep their names."""
+    default), under ``base``'s name: the OpenAPI document's schemas keep their names; its
+    requests carry at most ``max_input_images``."""
     definitions: dict[str, Any] = {}
     for field in (*fields, *edit_fields):
         if field.name in base.model_fields or hasattr(base, field.name):
@@ -606,6 +616,7 @@ def _with_fields(
         **definitions,
     )
     model.family_fields = tuple(field.name for field in (*fields, *edit_fields))
+    model.max_input_images = max_input_images
     return model
 
 
@@ -838,9 +849,18 @@ def _amount(size: int) -> str:
 
 
 def flatten_messages(
-    messages: list[ChatMessage], limits: RouterLimits
+    messages: list[ChatMessage], limits: RouterLimits, max_images: int
 ) -> tuple[list[dict[str, str]], list[np.ndarray]]:
-    """Chat messages as the LLM stage takes them (text content), and the input images."""
+    """Chat messages as the LLM stage takes them (text content), and the input images;
+    RequestError for more than ``max_images`` of them, before any is decoded."""
+    count = sum(
+        isinstance(part, ImagePart)
+        for message in messages
+        if not isinstance(message.content, str)
+        for part in message.content
+    )
+    if count > max_images:
+        raise RequestError(400, f"messages: {too_many_images(max_images, count)}", "messages")
     flat: list[dict[str, str]] = []
     images: list[np.ndarray] = []
     for index, message in enumerate(messages):
@@ -858,8 +878,18 @@ def flatten_messages(
     return flat, images
 
 
-# The form's image part: "image" as the openai client sends one file, "image[]" as newer
-# clients send a list (of which this server takes one).
+def too_many_images(most: int, count: int | None = None) -> str:
+    """Why a request with ``count`` input images (None: more than ``most``) is refused."""
+    if most == 0:
+        return "this pipeline takes no input image"
+    got = f" (got {count})" if count is not None else ""
+    if most == 1:
+        return f"at most one input image per request{got}"
+    return f"at most {most} input images per request{got}"
+
+
+# The form's image parts: "image" as the openai client sends one file, "image[]" as it
+# sends a list (of which this server takes as many as the pipeline's family allows).
 _IMAGE_PARTS = ("image", "image[]")
 _UNSUPPORTED_PARTS = {
     "mask": "inpainting masks are not supported here; send the image alone (all of it is "
@@ -874,9 +904,10 @@ class ImageEditForm:
     whole body at ``max_body_bytes`` (413), the image at ``max_input_image_bytes`` (413
     naming ``image``), a text field at 4 bytes (UTF-8's most) per character of
     ``max_prompt_chars`` (413 naming it); python-multipart bounds each part's headers. A
-    second image, a mask, a field given twice or one that is not part of this API is refused
-    (400 naming it) as soon as its part's headers arrive, before its data: so a form has at
-    most one part per field. ``model``: the deployment's edit body (``request_models``).
+    an image past the pipeline's count, a mask, a field given twice or one that is not part of
+    this API is refused (400 naming it) as soon as its part's headers arrive, before its
+    data: so a form has at most one part per field, and as many images as the pipeline
+    takes. ``model``: the deployment's edit body (``request_models``).
     """
 
     def __init__(
@@ -896,7 +927,7 @@ class ImageEditForm:
         self.limits = limits
         self.model = model
         self.fields: dict[str, str] = {}
-        self.image: bytes | None = None
+        self.images: list[bytes] = []
         self._max_field_bytes = 4 * limits.max_prompt_chars
         self._received = 0
         self._ended = False
@@ -927,20 +958,20 @@ class ImageEditForm:
         except FormParserError as e:
             raise RequestError(400, f"the body is not valid multipart/form-data: {e}") from None
 
-    def finish(self) -> tuple[ImageEditRequest, bytes]:
-        """The validated fields and the image's bytes, once the whole body is fed."""
+    def finish(self) -> tuple[ImageEditRequest, list[bytes]]:
+        """The validated fields and the images' bytes, once the whole body is fed."""
         if not self._ended:
             raise RequestError(
                 400, "the body is not valid multipart/form-data: it ends before its last boundary"
             )
-        if self.image is None:
+        if not self.images:
             raise RequestError(400, "image: required (a file part named image)", param="image")
         try:
             # Form fields are text: "2" is the integer 2 here, "abc" is not.
             request = self.model.model_validate_strings(self.fields)
         except ValidationError as e:
             raise _first_error(e, self.model) from None
-        return request, self.image
+        return request, self.images
 
     # -- python-multipart's callbacks --------------------------------------------------
 
@@ -971,8 +1002,10 @@ class ImageEditForm:
         label = name if len(name) <= 60 else name[:57] + "..."
         self._name = name
         if name in _IMAGE_PARTS:
-            if self.image is not None:
-                raise RequestError(400, "image: one input image per request", param="image")
+            most = self.model.max_input_images
+            if len(self.images) >= most:
+                why = too_many_images(most)
+                raise RequestError(400, f"image: {why}", param="image")
         elif name in _UNSUPPORTED_PARTS:
             raise RequestError(400, f"{name}: {_UNSUPPORTED_PARTS[name]}", param=name)
         elif name not in self.model.model_fields:
@@ -996,7 +1029,7 @@ class ImageEditForm:
 
     def _part_end(self) -> None:
         if self._name in _IMAGE_PARTS:
-            self.image = bytes(self._data)
+            self.images.append(bytes(self._data))
             return
         try:
             self.fields[self._name] = self._data.decode("utf-8")

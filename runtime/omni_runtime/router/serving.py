@@ -228,7 +228,9 @@ class OpenAIServing:
         )
         return await self._images_response(request, http)
 
-    async def image_edits(self, body: ImageEditRequest, image: bytes, http: Request) -> Response:
+    async def image_edits(
+        self, body: ImageEditRequest, images: list[bytes], http: Request
+    ) -> Response:
         self._check_model(body.model)
         # Decoding the image (PIL) takes milliseconds: not on the event loop.
         request = await asyncio.to_thread(
@@ -236,7 +238,7 @@ class OpenAIServing:
             f"img-{uuid.uuid4().hex}",
             self.orchestrator.output_kind,
             self.limits,
-            image,
+            images,
         )
         return await self._images_response(request, http)
 

@@ -63,7 +63,7 @@ class StageDiffusionFrontend(StageFrontend):
                     request_id=request_id,
                     prompt=request.prompt,
                     params=request.params,
-                    image=request.image,
+                    images=request.images,
                     inputs=request.inputs,
                 )
             )

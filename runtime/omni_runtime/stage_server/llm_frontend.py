@@ -139,7 +139,7 @@ class StageLLMFrontend(StageFrontend):
                 prompt=request.prompt,
                 messages=request.messages,
                 params=request.params,
-                image=request.image,
+                images=request.images,
             )
         except InvalidLLMRequestError as e:
             return [refusal(request_id, e.error)]

@@ -8,9 +8,10 @@ are random. Under one root:
   conditioning width (its UNet's cross-attention dim and its text encoder's hidden size)
   equals the LLM's hidden size, so an LLM stage's hidden states can condition the diffusion
   stage as prompt embeddings.
-- ``qwen-image/``, ``qwen-image-edit/``, ``z-image/``: full diffusers checkpoints
-  (``model_index.json`` and one folder per component) of QwenImagePipeline,
-  QwenImageEditPipeline and ZImagePipeline, laid out and shaped as the real checkpoints
+- ``qwen-image/``, ``qwen-image-edit/``, ``qwen-image-edit-plus/``, ``z-image/``: full
+  diffusers checkpoints (``model_index.json`` and one folder per component) of
+  QwenImagePipeline, QwenImageEditPipeline, QwenImageEditPlusPipeline (the pipeline of
+  Qwen-Image-Edit-2509 and -2511) and ZImagePipeline, laid out and shaped as the real checkpoints
   are, scaled down. Their text encoders (Qwen2.5-VL, Qwen3) load in vLLM from the
   ``text_encoder/`` folders.
 - ``bagel/``: a BAGEL checkpoint in the real one's files and names (``tiny_models.bagel``).
@@ -37,6 +38,7 @@ __all__ = [
     "DIFFUSION_SUBDIR",
     "HIDDEN_SIZE",
     "LLM_SUBDIR",
+    "QWEN_IMAGE_EDIT_PLUS_SUBDIR",
     "QWEN_IMAGE_EDIT_SUBDIR",
     "QWEN_IMAGE_SUBDIR",
     "SUBDIRS",
@@ -49,6 +51,7 @@ LLM_SUBDIR = "llm"
 DIFFUSION_SUBDIR = "diffusion"
 QWEN_IMAGE_SUBDIR = "qwen-image"
 QWEN_IMAGE_EDIT_SUBDIR = "qwen-image-edit"
+QWEN_IMAGE_EDIT_PLUS_SUBDIR = "qwen-image-edit-plus"
 Z_IMAGE_SUBDIR = "z-image"
 BAGEL_SUBDIR = "bagel"
 SUBDIRS = (
@@ -56,12 +59,13 @@ SUBDIRS = (
     DIFFUSION_SUBDIR,
     QWEN_IMAGE_SUBDIR,
     QWEN_IMAGE_EDIT_SUBDIR,
+    QWEN_IMAGE_EDIT_PLUS_SUBDIR,
     Z_IMAGE_SUBDIR,
     BAGEL_SUBDIR,
 )
 _MARKER = "omni-tiny-models.json"
 # Bump when what is built changes, so that old directories are rebuilt.
-_RECIPE_VERSION = 8
+_RECIPE_VERSION = 9
 
 
 def _readable_by_all(tree: Path) -> None:
@@ -87,7 +91,10 @@ def ensure_tiny_models(root: str | Path) -> Path:
         build_stable_diffusion(staging / DIFFUSION_SUBDIR, staging / LLM_SUBDIR)
         qwen_tokenizer = build_qwen_tokenizer(model_max_length=MAX_POSITIONS)
         build_qwen_image(
-            staging / QWEN_IMAGE_SUBDIR, staging / QWEN_IMAGE_EDIT_SUBDIR, qwen_tokenizer
+            staging / QWEN_IMAGE_SUBDIR,
+            staging / QWEN_IMAGE_EDIT_SUBDIR,
+            staging / QWEN_IMAGE_EDIT_PLUS_SUBDIR,
+            qwen_tokenizer,
         )
         build_z_image(staging / Z_IMAGE_SUBDIR, qwen_tokenizer)
         build_bagel(staging / BAGEL_SUBDIR, qwen_tokenizer)

@@ -73,13 +73,14 @@ _SCHEDULER_CONFIG: dict[str, Any] = {
 }
 
 
-def build_qwen_image(path: Path, edit_path: Path, tokenizer: Any) -> None:
-    """Write the text-to-image checkpoint to ``path`` and the edit one to ``edit_path``.
+def build_qwen_image(path: Path, edit_path: Path, edit_plus_path: Path, tokenizer: Any) -> None:
+    """Write the text-to-image checkpoint to ``path``, the edit one to ``edit_path`` and the
+    several-image edit one (Qwen-Image-Edit-2509/2511's pipeline) to ``edit_plus_path``.
 
-    Both share the text encoder, the tokenizer (``build_qwen_tokenizer``'s) and the VAE (the
+    All share the text encoder, the tokenizer (``build_qwen_tokenizer``'s) and the VAE (the
     real Qwen-Image-Edit reuses Qwen-Image's Qwen2.5-VL and VAE); their transformers differ.
     """
-    from diffusers import QwenImageEditPipeline, QwenImagePipeline
+    from diffusers import QwenImageEditPipeline, QwenImageEditPlusPipeline, QwenImagePipeline
 
     text_encoder = _text_encoder(tokenizer)
     vae = _vae()
@@ -90,23 +91,27 @@ def build_qwen_image(path: Path, edit_path: Path, tokenizer: Any) -> None:
         tokenizer=tokenizer,
         transformer=_transformer(SEED + 10),
     ).save_pretrained(path)
-    edit = QwenImageEditPipeline(
-        scheduler=_scheduler(),
-        vae=vae,
-        text_encoder=text_encoder,
-        tokenizer=tokenizer,
-        processor=None,
-        transformer=_transformer(SEED + 11),
-    )
-    # It warns that the processor (None) "cannot be saved": _save_processor writes it.
-    saving = logging.getLogger("diffusers.pipelines.pipeline_utils")
-    level = saving.level
-    saving.setLevel(logging.ERROR)
-    try:
-        edit.save_pretrained(edit_path)
-    finally:
-        saving.setLevel(level)
-    _save_processor(edit_path, tokenizer)
+    for pipeline_class, where, seed in (
+        (QwenImageEditPipeline, edit_path, SEED + 11),
+        (QwenImageEditPlusPipeline, edit_plus_path, SEED + 12),
+    ):
+        edit = pipeline_class(
+            scheduler=_scheduler(),
+            vae=vae,
+            text_encoder=text_encoder,
+            tokenizer=tokenizer,
+            processor=None,
+            transformer=_transformer(seed),
+        )
+        # It warns that the processor (None) "cannot be saved": _save_processor writes it.
+        saving = logging.getLogger("diffusers.pipelines.pipeline_utils")
+        level = saving.level
+        saving.setLevel(logging.ERROR)
+        try:
+            edit.save_pretrained(where)
+        finally:
+            saving.setLevel(level)
+        _save_processor(where, tokenizer)
 
 
 def _text_encoder(tokenizer: Any) -> Any:

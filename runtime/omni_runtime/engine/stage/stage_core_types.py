@@ -132,8 +132,8 @@ class StageDiffusionCoreRequest(StageCoreRequest):
     request_id: str
     prompt: str | None = None
     params: dict[str, Any] = {}
-    # Image-to-image input: uint8 RGB, [height, width, 3].
-    image: np.ndarray | None = None
+    # Input images (image-to-image, an edit's): uint8 RGB, [height, width, 3] each.
+    images: list[np.ndarray] = []
     # Text conditioning given as arrays by a caller that holds them, [tokens, width]
     # (diffusers' own arguments): replaces the pipeline's own text encoder.
     prompt_embeds: np.ndarray | None = None
@@ -215,8 +215,8 @@ class StageServerRequest(StageCoreRequest):
     messages: list[dict[str, str]] | None = None
     # Sampling params, merged over the stage's defaultSamplingParams by the server.
     params: dict[str, Any] = {}
-    # Image-to-image input: uint8 RGB, [height, width, 3].
-    image: np.ndarray | None = None
+    # Input images (image-to-image, an edit's): uint8 RGB, [height, width, 3] each.
+    images: list[np.ndarray] = []
     # LLM hidden-states stages: the connector that carries them to the next stage.
     output_connector: str | None = None
     # LLM generate stages: whether the caller reads the text as it is generated. False:

@@ -14,8 +14,8 @@ is wrong in a message that starts with it, e.g. ``params.temperature: ...``.
 
 The encoder stage of a model family (``omni_runtime.families``) renders a prompt as the family's
 pipeline does before its text encoder sees it: its template (or its tokenizer's chat
-template), its truncation, and for an edit the input image, resized as the pipeline resizes
-it, through vLLM's multimodal processor.
+template), its truncation, and for an edit the input images, resized as the pipeline resizes
+them, through vLLM's multimodal processor.
 """
 
 from __future__ import annotations
@@ -110,11 +110,11 @@ class StageLLMRequestBuilder:
         prompt_token_ids: Sequence[int] | None = None,
         params: Mapping[str, Any] | None = None,
         additional_information: dict[str, Any] | None = None,
-        image: np.ndarray | None = None,
+        images: Sequence[np.ndarray] = (),
     ) -> StageLLMCoreRequest:
         """The request for one prompt: give exactly one of ``prompt`` (text),
-        ``messages`` (chat, through the chat template) or ``prompt_token_ids``; ``image``
-        (uint8 RGB) only to a family's encoder that takes one."""
+        ``messages`` (chat, through the chat template) or ``prompt_token_ids``; ``images``
+        (uint8 RGB each) only to a family's encoder that takes them."""
         if not isinstance(request_id, str) or not request_id:
             raise InvalidLLMRequestError("request_id: a non-empty string is required", "request_id")
         params = dict(params or {})
@@ -125,9 +125,9 @@ class StageLLMRequestBuilder:
                 image_kwargs = _encoder_dit_params(params, self.encoder.dit_params)
                 thinks = self._thinks(params)
             engine_input, field_name = self._render_for_family(
-                self.encoder, prompt, messages, prompt_token_ids, image, image_kwargs
+                self.encoder, prompt, messages, prompt_token_ids, images, image_kwargs
             )
-        elif image is not None:
+        elif images:
             raise InvalidLLMRequestError("image: this LLM stage takes text only", "image")
         else:
             engine_input, field_name = self._render(prompt, messages, prompt_token_ids)
@@ -250,7 +250,7 @@ class StageLLMRequestBuilder:
         prompt: str | None,
         messages: Sequence[Mapping[str, str]] | None,
         prompt_token_ids: Sequence[int] | None,
-        image: np.ndarray | None,
+        images: Sequence[np.ndarray],
         image_kwargs: Mapping[str, Any],
     ) -> tuple[Any, str]:
         if messages is not None or prompt_token_ids is not None or not isinstance(prompt, str):
@@ -259,8 +259,13 @@ class StageLLMRequestBuilder:
                 "family's template)",
                 "prompt",
             )
+        if len(images) > 1 and encoder.image_prompt is None:
+            raise InvalidLLMRequestError(
+                f"image: this encoder reads one input image with the prompt (got {len(images)})",
+                "image",
+            )
         if encoder.template is not None:
-            text = encoder.template.format(prompt)
+            text = encoder.template_text(prompt, len(images))
         else:
             text = self.tokenizer.apply_chat_template(
                 [{"role": "user", "content": prompt}],
@@ -287,20 +292,25 @@ class StageLLMRequestBuilder:
             context: list[int] = []
             if self.think_tokens is not None and encoder.think_system_prompt is not None:
                 context += self.framed_prompt_ids(encoder.think_system_prompt)
-            if image is not None:
+            if images:
                 assert encoder.image_placeholder is not None
                 context.append(self.tokenizer.convert_tokens_to_ids(encoder.image_placeholder))
-                engine_prompt["multi_modal_data"] = {"image": _rgb_image(image)}
+                engine_prompt["multi_modal_data"] = {"image": _rgb_image(images[0])}
                 engine_prompt["mm_processor_kwargs"] = dict(image_kwargs)
             engine_prompt["prompt_token_ids"] = [*context, *token_ids]
         elif encoder.image_area is not None:
-            if image is None:
+            if not images:
                 raise InvalidLLMRequestError(
                     "image: required: this encoder reads the input image with the prompt",
                     "image",
                 )
-            engine_prompt["multi_modal_data"] = {"image": _prompt_image(image, encoder.image_area)}
-        elif image is not None:
+            area = encoder.image_area
+            pictures = [_prompt_image(image, area) for image in images]
+            # One image as itself, as the single-image family has always sent it.
+            engine_prompt["multi_modal_data"] = {
+                "image": pictures if len(pictures) > 1 else pictures[0]
+            }
+        elif images:
             raise InvalidLLMRequestError("image: this encoder stage takes text only", "image")
         try:
             (engine_input,) = self.renderer.render_cmpl([engine_prompt])
@@ -359,7 +369,7 @@ class StageLLMRequestBuilder:
 
 
 def _prompt_image(image: np.ndarray, area: int) -> Any:
-    """The input image as an edit pipeline gives it to its text encoder: resized to about
+    """An input image as an edit pipeline gives it to its text encoder: resized to about
     ``area`` pixels, as diffusers' VaeImageProcessor resizes (Lanczos)."""
     from PIL import Image
 

@@ -37,6 +37,10 @@ def two_stages(model: str, **more: Any) -> dict[str, Any]:
         ("Qwen/Qwen-Image", "qwen-image"),
         ("Qwen/Qwen-Image-Edit", "qwen-image-edit"),
         ("/models/qwen_image_edit/", "qwen-image-edit"),
+        # Published under dates, served by the several-image pipeline.
+        ("Qwen/Qwen-Image-Edit-2509", "qwen-image-edit-plus"),
+        ("Qwen/Qwen-Image-Edit-2511", "qwen-image-edit-plus"),
+        ("/models/qwen-image-edit-plus", "qwen-image-edit-plus"),
         ("Tongyi-MAI/Z-Image-Turbo", "z-image"),
         ("Qwen/Qwen2.5-VL-7B-Instruct", None),
         ("/models/qwen-image/sdxl", None),

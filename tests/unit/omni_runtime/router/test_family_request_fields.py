@@ -124,6 +124,10 @@ def test_the_document_lists_the_familys_fields_and_no_other(
         form = set(schemas["ImageEditForm"]["properties"])
         pairs = {"cfg_interval"} if kind == "bagel" else set()
         assert form & ALL_FIELDS == own - pairs
+        # A list of images where the family takes several, as many as it takes.
+        most = 1 if kind is None else FAMILIES[kind].max_input_images
+        listed = schemas["ImageEditForm"]["properties"].get("image[]")
+        assert (listed["maxItems"] if listed else 1) == most
     else:
         # The family's DiT takes no input image: a message's parts are text alone.
         parts = schemas["ChatMessage"]["properties"]["content"]["anyOf"][1]["items"]
@@ -258,22 +262,70 @@ def test_the_familys_fields_reach_the_diffusion_params(kind: str) -> None:
     }
 
 
-def test_an_edit_forms_family_fields_are_parsed_from_their_text() -> None:
-    form_fields = {"prompt": "x", "cfg_normalization": "true", "cfg_truncation": "0.25"}
+def edit_form_body(form_fields: dict[str, str], images: int = 1) -> bytes:
     body = b"".join(
         b'--b\r\nContent-Disposition: form-data; name="%s"\r\n\r\n%s\r\n'
         % (name.encode(), value.encode())
         for name, value in form_fields.items()
     )
-    body += b'--b\r\nContent-Disposition: form-data; name="image"; filename="a.png"\r\n\r\n'
-    body += png() + b"\r\n--b--\r\n"
+    for _ in range(images):
+        body += b'--b\r\nContent-Disposition: form-data; name="image[]"; filename="a.png"\r\n\r\n'
+        body += png() + b"\r\n"
+    return body + b"--b--\r\n"
+
+
+def test_an_edit_forms_family_fields_are_parsed_from_their_text() -> None:
+    form_fields = {"prompt": "x", "timestep_shift": "3.5", "cfg_renorm_type": "channel"}
     form = ImageEditForm(
-        "multipart/form-data; boundary=b", LIMITS, request_models(FAMILIES["z-image"]).edits
+        "multipart/form-data; boundary=b", LIMITS, request_models(FAMILIES["bagel"]).edits
     )
+    form.feed(edit_form_body(form_fields))
+    request, images = form.finish()
+    params = request.to_pipeline_request("e", "image", LIMITS, images).diffusion_params
+    assert params == {"timestep_shift": 3.5, "cfg_renorm_type": "channel", "num_images": 1}
+
+
+@pytest.mark.parametrize(
+    ("family", "images", "error"),
+    [
+        ("z-image", 1, "image: this pipeline takes no input image"),
+        ("bagel", 2, "image: at most one input image per request"),
+        ("qwen-image-edit-plus", 3, None),
+        ("qwen-image-edit-plus", 4, "image: at most 3 input images per request"),
+    ],
+)
+def test_an_edit_form_takes_as_many_images_as_its_family(
+    family: str, images: int, error: str | None
+) -> None:
+    form = ImageEditForm(
+        "multipart/form-data; boundary=b", LIMITS, request_models(FAMILIES[family]).edits
+    )
+    body = edit_form_body({"prompt": "x"}, images)
+    if error is not None:
+        with pytest.raises(RequestError, match=error) as refused:
+            form.feed(body)
+        assert refused.value.param == "image"
+        return
     form.feed(body)
-    request, image = form.finish()
-    params = request.to_pipeline_request("e", "image", LIMITS, image).diffusion_params
-    assert params == {"cfg_normalization": True, "cfg_truncation": 0.25, "num_images": 1}
+    request, parts = form.finish()
+    assert len(request.to_pipeline_request("e", "image", LIMITS, parts).images) == images
+
+
+@pytest.mark.parametrize(("family", "most"), [("qwen-image-edit", 1), ("qwen-image-edit-plus", 3)])
+def test_a_chat_completion_takes_as_many_images_as_its_family(family: str, most: int) -> None:
+    url = "data:image/png;base64," + base64.b64encode(png()).decode()
+    part = {"type": "image_url", "image_url": {"url": url}}
+
+    def chat(count: int) -> Any:
+        content = [*[part] * count, {"type": "text", "text": "x"}]
+        return parse_body(
+            request_models(FAMILIES[family]).chat,
+            {"messages": [{"role": "user", "content": content}], "modalities": ["image"]},
+        )
+
+    assert len(chat(most).to_pipeline_request("c", "image", LIMITS).images) == most
+    with pytest.raises(RequestError, match=f"messages: at most .* \\(got {most + 1}\\)"):
+        chat(most + 1).to_pipeline_request("c", "image", LIMITS)
 
 
 def test_served_bodies_reach_the_pipeline_with_the_familys_fields(
@@ -331,9 +383,13 @@ def test_a_text_pipeline_refuses_the_image_fields_it_knows_by_name() -> None:
     )
 
 
-def test_models_are_built_once_per_set_of_fields() -> None:
-    qwen = request_models(FAMILIES["qwen-image"])
+def test_models_are_built_once_per_set_of_fields_and_image_count() -> None:
+    qwen = request_models(FAMILIES["qwen-image-edit"])
     assert qwen is request_models(FAMILIES["qwen-image-edit"])
+    # The same fields, another count of input images: bodies of their own.
+    assert qwen is not request_models(FAMILIES["qwen-image"])
+    assert qwen.edits.max_input_images == 1
+    assert request_models(FAMILIES["qwen-image-edit-plus"]).edits.max_input_images == 3
     assert qwen.chat is not ChatCompletionRequest
     assert issubclass(qwen.chat, ChatCompletionRequest)
     assert qwen.chat.__name__ == "ChatCompletionRequest"

@@ -77,13 +77,13 @@ def test_what_httpx_sends_parses() -> None:
         data={"prompt": "a cat", "n": "2"},
         files={"image": ("a.png", png(), "image/png")},
     )
-    body, image = parse(request.headers["content-type"], request.read())
-    assert (body.prompt, body.n, image) == ("a cat", 2, png())
+    body, images = parse(request.headers["content-type"], request.read())
+    assert (body.prompt, body.n, images) == ("a cat", 2, [png()])
 
 
 def parse(
     content_type: str, body: bytes, limits: RouterLimits = LIMITS, chunk: int = 7
-) -> tuple[ImageEditRequest, bytes]:
+) -> tuple[ImageEditRequest, list[bytes]]:
     """Fed in small chunks, as a slow client's body arrives."""
     form = ImageEditForm(content_type, limits, BODIES.edits)
     for start in range(0, len(body), chunk):
@@ -96,8 +96,8 @@ def edit(
     files: Sequence[tuple[str, bytes]] = (("image", png()),),
     limits: RouterLimits = LIMITS,
 ) -> PipelineRequest:
-    request, image = parse(*multipart(fields, files), limits=limits)
-    return request.to_pipeline_request("r", "image", limits, image)
+    request, images = parse(*multipart(fields, files), limits=limits)
+    return request.to_pipeline_request("r", "image", limits, images)
 
 
 def refusal(
@@ -139,8 +139,8 @@ def test_a_form_becomes_a_pipeline_request_with_the_decoded_image() -> None:
         "true_cfg_scale": 2.0,
         "strength": 0.6,
     }
-    assert request.image is not None
-    assert np.array_equal(request.image, SOURCE)
+    (image,) = request.images
+    assert np.array_equal(image, SOURCE)
     assert request.sticky_key == "u1"
 
 
@@ -157,8 +157,8 @@ def test_a_list_of_one_image_is_taken_and_a_jpeg_is_read_as_rgb() -> None:
     jpeg = io.BytesIO()
     Image.new("L", (16, 8), 200).save(jpeg, format="JPEG")
     request = edit({"prompt": "x"}, files=[("image[]", jpeg.getvalue())])
-    assert request.image is not None
-    assert request.image.shape == (8, 16, 3)
+    (image,) = request.images
+    assert image.shape == (8, 16, 3)
     assert request.diffusion_params == {"num_images": 1}
 
 
@@ -385,9 +385,9 @@ def test_bodies_that_are_not_a_form_are_refused(
 
 
 def test_a_pipeline_that_makes_no_images_is_named() -> None:
-    request, image = parse(*multipart({"prompt": "x"}))
+    request, images = parse(*multipart({"prompt": "x"}))
     with pytest.raises(RequestError, match="makes no images"):
-        request.to_pipeline_request("r", "text", LIMITS, image)
+        request.to_pipeline_request("r", "text", LIMITS, images)
 
 
 def test_generations_refuse_url_the_same_way() -> None:

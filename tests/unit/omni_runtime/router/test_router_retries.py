@@ -383,7 +383,7 @@ async def test_a_bagel_edits_companion_and_its_parent_feed_one_dit_in_their_pod(
     try:
         for n in range(6):
             request = PipelineRequest(
-                f"r{n}", prompt="p", image=image, diffusion_params={"height": 32, "width": 32}
+                f"r{n}", prompt="p", images=[image], diffusion_params={"height": 32, "width": 32}
             )
             await asyncio.wait_for(run.complete(request), 5)
         await asyncio.wait_for(run.complete(PipelineRequest("t2i", prompt="p")), 5)
@@ -393,16 +393,16 @@ async def test_a_bagel_edits_companion_and_its_parent_feed_one_dit_in_their_pod(
                 assert "context_kv" in request.inputs
                 parent = request.inputs["context_kv"].handle.key
                 if parent == "t2i":
-                    assert by_id[parent].image is None
+                    assert by_id[parent].images == []
                     assert "no_image_context_kv" not in request.inputs
                     continue
-                assert by_id[parent].image is not None
+                assert len(by_id[parent].images) == 1
                 # The seed alone: the edit's size is the DiT's, not its context's.
                 assert by_id[parent].params == {"seed": 52}
                 assert "no_image_context_kv" in request.inputs
                 companion = request.inputs["no_image_context_kv"].handle.key
                 assert companion == f"{parent}-no-image"
-                assert by_id[companion].image is None
+                assert by_id[companion].images == []
                 assert by_id[companion].prompt == by_id[parent].prompt
         assert all(dits[pod].requests for pod in dits)  # both pods served
     finally:

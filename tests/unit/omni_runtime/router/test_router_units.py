@@ -108,7 +108,7 @@ def test_messages_flatten_to_text_and_images() -> None:
             ],
         },
     )
-    messages, images = flatten_messages(body.messages, LIMITS)
+    messages, images = flatten_messages(body.messages, LIMITS, 1)
     assert messages == [
         {"role": "system", "content": "be brief"},
         {"role": "user", "content": "a\nb"},

@@ -105,15 +105,17 @@ def test_diffusion_types_round_trip_with_arrays_as_frames() -> None:
         request_id="d1",
         prompt="cat",
         params={"height": 64, "seed": 3},
-        image=image,
+        images=[image, image[:32]],
         prompt_embeds=embeds,
     )
     frames = WireEncoder().encode(request)
-    assert len(frames) == 3  # body + two arrays, each out of band
+    assert len(frames) == 4  # body + three arrays, each out of band
     decoded = round_trip(request, StageDiffusionCoreRequest)
     assert decoded.params == {"height": 64, "seed": 3}
-    assert np.array_equal(decoded.image, image)
-    assert decoded.image.dtype == np.uint8
+    assert [a.shape for a in decoded.images] == [(64, 48, 3), (32, 48, 3)]
+    assert np.array_equal(decoded.images[0], image)
+    assert np.array_equal(decoded.images[1], image[:32])
+    assert decoded.images[0].dtype == np.uint8
     assert np.array_equal(decoded.prompt_embeds, embeds)
 
     outputs = StageDiffusionCoreOutputs(
@@ -191,7 +193,9 @@ def test_small_arrays_are_inlined() -> None:
 
 def test_object_arrays_are_refused_both_ways() -> None:
     with pytest.raises(TypeError, match="numeric only"):
-        WireEncoder().encode(StageDiffusionCoreRequest(request_id="o", image=np.array([object()])))
+        WireEncoder().encode(
+            StageDiffusionCoreRequest(request_id="o", images=[np.array([object()])])
+        )
     # A forged message naming an object dtype must not be turned into objects.
     forged = msgspec.msgpack.encode(
         ["o", None, {}, msgspec.msgpack.Ext(1, msgspec.msgpack.encode(("|O", [1], b"\0" * 8)))]
@@ -202,7 +206,7 @@ def test_object_arrays_are_refused_both_ways() -> None:
 
 def test_references_to_missing_frames_are_refused() -> None:
     frames = WireEncoder().encode(
-        StageDiffusionCoreRequest(request_id="m", image=np.zeros((32, 32, 3), np.uint8))
+        StageDiffusionCoreRequest(request_id="m", images=[np.zeros((32, 32, 3), np.uint8)])
     )
     with pytest.raises(WireError, match="frame 1"):
         WireDecoder(StageDiffusionCoreRequest).decode(frames[:1])
