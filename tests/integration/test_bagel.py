@@ -285,11 +285,19 @@ def test_think_mode_served_makes_the_references_image(
     )
     assert generated.data is not None
     assert_close_image(decoded(generated.data[0].b64_json), reference["t2i-think"]["image"])
+    # The plan comes back beside the image, as BAGEL's interleave_inference returns
+    # [text, image]: the reference's plan.
+    assert generated.data[0].revised_prompt == str(reference["t2i-think"]["think_text"])
     body = seed_request(input_image(), steps=2)
     response = client.chat.completions.create(
         model=body.pop("model"), messages=body.pop("messages"), extra_body=body
     )
     assert chat_image(response).shape == (SIZE, SIZE, 3)
+    # In a chat answer: the plan's text part, then the image.
+    parts = response.choices[0].message.content
+    assert isinstance(parts, list)
+    assert [part["type"] for part in parts] == ["text", "image_url"]
+    assert isinstance(parts[0]["text"], str)
     # Each request: the context with its plan, and the companion's without.
     assert _thinker_served(served_thinking) == 4
 
@@ -319,7 +327,8 @@ def seed_request(image: np.ndarray, seed: int = SEED, steps: int = STEPS) -> dic
 def chat_image(response: Any) -> np.ndarray:
     parts = response.choices[0].message.content
     assert isinstance(parts, list)
-    return decoded(parts[0]["image_url"]["url"].split(",", 1)[1])
+    (image,) = (part for part in parts if part["type"] == "image_url")
+    return decoded(image["image_url"]["url"].split(",", 1)[1])
 
 
 def test_the_seeds_request_through_the_openai_client_is_the_references_edit(
@@ -363,6 +372,7 @@ def test_text_to_image_and_edits_on_the_images_endpoints(
     )
     assert generated.data is not None
     assert_close_image(decoded(generated.data[0].b64_json), reference["t2i"]["image"])
+    assert generated.data[0].revised_prompt is None  # no think mode, no plan
     # Text to image: the thinker prefilled the context and the DiT read its KV cache.
     assert _thinker_served(served) == thinker_before + 1
     edited = client.images.edit(

@@ -30,6 +30,7 @@ from omni_runtime.modeling.bagel.generation import (
     BagelGenerator,
     image_pixels,
     plan,
+    split_plan_trailer,
     vae_noise,
 )
 from omni_runtime.modeling.bagel.model import ContextKV, context_layout
@@ -166,7 +167,10 @@ def test_the_thinkers_rows_are_the_contexts_keys_and_values(
         rng = torch.Generator().manual_seed(SEED)
         with torch.inference_mode():
             if think:
-                context, kept = think_mode_context(generator, prompt, picture, rng)
+                context, kept, planned = think_mode_context(generator, prompt, picture, rng)
+                # After the context's rows, the plan's text, for the caller.
+                rows, text = split_plan_trailer(rows)
+                assert text == planned, case
             else:
                 contexts = generator.contexts(prompt, picture, 64, 64, rng)
                 context, kept = contexts.full, contexts.no_text
@@ -185,9 +189,9 @@ def test_the_thinkers_rows_are_the_contexts_keys_and_values(
 
 def think_mode_context(
     generator: BagelGenerator, prompt: str, picture: Any, rng: torch.Generator
-) -> tuple[ContextKV, ContextKV]:
-    """Think mode's full context (system prompt, image, prompt, plan) and its text-dropped
-    one (system prompt, image), as BAGEL builds them."""
+) -> tuple[ContextKV, ContextKV, str]:
+    """Think mode's full context (system prompt, image, prompt, plan), its text-dropped
+    one (system prompt, image), as BAGEL builds them, and the plan's text."""
     model, tokenizer, tokens = generator.model, generator.tokenizer, generator.tokens
     context = ContextKV.empty(generator.shape.llm, model.dtype, model.device)
     context = model.extend_with_text(
@@ -204,8 +208,8 @@ def think_mode_context(
     context = model.extend_with_text(
         context, tokenizer.encode(prompt, add_special_tokens=False), tokens
     )
-    _, context = plan(model, tokenizer, tokens, context, THINK_TOKENS)
-    return context, kept
+    text, context = plan(model, tokenizer, tokens, context, THINK_TOKENS)
+    return context, kept, text
 
 
 if __name__ == "__main__":

@@ -72,10 +72,16 @@ class OutputImagePart(BaseModel):
     image_url: OutputImageURL
 
 
+class OutputTextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
-    content: str | list[OutputImagePart] = Field(
-        description="Text, or (a pipeline that makes images) one image part per image."
+    content: str | list[OutputTextPart | OutputImagePart] = Field(
+        description="Text, or (a pipeline that makes images) one image part per image, "
+        "after the text the pipeline wrote first where it wrote one (BAGEL's plan)."
     )
 
 
@@ -149,6 +155,11 @@ class DetokenizeResponse(BaseModel):
 
 class ImageData(BaseModel):
     b64_json: str = Field(description="A PNG file, base64-encoded.")
+    revised_prompt: str | None = Field(
+        default=None,
+        description="The text the pipeline wrote before drawing (BAGEL's plan in think "
+        "mode); absent where it wrote none.",
+    )
 
 
 class ImagesResponse(BaseModel):

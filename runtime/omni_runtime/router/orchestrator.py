@@ -318,6 +318,11 @@ class PipelineOrchestrator:
                     async for output in self._run_stage(
                         stage, stage_request, sticky, revision, pin
                     ):
+                        if output.finished and upstream_text and stage.type == "diffusion":
+                            # What the encoder wrote before the image (BAGEL's plan in think
+                            # mode) comes with it, as BAGEL's own inference returns
+                            # [text, image].
+                            output.text = upstream_text
                         yield output
                     served = True
                     return

@@ -131,8 +131,10 @@ class OpenAIServing:
         final = outputs[-1]
         if kind == "image":
             urls = await asyncio.to_thread(_png_data_urls, final.images)
+            # The text the pipeline wrote before its images (BAGEL's plan), then the images.
             content: str | list[dict[str, Any]] = [
-                {"type": "image_url", "image_url": {"url": url}} for url in urls
+                *([{"type": "text", "text": final.text}] if final.text else []),
+                *({"type": "image_url", "image_url": {"url": url}} for url in urls),
             ]
         else:
             content = "".join(output.text for output in outputs)
@@ -281,8 +283,11 @@ class OpenAIServing:
 
     async def _images_response(self, request: PipelineRequest, http: Request) -> Response:
         outputs = await self._run_to_end(request, http)
-        encoded = await asyncio.to_thread(_png_base64, outputs[-1].images)
-        data = [{"b64_json": b64} for b64 in encoded]
+        final = outputs[-1]
+        encoded = await asyncio.to_thread(_png_base64, final.images)
+        # OpenAI's field for the prompt the model actually drew from: BAGEL's plan.
+        revised = {"revised_prompt": final.text} if final.text else {}
+        data = [{"b64_json": b64, **revised} for b64 in encoded]
         return JSONBody({"created": int(time.time()), "data": data})
 
     def _check_model(self, model: str | None) -> None:

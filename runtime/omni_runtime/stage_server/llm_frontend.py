@@ -229,7 +229,11 @@ class StageLLMFrontend(StageFrontend):
         if output.pooling_output is not None:
             name = self._hand_off_name
             try:
-                result.hand_offs = {name: await self._hand_off(request_id, state, output)}
+                hand_off, plan = await self._hand_off(request_id, state, output)
+                result.hand_offs = {name: hand_off}
+                if plan:
+                    # A thinking encoder's plan: the text the caller gets beside the image.
+                    result.text = plan
             except Exception as e:
                 finished = True
                 output.finish_reason = FinishReason.ERROR
@@ -255,18 +259,22 @@ class StageLLMFrontend(StageFrontend):
 
     async def _hand_off(
         self, request_id: str, state: _Request, output: StageLLMCoreOutput
-    ) -> HandOff:
-        """The request's pooled rows, put into its connector as the next stage reads them."""
+    ) -> tuple[HandOff, str]:
+        """The request's pooled rows, put into its connector as the next stage reads them,
+        and the text a thinking encoder wrote (its plan; "" for others)."""
         rows = output.pooling_output
         meta: dict[str, int] = {}
+        plan = ""
         if state.prompt_token_ids is not None:
-            rows, meta = self._context_hand_off(rows, state.prompt_token_ids, state.prompt_length)
+            rows, meta, plan = self._context_hand_off(
+                rows, state.prompt_token_ids, state.prompt_length
+            )
         else:
             encoder = self.client.encoder_recipe
             if encoder is not None and encoder.drop_prefix:
                 # The family's pipeline drops its template's rows before its DiT sees them.
                 rows = rows[encoder.drop_prefix :]
-        return HandOff(await self._put(request_id, state, rows), meta)
+        return HandOff(await self._put(request_id, state, rows), meta), plan
 
     async def _put(self, request_id: str, state: _Request, array: Any) -> ConnectorHandle:
         assert state.output_connector is not None

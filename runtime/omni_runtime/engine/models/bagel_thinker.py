@@ -24,6 +24,12 @@ VAE tokens and then its ViT tokens, each framed by ``<|vision_start|>`` ``<|visi
 from the request's seed, as the reference's first draw), and the forward runs each span as
 BAGEL does: an image's tokens at one position, full attention among them, VAE tokens through
 the generation expert; text causal, one position per token.
+
+In think mode a request's rows are its context with the plan written into it, and then the
+plan's text for the caller (BAGEL's ``interleave_inference`` returns ``[text, image]``):
+a pooling model's rows are its only channel to the stage, so the text rides as trailing
+rows (:func:`plan_trailer`), each of its UTF-8 bytes a value (0-255 is exact in bf16, and
+in any float a cast may turn it into), and :class:`ContextHandOff` takes them off again.
 """
 
 from __future__ import annotations
@@ -60,8 +66,10 @@ from omni_runtime.modeling.bagel.config import BagelShape, read_bagel_shape
 from omni_runtime.modeling.bagel.generation import (
     image_pixels,
     plan,
+    plan_trailer,
     prepare_image,
     special_tokens,
+    split_plan_trailer,
     vae_noise,
 )
 from omni_runtime.modeling.bagel.model import BagelModel, ContextKV, SpecialTokens, context_layout
@@ -346,11 +354,13 @@ class OmniBagelThinker(nn.Module, VllmModelForPooling, SupportsMultiModal):  # t
         return torch.cat([rows_from_context(context) for context in contexts])
 
     def planned(self, index: int, max_tokens: int) -> torch.Tensor:
-        """The rows of the step's ``index``-th context followed by its plan (think mode)."""
-        _, context = plan(
+        """The rows of the step's ``index``-th context followed by its plan (think mode),
+        and then the plan's text (:func:`plan_trailer`)."""
+        text, context = plan(
             self.bagel, self.tokenizer, self.tokens, self._step_contexts[index], max_tokens
         )
-        return rows_from_context(context)
+        rows = rows_from_context(context)
+        return torch.cat([rows, plan_trailer(text, rows.shape[1], rows)])
 
     def _context(self, ids: list[int], x: torch.Tensor) -> ContextKV:
         """The context of one prompt: its text runs and image spans in order."""
@@ -401,7 +411,8 @@ class ContextHandOff:
     keys and values per row) as the context KV ``[2, layers, tokens, kv_heads, head_dim]``
     (keys first), and the context's layout as the hand-off's meta: the RoPE position the
     next token takes (``rope``) and where the text-dropped context inside it ends
-    (``prefix_length`` tokens, ``prefix_rope``)."""
+    (``prefix_length`` tokens, ``prefix_rope``); and in think mode the plan's text, for
+    the caller."""
 
     def __init__(self, model: str, tokenizer: Any) -> None:
         llm = _shape(model).llm
@@ -410,8 +421,13 @@ class ContextHandOff:
 
     def __call__(
         self, rows: torch.Tensor, prompt_token_ids: Sequence[int], prompt_length: int
-    ) -> tuple[torch.Tensor, dict[str, int]]:
-        """``prompt_length``: how many of the context's last tokens are its prompt."""
+    ) -> tuple[torch.Tensor, dict[str, int], str]:
+        """``prompt_length``: how many of the context's last tokens are its prompt. Returns
+        the KV, its meta and the plan's text ("" for a request that did not think)."""
+        text = ""
+        if rows.shape[0] > len(prompt_token_ids):
+            # Think mode: the plan's rows, and after them its text.
+            rows, text = split_plan_trailer(rows)
         layout = context_layout(prompt_token_ids, self._tokens, prompt_length)
         # Rows past the prompt's are think mode's plan: text, a position each.
         rope = layout.rope + rows.shape[0] - len(prompt_token_ids)
@@ -423,4 +439,4 @@ class ContextHandOff:
             "prefix_length": layout.prefix_length,
             "prefix_rope": layout.prefix_rope,
         }
-        return kv, meta
+        return kv, meta, text

@@ -18,7 +18,7 @@ BAGEL's own inference code makes after ``torch.manual_seed(seed)`` on the same w
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -284,6 +284,43 @@ def plan(
     text = decoded.split(eos)[0].split(bos)[1]
     ids = tokenizer.encode(text, add_special_tokens=False)
     return text, model.extend_with_text(context, ids, tokens)
+
+
+# The last row of a plan's trailer ends with how many rows the trailer has, and its first
+# values say how many bytes the text has: each a number in _DIGITS base-256 digits.
+_DIGITS = 3
+
+
+def _base256(number: int) -> list[int]:
+    if not 0 <= number < 256**_DIGITS:
+        raise ValueError(f"{number} does not fit {_DIGITS} base-256 digits")
+    return [(number >> (8 * i)) & 0xFF for i in range(_DIGITS)]
+
+
+def _number(digits: Sequence[float]) -> int:
+    return sum(int(digit) << (8 * i) for i, digit in enumerate(digits))
+
+
+def plan_trailer(text: str, width: int, like: torch.Tensor) -> torch.Tensor:
+    """The rows, ``width`` wide and of ``like``'s dtype and device, that carry a plan's text
+    after its context's rows: its length, then its UTF-8 bytes, one per value, padded with
+    zeros; the last row's last values count the rows."""
+    data = text.encode()
+    values = [*_base256(len(data)), *data]
+    count = -(-(len(values) + _DIGITS) // width)
+    flat = torch.zeros(count * width, dtype=torch.float32)
+    flat[: len(values)] = torch.tensor(values, dtype=torch.float32)
+    flat[-_DIGITS:] = torch.tensor(_base256(count), dtype=torch.float32)
+    return flat.view(count, width).to(dtype=like.dtype, device=like.device)
+
+
+def split_plan_trailer(rows: torch.Tensor) -> tuple[torch.Tensor, str]:
+    """``rows`` without the plan's trailer (:func:`plan_trailer`), and the plan's text."""
+    count = _number(rows[-1, -_DIGITS:].tolist())
+    flat = rows[-count:].reshape(-1).float()
+    length = _number(flat[:_DIGITS].tolist())
+    data = bytes(int(value) for value in flat[_DIGITS : _DIGITS + length].tolist())
+    return rows[:-count], data.decode(errors="replace")
 
 
 def prepare_image(image: Any, shape: BagelShape) -> Any:

@@ -16,7 +16,13 @@ from omni_runtime.modeling.bagel.config import (
     VAEShape,
     read_bagel_shape,
 )
-from omni_runtime.modeling.bagel.generation import combine_guidance, default_guidance, timesteps
+from omni_runtime.modeling.bagel.generation import (
+    combine_guidance,
+    default_guidance,
+    plan_trailer,
+    split_plan_trailer,
+    timesteps,
+)
 from omni_runtime.modeling.bagel.model import (
     ContextKV,
     SpecialTokens,
@@ -209,3 +215,19 @@ def test_context_layout_gives_an_image_one_position(
 ) -> None:
     found = context_layout(ids, TOKENS, prompt_length)
     assert (found.rope, found.prefix_length, found.prefix_rope) == layout
+
+
+@pytest.mark.parametrize("width", [6, 7, 64, 1000])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_plans_text_rides_after_the_rows_and_comes_off_whole(
+    width: int, dtype: torch.dtype
+) -> None:
+    rows = torch.randn(5, width).to(dtype)
+    for text in ("", "a red cat, then the moon", "ünïcode ✓ " * 40):
+        carried = torch.cat([rows, plan_trailer(text, width, rows)])
+        assert carried.dtype == dtype
+        # The stage may see the rows cast to float32 (vLLM's float heads): still exact.
+        for seen in (carried, carried.float()):
+            kept, got = split_plan_trailer(seen)
+            assert got == text
+            assert torch.equal(kept.to(dtype), rows)
