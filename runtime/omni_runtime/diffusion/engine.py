@@ -420,7 +420,7 @@ class DiffusionEngine(DiffusionEngineBase):
                     params.height = int(image.shape[0])
                 if params.width is None:
                     params.width = int(image.shape[1])
-        elif self.family is not None and self.family.dit.takes_image:
+        elif self.family is not None and self.family.dit.requires_image:
             raise InvalidRequestError(
                 f"image: required: a {self.family.name} pipeline edits an input image", "image"
             )

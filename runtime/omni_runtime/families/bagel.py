@@ -83,6 +83,9 @@ BAGEL = BagelFamily(
     dit=DiTRecipe(
         pipeline_class="BAGEL",
         takes_image=True,
+        # Its guidance runs against contexts without the text or the image, not a
+        # negative prompt.
+        unsupported_fields=("negative_prompt",),
         engine="omni_runtime.diffusion.bagel_engine:BagelEngine",
     ),
     topology=encoder_then_dit("thinker", None),

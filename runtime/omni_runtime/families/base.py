@@ -196,6 +196,12 @@ class DiTRecipe:
     # checkpoint: the encoder stage holds them.
     text_components: tuple[str, ...] = ("text_encoder", "tokenizer")
     takes_image: bool = False
+    # An edit family's pipeline edits an input image and makes nothing without one: its
+    # pipelines have no text-to-image (no /v1/images/generations).
+    requires_image: bool = False
+    # The common image request fields its DiT does not take (BAGEL has no negative
+    # prompt): its pipelines refuse them by name, and their documents leave them out.
+    unsupported_fields: tuple[str, ...] = ()
     # "module:Class" of a family whose DiT is its own engine rather than a diffusers
     # pipeline (BAGEL's); imported only in the process that runs it.
     engine: str | None = None

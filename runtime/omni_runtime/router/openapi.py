@@ -249,7 +249,23 @@ def openapi_document(
     # A family's DiT says whether it takes an input image; a pipeline of no family may
     # (its diffusers pipeline's image-to-image variant, which only its stage knows of).
     takes_image = output_kind == "image" and (family is None or family.dit.takes_image)
+    requires_image = output_kind == "image" and models.chat.requires_input_image
     _narrow_requests(schemas, model_name, output_kind, limits, models, takes_image)
+    if requires_image:
+        # An edit pipeline's chat completion carries the image it edits.
+        messages = schemas["ChatCompletionRequest"]["properties"]["messages"]
+        messages["contains"] = {
+            "type": "object",
+            "properties": {
+                "content": {"type": "array", "contains": {"$ref": _REF.format(model="ImagePart")}}
+            },
+            "required": ["content"],
+        }
+        messages["description"] = "At least one holds the image to edit (an image_url part)."
+    for name in ("ChatCompletionRequest", "ImageGenerationRequest", "ImageEditRequest"):
+        # Common fields the family's DiT does not take: refused by name.
+        for field in models.chat.unsupported_fields:
+            schemas[name]["properties"].pop(field, None)
     # A form field is text: a pair of numbers has no spelling there.
     pairs = {
         field.name for field in (*models.fields, *models.edit_fields) if field.kind == "number_pair"
@@ -261,7 +277,8 @@ def openapi_document(
         "/v1/chat/completions": {"post": _chat_operation(output_kind)},
     }
     if output_kind == "image":
-        paths["/v1/images/generations"] = {"post": _images_generations()}
+        if not requires_image:
+            paths["/v1/images/generations"] = {"post": _images_generations()}
         if takes_image:
             paths["/v1/images/edits"] = {"post": _images_edits()}
     else:
@@ -289,6 +306,11 @@ def openapi_document(
             description += (
                 " Nor is /v1/images/edits: this pipeline's model family takes no input "
                 "image (a request with one is a 400)."
+            )
+        if requires_image:
+            description += (
+                " Nor is /v1/images/generations: this pipeline edits an input image and "
+                "makes none from text alone (a request there is a 400)."
             )
     components: dict[str, Any] = {"schemas": schemas}
     if open_paths is not None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
 import functools
 import re
 from collections.abc import Sequence
@@ -150,6 +151,20 @@ class _FamilyFields(_Body):
     family_fields: ClassVar[tuple[str, ...]] = ()
     # The most input images a request may carry (the family's; 0: its DiT takes none).
     max_input_images: ClassVar[int] = 1
+    # Whether the pipeline edits an input image and makes nothing without one.
+    requires_input_image: ClassVar[bool] = False
+    # Common image fields the family's DiT does not take: refused by name.
+    unsupported_fields: ClassVar[tuple[str, ...]] = ()
+
+    def _check_supported(self) -> None:
+        for name in self.unsupported_fields:
+            if getattr(self, name, None) is not None:
+                raise RequestError(
+                    400,
+                    f"{name}: unknown parameter for this pipeline (its model family's DiT "
+                    "does not take it)",
+                    name,
+                )
 
 
 class _Sampling(_Body):
@@ -255,6 +270,14 @@ class ChatCompletionRequest(_FamilyFields, _Sampling):
         check_common(limits, prompt_chars, self.n, self.num_inference_steps)
         llm_params = self._llm_params(self.max_completion_tokens or self.max_tokens, limits)
         if wants_image:
+            if self.requires_input_image and not images:
+                raise RequestError(
+                    400,
+                    "messages: this pipeline edits an input image; send it as an image_url "
+                    "part of a message",
+                    "messages",
+                )
+            self._check_supported()
             check_size(limits, self.height, self.width)
             llm_params.pop("seed", None)  # the seed is the image's
             return PipelineRequest(
@@ -440,6 +463,7 @@ class _ImageRequest(_FamilyFields):
                 param="response_format",
             )
         check_common(limits, len(self.prompt), self.n, self.num_inference_steps, "prompt")
+        self._check_supported()
         height, width = parse_size(self.size, limits)
         return _diffusion_params(self, height=height, width=width, **more)
 
@@ -465,7 +489,15 @@ class ImageGenerationRequest(_ImageRequest):
     ) -> PipelineRequest:
         """The pipeline request for these images; RequestError naming the field when the
         pipeline makes no images or the request is over a limit."""
-        return self._pipeline_request(request_id, self._diffusion_params(output_kind, limits))
+        params = self._diffusion_params(output_kind, limits)
+        if self.requires_input_image:
+            raise RequestError(
+                400,
+                "image: this pipeline edits an input image and makes none from text alone: "
+                "POST /v1/images/edits with the image (or a chat completion with it)",
+                "image",
+            )
+        return self._pipeline_request(request_id, params)
 
 
 class ImageEditRequest(_ImageRequest):
@@ -545,8 +577,23 @@ def request_models(family: Family | None) -> RequestModels:
     of fields, so that the app and its OpenAPI document share the very classes."""
     if family is None:
         # Its DiT's image-to-image variant takes one input image.
-        return _request_models(familyless_fields(), (STRENGTH,), 1)
-    return _request_models(family.request_fields, (), family.max_input_images)
+        return _request_models(familyless_fields(), (STRENGTH,), InputRules(max_images=1))
+    rules = InputRules(
+        max_images=family.max_input_images,
+        requires_image=family.dit.requires_image,
+        unsupported=family.dit.unsupported_fields,
+    )
+    return _request_models(family.request_fields, (), rules)
+
+
+@dataclass(frozen=True)
+class InputRules:
+    """What a deployment's image bodies take beyond their fields: how many input images,
+    whether one is required, which common fields its family's DiT refuses."""
+
+    max_images: int
+    requires_image: bool = False
+    unsupported: tuple[str, ...] = ()
 
 
 def familyless_fields() -> tuple[RequestField, ...]:
@@ -576,12 +623,14 @@ def familyless_fields() -> tuple[RequestField, ...]:
 
 @functools.cache
 def _request_models(
-    fields: tuple[RequestField, ...], edit_fields: tuple[RequestField, ...], max_input_images: int
+    fields: tuple[RequestField, ...], edit_fields: tuple[RequestField, ...], rules: InputRules
 ) -> RequestModels:
     return RequestModels(
-        chat=_with_fields(ChatCompletionRequest, fields, edit_fields, max_input_images),
-        images=_with_fields(ImageGenerationRequest, fields, (), 0),
-        edits=_with_fields(ImageEditRequest, fields, edit_fields, max_input_images),
+        chat=_with_fields(ChatCompletionRequest, fields, edit_fields, rules),
+        images=_with_fields(
+            ImageGenerationRequest, fields, (), dataclasses.replace(rules, max_images=0)
+        ),
+        edits=_with_fields(ImageEditRequest, fields, edit_fields, rules),
         fields=fields,
         edit_fields=edit_fields,
     )
@@ -594,11 +643,11 @@ def _with_fields(
     base: type[_Model],
     fields: tuple[RequestField, ...],
     edit_fields: tuple[RequestField, ...],
-    max_input_images: int,
+    rules: InputRules,
 ) -> type[_Model]:
     """``base`` with ``fields`` and ``edit_fields`` added, each optional (None: the stage's
     default), under ``base``'s name: the OpenAPI document's schemas keep their names; its
-    requests carry at most ``max_input_images``."""
+    requests follow ``rules``."""
     definitions: dict[str, Any] = {}
     for field in (*fields, *edit_fields):
         if field.name in base.model_fields or hasattr(base, field.name):
@@ -616,7 +665,9 @@ def _with_fields(
         **definitions,
     )
     model.family_fields = tuple(field.name for field in (*fields, *edit_fields))
-    model.max_input_images = max_input_images
+    model.max_input_images = rules.max_images
+    model.requires_input_image = rules.requires_image
+    model.unsupported_fields = rules.unsupported
     return model
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import dataclasses
 import io
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,7 @@ from omni_runtime.engine.stage.stage_replica_pool import StageReplicaPool
 from omni_runtime.families import FAMILIES, Family
 from omni_runtime.families.base import RequestField
 from omni_runtime.router.app import create_app
+from omni_runtime.router.openapi import openapi_document
 from omni_runtime.router.orchestrator import PipelineRequest
 from omni_runtime.router.protocol import (
     STRENGTH,
@@ -341,10 +343,62 @@ def test_served_bodies_reach_the_pipeline_with_the_familys_fields(
 
     monkeypatch.setattr(http.app.state.router.orchestrator, "complete", complete)  # type: ignore[attr-defined]
     given = {name: GOOD[name] for name in fields_of(kind)}
-    response = http.post("/v1/images/generations", json={"prompt": "a cat", **given})
+    if kind is not None and FAMILIES[kind].dit.requires_image:
+        # An edit pipeline makes nothing from text alone: refused before any stage runs.
+        refused = http.post("/v1/images/generations", json={"prompt": "a cat", **given})
+        assert refused.status_code == 400
+        assert refused.json()["error"]["param"] == "image"
+        assert "/v1/images/edits" in refused.json()["error"]["message"]
+        form = {
+            name: value if isinstance(value, str) else json.dumps(value)
+            for name, value in given.items()
+        }
+        files = {"image": ("a.png", png(), "image/png")}
+        response = http.post("/v1/images/edits", data={"prompt": "a cat", **form}, files=files)
+    else:
+        response = http.post("/v1/images/generations", json={"prompt": "a cat", **given})
     assert response.status_code == 200, response.text
     (request,) = ran
     assert set(request.diffusion_params) == {*given, "num_images"}
+
+
+@pytest.mark.parametrize("family", ["qwen-image-edit", "qwen-image-edit-plus"])
+def test_an_edit_pipelines_chat_without_an_image_is_refused(family: str) -> None:
+    body = parse_body(
+        request_models(FAMILIES[family]).chat,
+        {"messages": [{"role": "user", "content": "a cat"}], "modalities": ["image"]},
+    )
+    with pytest.raises(RequestError, match="messages: this pipeline edits an input image"):
+        body.to_pipeline_request("c", "image", LIMITS)
+
+
+def test_a_common_field_the_familys_dit_lacks_is_refused_and_undocumented() -> None:
+    bodies = request_models(FAMILIES["bagel"])
+    images = parse_body(bodies.images, {"prompt": "a cat", "negative_prompt": "dark"})
+    with pytest.raises(RequestError, match="negative_prompt: unknown parameter") as refused:
+        images.to_pipeline_request("g", "image", LIMITS)
+    assert refused.value.param == "negative_prompt"
+    chat = parse_body(
+        bodies.chat,
+        {
+            "messages": [{"role": "user", "content": "a cat"}],
+            "modalities": ["image"],
+            "negative_prompt": "dark",
+        },
+    )
+    with pytest.raises(RequestError, match="negative_prompt: unknown parameter"):
+        chat.to_pipeline_request("c", "image", LIMITS)
+    document = openapi_document(
+        title="t",
+        version="1",
+        model_name="m",
+        output_kind="image",
+        limits=LIMITS,
+        family=FAMILIES["bagel"],
+    )
+    schemas = document["components"]["schemas"]
+    for name in ("ChatCompletionRequest", "ImageGenerationRequest", "ImageEditForm"):
+        assert "negative_prompt" not in schemas[name]["properties"], name
 
 
 def test_a_pipeline_of_no_family_takes_what_its_diffusers_dit_takes() -> None:
