@@ -5,11 +5,15 @@ rules of valid requests that no JSON schema can state.
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 import os
 from typing import Any
 
+import numpy as np
 import schemathesis
+from PIL import Image
 from schemathesis import GenerationMode
 
 # The router's prompt limit holds for all messages together; the schema can bound each.
@@ -25,6 +29,10 @@ MAX_TOKENS = int(os.environ["FUZZ_MAX_TOKENS"])
 # The DiT's loaded pipeline makes heights and widths of this multiple (the router, which
 # loads none, cannot know it); 1 for a text pipeline.
 SIZE_MULTIPLE = int(os.environ["FUZZ_SIZE_MULTIPLE"])
+# How many input images a valid request here carries at most: a schema cannot count image
+# parts across messages (the family's limit), and the fuzz keeps to fewer where each costs
+# the DiT seconds.
+MAX_IMAGES = int(os.environ.get("FUZZ_MAX_IMAGES", "0"))
 _TEXT_PATHS = ("/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize")
 _IMAGE_PATHS = ("/v1/chat/completions", "/v1/images/generations", "/v1/images/edits")
 
@@ -35,6 +43,11 @@ def filter_case(context: schemathesis.HookContext, case: schemathesis.Case) -> b
     if not isinstance(case.body, dict):
         return True
     if case.operation.path in _IMAGE_PATHS and _positive(case) and not _sizes_valid(case.body):
+        return False
+    if _positive(case) and _image_parts(case.body) > MAX_IMAGES:
+        return False
+    files = case.body.get("image[]")
+    if _positive(case) and isinstance(files, list) and len(files) > MAX_IMAGES:
         return False
     if case.operation.path not in _TEXT_PATHS:
         return True
@@ -56,6 +69,48 @@ def filter_case(context: schemathesis.HookContext, case: schemathesis.Case) -> b
     if not isinstance(messages, list):
         return True
     return len(messages) <= MAX_MESSAGES and _prompt_chars(messages) <= MAX_PROMPT_CHARS
+
+
+def _image_parts(body: dict[str, Any]) -> int:
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return 0
+    return sum(
+        isinstance(part, dict) and part.get("type") == "image_url"
+        for message in messages
+        if isinstance(message, dict) and isinstance(message.get("content"), list)
+        for part in message["content"]
+    )
+
+
+def _png(seed: int) -> bytes:
+    pixels = np.random.default_rng(seed).integers(0, 256, (16, 24, 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(pixels).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+_PNG_DATA_URL = "data:image/png;base64," + base64.b64encode(_png(0)).decode()
+
+
+@schemathesis.hook
+def map_case(context: schemathesis.HookContext, case: schemathesis.Case) -> schemathesis.Case:
+    """A valid request's input images are images: a schema can only say "a string" of a data
+    URL and "bytes" of a file, and random ones are (rightly) refused as unreadable."""
+    if not _positive(case) or not isinstance(case.body, dict):
+        return case
+    body = case.body
+    if case.operation.path == "/v1/images/edits":
+        if isinstance(body.get("image"), bytes | str):
+            body["image"] = _png(1)
+        if isinstance(body.get("image[]"), list):
+            body["image[]"] = [_png(n) for n in range(len(body["image[]"]))]
+    for message in body.get("messages") or []:
+        if isinstance(message, dict) and isinstance(message.get("content"), list):
+            for part in message["content"]:
+                if isinstance(part, dict) and isinstance(part.get("image_url"), dict):
+                    part["image_url"]["url"] = _PNG_DATA_URL
+    return case
 
 
 def _positive(case: schemathesis.Case) -> bool:
@@ -96,9 +151,14 @@ def _sampling_valid(body: dict[str, Any]) -> bool:
     # completion up to the router's limit; min_tokens may not ask for more.
     default = 16 if "messages" not in body else MAX_TOKENS
     max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or default
-    if isinstance(min_tokens, int) and isinstance(max_tokens, int):
-        return min_tokens <= max_tokens
+    # An integral float (8.0) is the integer to the router, as JSON has it.
+    if _number(min_tokens) and _number(max_tokens):
+        return bool(min_tokens <= max_tokens)
     return True
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def _prompt_chars(messages: list[dict[str, Any]]) -> int:

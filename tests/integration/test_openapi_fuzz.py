@@ -1,7 +1,9 @@
 """The router's OpenAPI document, fuzzed: schemathesis (`schemathesis run`, every check)
-against a router serving real stage processes: the tiny chat LLM (a text pipeline), and
-the tiny Z-Image split across a vLLM encoder and a diffusers DiT (an image pipeline, whose
-document lists its family's own fields: cfg_normalization, cfg_truncation).
+against a router serving real stage processes: the tiny chat LLM (a text pipeline), the
+tiny Z-Image split across a vLLM encoder and a diffusers DiT (an image pipeline, whose
+document lists its family's own fields: cfg_normalization, cfg_truncation), and the tiny
+Qwen-Image-Edit-Plus (an edit pipeline: up to three input images by chat and by
+/v1/images/edits' form, no generations).
 
 Besides schemathesis' own checks (no 5xx, every status and content type documented,
 responses valid by their schemas, valid requests accepted and invalid ones refused,
@@ -33,7 +35,7 @@ from serving import RunningRouter, pipeline_from, running_router, start_stage_pr
 
 from omni_runtime.config import PipelineConfig, dump_pipeline
 from omni_runtime.router.protocol import RouterLimits
-from omni_runtime.tiny_models import LLM_SUBDIR, Z_IMAGE_SUBDIR
+from omni_runtime.tiny_models import LLM_SUBDIR, QWEN_IMAGE_EDIT_PLUS_SUBDIR, Z_IMAGE_SUBDIR
 from omni_runtime.tiny_models._common import VOCAB_SIZE
 
 pytestmark = pytest.mark.integration
@@ -62,6 +64,10 @@ class Fuzzed:
     # Heights and widths the DiT makes (a rule of its loaded pipeline, which the router
     # does not know): 1 for none.
     size_multiple: int = 1
+    # The most input images a valid fuzzed request carries (within its family's).
+    max_images: int = 0
+    # The schemathesis phases that run (None: all).
+    phases: str | None = None
 
 
 TEXT = Fuzzed(
@@ -91,6 +97,25 @@ Z_IMAGE = Fuzzed(
 )
 
 
+EDIT_PLUS = Fuzzed(
+    name="qwen-image-edit-plus",
+    # One image of 64x64 at most, in one step (the fuzz pipeline's default too), from one
+    # input image (of the three the family takes, which test_family_pipelines covers):
+    # its DiT reads each input image at ~1024x1024, 2.5 s a request on two cores.
+    limits=RouterLimits(
+        max_prompt_chars=64, max_tokens=16, max_n=1, max_steps=1, max_image_side=64
+    ),
+    max_examples=30,
+    run_timeout=300,
+    answered=("POST /v1/chat/completions", "POST /v1/images/edits"),
+    size_multiple=16,
+    max_images=1,
+    # Not the coverage phase: its ~110 valid chat completions take 7 minutes here.
+    phases="examples,fuzzing",
+)
+FUZZED = {fuzzed.name: fuzzed for fuzzed in (TEXT, Z_IMAGE, EDIT_PLUS)}
+
+
 def _text_pipeline(tiny_models: Path) -> PipelineConfig:
     return pipeline_from(
         {
@@ -110,20 +135,30 @@ def _text_pipeline(tiny_models: Path) -> PipelineConfig:
     )
 
 
-def _z_image_pipeline(tiny_models: Path) -> PipelineConfig:
-    """examples/tiny-z-image.yaml: its encoder on vLLM, its DiT on diffusers."""
-    data = yaml.safe_load((REPO / "examples" / "tiny-z-image.yaml").read_text())
-    data["model"] = str(tiny_models / Z_IMAGE_SUBDIR)
+def _example_pipeline(name: str, tiny_models: Path, subdir: str, steps: int) -> PipelineConfig:
+    """examples/tiny-<name>.yaml: its encoder on vLLM, its DiT on diffusers, ``steps``
+    denoising steps unless a request asks for others."""
+    data = yaml.safe_load((REPO / "examples" / f"tiny-{name}.yaml").read_text())
+    data["model"] = str(tiny_models / subdir)
+    data["stages"][-1]["defaultSamplingParams"]["num_inference_steps"] = steps
     return pipeline_from(data)
 
 
-@pytest.fixture(scope="module", params=[TEXT, Z_IMAGE], ids=lambda fuzzed: fuzzed.name)
+def _pipeline(fuzzed: Fuzzed, tiny_models: Path) -> PipelineConfig:
+    if fuzzed is TEXT:
+        return _text_pipeline(tiny_models)
+    if fuzzed is Z_IMAGE:
+        return _example_pipeline("z-image", tiny_models, Z_IMAGE_SUBDIR, 4)
+    return _example_pipeline(fuzzed.name, tiny_models, QWEN_IMAGE_EDIT_PLUS_SUBDIR, 1)
+
+
+@pytest.fixture(scope="module", params=list(FUZZED.values()), ids=lambda fuzzed: fuzzed.name)
 def router(
     request: pytest.FixtureRequest, tiny_models: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[Fuzzed, RunningRouter]]:
     fuzzed: Fuzzed = request.param
     workdir = tmp_path_factory.mktemp(f"openapi-fuzz-{fuzzed.name}")
-    pipeline = _text_pipeline(tiny_models) if fuzzed is TEXT else _z_image_pipeline(tiny_models)
+    pipeline = _pipeline(fuzzed, tiny_models)
     config = workdir / "pipeline.json"
     config.write_text(json.dumps(dump_pipeline(pipeline)))
     stage_ids = [stage.stage_id for stage in pipeline.stages]
@@ -139,6 +174,7 @@ def router(
         assert stage.proc.returncode == 0, stage.log.read_text()[-2000:]
 
 
+@pytest.mark.timeout(660)
 def test_schemathesis_finds_nothing(
     router: tuple[Fuzzed, RunningRouter],
     tmp_path: Path,
@@ -158,6 +194,7 @@ def test_schemathesis_finds_nothing(
         "--request-timeout", "60",
         "--report", "har", "--report-har-path", str(har),
         "--no-color",
+        *(["--phases", fuzzed.phases] if fuzzed.phases else []),
     ]  # fmt: skip
     env = {
         **os.environ,
@@ -167,6 +204,7 @@ def test_schemathesis_finds_nothing(
         "FUZZ_VOCAB_SIZE": str(VOCAB_SIZE),
         "FUZZ_MAX_TOKENS": str(limits.max_tokens),
         "FUZZ_SIZE_MULTIPLE": str(fuzzed.size_multiple),
+        "FUZZ_MAX_IMAGES": str(fuzzed.max_images),
     }
     start = time.monotonic()
     run = subprocess.run(

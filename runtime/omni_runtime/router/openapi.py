@@ -444,6 +444,18 @@ def _up_to(limit: int) -> str:
     return "(" + "|".join(alternatives) + ")"
 
 
+def _form_field(schema: dict[str, Any]) -> dict[str, Any]:
+    """A body field's schema as a form field's: a form has no null (a field left out takes
+    its default; the text "null" is no number), so an optional field's null branch goes."""
+    branches = [b for b in schema.get("anyOf", []) if b.get("type") != "null"]
+    if not branches or len(branches) == len(schema.get("anyOf", [])):
+        return schema
+    field = {k: v for k, v in schema.items() if k not in ("anyOf", "default")}
+    if len(branches) == 1:
+        return {**branches[0], **field}
+    return {**field, "anyOf": branches}
+
+
 def _edit_form(fields: dict[str, Any], left_out: set[str], max_images: int) -> dict[str, Any]:
     """/v1/images/edits' multipart form: the image file (or, where the pipeline takes
     several, ``image[]`` files, up to ``max_images``) and ImageEditRequest's fields but
@@ -457,18 +469,29 @@ def _edit_form(fields: dict[str, Any], left_out: set[str], max_images: int) -> d
         images["image[]"] = {
             "type": "array",
             "items": binary,
-            "minItems": 1,
             "maxItems": max_images,
             "description": f"The input image files, 1 to {max_images}, in the order the "
             "prompt numbers them (picture 1, picture 2, ...); instead of image.",
         }
+        # One spelling or the other. A form has no empty list (image[] with no file is no
+        # part at all), so the rules count image[]'s files rather than ask if it is there.
         form = {
             "required": fields.get("required", []),
-            "oneOf": [{"required": ["image"]}, {"required": ["image[]"]}],
+            "oneOf": [
+                {"required": ["image"], "properties": {"image[]": {"maxItems": 0}}},
+                {
+                    "required": ["image[]"],
+                    "properties": {"image[]": {"minItems": 1}, "image": False},
+                },
+            ],
         }
     properties = {
         **images,
-        **{name: schema for name, schema in fields["properties"].items() if name not in left_out},
+        **{
+            name: _form_field(schema)
+            for name, schema in fields["properties"].items()
+            if name not in left_out
+        },
     }
     return {
         "type": "object",

@@ -979,6 +979,8 @@ class ImageEditForm:
         self.model = model
         self.fields: dict[str, str] = {}
         self.images: list[bytes] = []
+        # How the form spells its image parts (image, or image[] for a list).
+        self._image_part: str | None = None
         self._max_field_bytes = 4 * limits.max_prompt_chars
         self._received = 0
         self._ended = False
@@ -1057,6 +1059,13 @@ class ImageEditForm:
             if len(self.images) >= most:
                 why = too_many_images(most)
                 raise RequestError(400, f"image: {why}", param="image")
+            if self._image_part not in (None, name):
+                raise RequestError(
+                    400,
+                    "image: give one file as image or a list as image[], not both",
+                    param="image",
+                )
+            self._image_part = name
         elif name in _UNSUPPORTED_PARTS:
             raise RequestError(400, f"{name}: {_UNSUPPORTED_PARTS[name]}", param=name)
         elif name not in self.model.model_fields:

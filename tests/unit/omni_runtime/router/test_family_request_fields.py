@@ -313,6 +313,18 @@ def test_an_edit_form_takes_as_many_images_as_its_family(
     assert len(request.to_pipeline_request("e", "image", LIMITS, parts).images) == images
 
 
+def test_an_edit_form_spells_its_images_one_way() -> None:
+    form = ImageEditForm(
+        "multipart/form-data; boundary=b",
+        LIMITS,
+        request_models(FAMILIES["qwen-image-edit-plus"]).edits,
+    )
+    body = edit_form_body({"prompt": "x"}, 1).replace(b'name="image[]"', b'name="image"')
+    body = body.removesuffix(b"--b--\r\n") + edit_form_body({}, 1)
+    with pytest.raises(RequestError, match="image or a list as image\\[\\], not both"):
+        form.feed(body)
+
+
 @pytest.mark.parametrize(("family", "most"), [("qwen-image-edit", 1), ("qwen-image-edit-plus", 3)])
 def test_a_chat_completion_takes_as_many_images_as_its_family(family: str, most: int) -> None:
     url = "data:image/png;base64," + base64.b64encode(png()).decode()
