@@ -33,6 +33,8 @@ SIZE_MULTIPLE = int(os.environ["FUZZ_SIZE_MULTIPLE"])
 # parts across messages (the family's limit), and the fuzz keeps to fewer where each costs
 # the DiT seconds.
 MAX_IMAGES = int(os.environ.get("FUZZ_MAX_IMAGES", "0"))
+# The pipeline fuzzed (test_openapi_fuzz.Fuzzed.name): some DiTs have rules of their own.
+PIPELINE = os.environ.get("FUZZ_PIPELINE", "")
 _TEXT_PATHS = ("/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize")
 _IMAGE_PATHS = ("/v1/chat/completions", "/v1/images/generations", "/v1/images/edits")
 
@@ -48,6 +50,8 @@ def filter_case(context: schemathesis.HookContext, case: schemathesis.Case) -> b
         return False
     files = case.body.get("image[]")
     if _positive(case) and isinstance(files, list) and len(files) > MAX_IMAGES:
+        return False
+    if PIPELINE == "bagel" and _positive(case) and not _bagel_valid(case.body):
         return False
     if case.operation.path not in _TEXT_PATHS:
         return True
@@ -69,6 +73,23 @@ def filter_case(context: schemathesis.HookContext, case: schemathesis.Case) -> b
     if not isinstance(messages, list):
         return True
     return len(messages) <= MAX_MESSAGES and _prompt_chars(messages) <= MAX_PROMPT_CHARS
+
+
+def _bagel_valid(body: dict[str, Any]) -> bool:
+    """BagelParams' rules that no schema states (its DiT checks them, and names the field):
+    a schedule of at least one step (2 points), height and width together, one guidance
+    scale by one of its two names, and cfg_interval's low below its high."""
+    steps = body.get("num_inference_steps")
+    if _number(steps) and steps < 2:
+        return False
+    if (body.get("height") is None) != (body.get("width") is None):
+        return False
+    if body.get("guidance_scale") is not None and body.get("cfg_text_scale") is not None:
+        return False
+    interval = body.get("cfg_interval")
+    if isinstance(interval, list) and len(interval) == 2 and all(map(_number, interval)):
+        return bool(interval[0] < interval[1])
+    return True
 
 
 def _image_parts(body: dict[str, Any]) -> int:
