@@ -144,7 +144,7 @@ def decode_png(data: bytes) -> Image.Image:
 def image_parts(response: Any) -> list[bytes]:
     parts = response.choices[0].message.content
     assert isinstance(parts, list), parts
-    urls = [part["image_url"]["url"] for part in parts]
+    urls = [part["image_url"]["url"] for part in parts if part["type"] == "image_url"]
     assert all(url.startswith("data:image/png;base64,") for url in urls)
     return [base64.b64decode(url.split(",", 1)[1]) for url in urls]
 
@@ -205,6 +205,21 @@ def test_text_handoff_feeds_the_diffusion_stage_a_prompt(
         images = ask_image(client, "draw a blue boat", height=64, width=64, seed=1)
         assert decode_png(images[0]).size == (64, 64)
         assert images == ask_image(client, "draw a blue boat", height=64, width=64, seed=1)
+        # The prompt the DiT drew from (the writer's text) comes first, as a text part, and
+        # as revised_prompt from the images API.
+        response = client.chat.completions.create(
+            model="tiny",
+            messages=[{"role": "user", "content": "draw a blue boat"}],
+            extra_body={"modalities": ["image"], "height": 64, "width": 64, "seed": 1},
+        )
+        parts = response.choices[0].message.content
+        assert isinstance(parts, list)
+        assert [part["type"] for part in parts] == ["text", "image_url"]
+        generated = client.images.generate(
+            model="tiny", prompt="draw a blue boat", size="64x64", extra_body={"seed": 1}
+        )
+        assert generated.data is not None
+        assert generated.data[0].revised_prompt == parts[0]["text"]
 
 
 def test_images_generations_returns_n_pngs_of_the_requested_size(

@@ -158,7 +158,7 @@ class ImageData(BaseModel):
     revised_prompt: str | None = Field(
         default=None,
         description="The text the pipeline wrote before drawing (BAGEL's plan in think "
-        "mode); absent where it wrote none.",
+        "mode, or the prompt an LLM stage wrote for the DiT); absent where it wrote none.",
     )
 
 

@@ -319,9 +319,9 @@ class PipelineOrchestrator:
                         stage, stage_request, sticky, revision, pin
                     ):
                         if output.finished and upstream_text and stage.type == "diffusion":
-                            # What the encoder wrote before the image (BAGEL's plan in think
-                            # mode) comes with it, as BAGEL's own inference returns
-                            # [text, image].
+                            # What the stage before wrote (BAGEL's plan in think mode, or
+                            # the prompt an LLM stage wrote for the DiT) comes with the
+                            # image, as BAGEL's own inference returns [text, image].
                             output.text = upstream_text
                         yield output
                     served = True
