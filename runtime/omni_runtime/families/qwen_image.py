@@ -5,6 +5,8 @@ __call__ defaults these recipes follow, diffusers 0.42.1)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from .base import DiTRecipe, EmbeddingsFamily, EncoderRecipe, RequestField, encoder_then_dit
 
 _TEMPLATE = (
@@ -12,17 +14,9 @@ _TEMPLATE = (
     "quantity, text, spatial relationships of the objects and background:<|im_end|>\n"
     "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
 )
-_EDIT_TEMPLATE = (
-    "<|im_start|>system\nDescribe the key features of the input image (color, shape, size, "
-    "texture, objects, background), then explain how the user's text instruction should "
-    "alter or modify the image. Generate a new image that meets the user's requirements "
-    "while maintaining consistency with the original input where appropriate.<|im_end|>\n"
-    "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>{}<|im_end|>\n"
-    "<|im_start|>assistant\n"
-)
-
-# Edit-Plus (the 2509 and 2511 checkpoints): the edit's system prompt, and before the
-# user's text one "Picture N: ..." placeholder per input image.
+# The edit pipelines' template: their system prompt, then the user's turn. Edit-Plus (the
+# 2509 and 2511 checkpoints) puts one "Picture N: ..." placeholder per input image before
+# the user's text; the first edit pipeline has its one image's placeholder in the template.
 _EDIT_PLUS_TEMPLATE = (
     "<|im_start|>system\nDescribe the key features of the input image (color, shape, size, "
     "texture, objects, background), then explain how the user's text instruction should "
@@ -30,7 +24,9 @@ _EDIT_PLUS_TEMPLATE = (
     "while maintaining consistency with the original input where appropriate.<|im_end|>\n"
     "<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
 )
-_EDIT_PLUS_IMAGE_PROMPT = "Picture {}: <|vision_start|><|image_pad|><|vision_end|>"
+_IMAGE_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
+_EDIT_TEMPLATE = _EDIT_PLUS_TEMPLATE.format(_IMAGE_PLACEHOLDER + "{}")
+_EDIT_PLUS_IMAGE_PROMPT = "Picture {}: " + _IMAGE_PLACEHOLDER
 
 # The pipelines' classifier-free guidance scale (their __call__'s true_cfg_scale).
 _REQUEST_FIELDS = (
@@ -62,6 +58,21 @@ QWEN_IMAGE = EmbeddingsFamily(
     request_fields=_REQUEST_FIELDS,
 )
 
+
+def _edit_dit(pipeline_class: str) -> DiTRecipe:
+    """The edit pipelines' DiT: Qwen-Image's, with the input images, and without the
+    processor (the encoder stage's) among the components it loads."""
+    return DiTRecipe(
+        pipeline_class=pipeline_class,
+        embeds="padded",
+        guidance="true_cfg_scale",
+        guidance_default=4.0,
+        text_components=("text_encoder", "tokenizer", "processor"),
+        takes_image=True,
+        requires_image=True,
+    )
+
+
 QWEN_IMAGE_EDIT = EmbeddingsFamily(
     name="qwen-image-edit",
     encoder=EncoderRecipe(
@@ -72,15 +83,7 @@ QWEN_IMAGE_EDIT = EmbeddingsFamily(
         tokenizer_subfolder="processor",
         vision_language=True,
     ),
-    dit=DiTRecipe(
-        pipeline_class="QwenImageEditPipeline",
-        embeds="padded",
-        guidance="true_cfg_scale",
-        guidance_default=4.0,
-        text_components=("text_encoder", "tokenizer", "processor"),
-        takes_image=True,
-        requires_image=True,
-    ),
+    dit=_edit_dit("QwenImageEditPipeline"),
     topology=encoder_then_dit("encoder", "hidden_states"),
     hub_ids=("Qwen/Qwen-Image-Edit",),
     request_fields=_REQUEST_FIELDS,
@@ -90,29 +93,17 @@ QWEN_IMAGE_EDIT = EmbeddingsFamily(
 # Several input images (the model card's 1 to 3), each encoded at about 384x384 (the
 # pipeline's CONDITION_IMAGE_SIZE) and given to the VAE at about 1024x1024 (its DiT's own
 # resizing); the output's default size follows the last image.
-QWEN_IMAGE_EDIT_PLUS = EmbeddingsFamily(
+QWEN_IMAGE_EDIT_PLUS = dataclasses.replace(
+    QWEN_IMAGE_EDIT,
     name="qwen-image-edit-plus",
-    encoder=EncoderRecipe(
+    encoder=dataclasses.replace(
+        QWEN_IMAGE_EDIT.encoder,
         template=_EDIT_PLUS_TEMPLATE,
-        drop_prefix=64,
-        max_length=None,
         image_area=384 * 384,
         image_prompt=_EDIT_PLUS_IMAGE_PROMPT,
-        tokenizer_subfolder="processor",
-        vision_language=True,
     ),
-    dit=DiTRecipe(
-        pipeline_class="QwenImageEditPlusPipeline",
-        embeds="padded",
-        guidance="true_cfg_scale",
-        guidance_default=4.0,
-        text_components=("text_encoder", "tokenizer", "processor"),
-        takes_image=True,
-        requires_image=True,
-    ),
-    topology=encoder_then_dit("encoder", "hidden_states"),
+    dit=_edit_dit("QwenImageEditPlusPipeline"),
     hub_ids=("Qwen/Qwen-Image-Edit-2509", "Qwen/Qwen-Image-Edit-2511"),
     aliases=("qwen-image-edit-2509", "qwen-image-edit-2511"),
-    request_fields=_REQUEST_FIELDS,
     max_input_images=3,
 )
