@@ -137,7 +137,7 @@ EDIT_PLUS = Fuzzed(
     limits=RouterLimits(
         max_prompt_chars=64, max_tokens=16, max_n=1, max_steps=1, max_image_side=64
     ),
-    max_examples=30,
+    max_examples=15,
     run_timeout=300,
     answered=("POST /v1/chat/completions", "POST /v1/images/edits"),
     size_multiple=16,
