@@ -269,6 +269,30 @@ INVALID: list[RuleCase] = [
         python=["spec.stages", "at least 1 item"],
     ),
     RuleCase(
+        "step-cache-on-llm-stage",
+        _set(0, stepCache={"tiers": {"fast": {}}}),
+        cel=["spec.stages[0].stepCache", "only diffusion stages cache steps"],
+        python=["spec.stages[0].stepCache", "only diffusion stages cache steps"],
+    ),
+    RuleCase(
+        "step-cache-tier-named-off",
+        _set(1, stepCache={"tiers": {"off": {"interval": 2}}}),
+        cel=["spec.stages[1].stepCache.tiers", "tier name 'off'", "always a tier"],
+        python=["spec.stages[1].stepCache.tiers", "tier name 'off'", "always a tier"],
+    ),
+    RuleCase(
+        "step-cache-default-not-a-tier",
+        _set(1, stepCache={"tiers": {"fast": {}}, "default": "faster"}),
+        cel=["spec.stages[1].stepCache.default", "'faster' is not a tier; use 'off' or one of"],
+        python=["spec.stages[1].stepCache", "'faster' is not a tier; tiers: off, fast"],
+    ),
+    RuleCase(
+        "step-cache-interval-1",
+        _set(1, stepCache={"tiers": {"fast": {"interval": 1}}}),
+        cel=["spec.stages[1].stepCache.tiers.fast.interval", "greater than or equal to 2"],
+        python=["spec.stages[1].stepCache.tiers.fast.interval", "greater than or equal to 2"],
+    ),
+    RuleCase(
         "output-on-diffusion-stage",
         _set(1, output="text"),
         cel=["spec.stages[1].output", "only llm stages have an output kind"],
@@ -481,4 +505,8 @@ VALID: list[ValidCase] = [
     ),
     ValidCase("known-topology-gives-stage-types", _topology),
     ValidCase("named-family-gives-stage-types", _named_family),
+    ValidCase(
+        "step-cached-dit-of-a-family",
+        _both(_named_family, _set(1, stepCache={"tiers": {"fast": {"interval": 2}}})),
+    ),
 ]

@@ -30,6 +30,8 @@ from omni_runtime.config.models import (
     GPU_SHARE_EPSILON,
     MAX_STAGE_ID,
     SHARED_MEMORY_CONNECTOR,
+    STEP_CACHE_OFF,
+    STEP_CACHE_TIER_PATTERN,
     VLLM_DEFAULT_GPU_MEMORY_UTILIZATION,
 )
 from omni_runtime.families import FAMILIES
@@ -613,6 +615,33 @@ def _add_stage_rules(stage: dict[str, Any]) -> None:
         ),
     )
 
+    step_cache = _at(stage, "stepCache")
+    bad_tier = f"!k.matches('{STEP_CACHE_TIER_PATTERN}') || k == '{STEP_CACHE_OFF}'"
+    _validations(
+        _at(step_cache, "tiers"),
+        _rule(
+            f"self.all(k, !({bad_tier}))",
+            message_expression=_message(
+                "tier name '%s': use 1-31 lower-case letters, digits and '-', starting with "
+                f"a letter, and not '{STEP_CACHE_OFF}' (always a tier)",
+                f"self.filter(k, {bad_tier})[0]",
+            ),
+        ),
+    )
+    _validations(
+        step_cache,
+        _rule(
+            f"!has(self.default) || self.default == '{STEP_CACHE_OFF}' "
+            "|| self.default in self.tiers",
+            # Listing the tiers here would cost more than the apiserver's CEL budget allows.
+            message_expression=_message(
+                f"default: '%s' is not a tier; use '{STEP_CACHE_OFF}' or one of tiers' names",
+                "self.default",
+            ),
+            field_path=".default",
+        ),
+    )
+
     inputs = _at(stage, "inputConnectors")
     inputs["maxProperties"] = MAX_INPUT_CONNECTORS
     _at(inputs, "{}")["maxLength"] = MAX_NAME_LENGTH
@@ -648,6 +677,11 @@ def _add_stage_rules(stage: dict[str, Any]) -> None:
                 _first("self.inputConnectors", "k", later),
             ),
             field_path=".inputConnectors",
+        ),
+        _rule(
+            "!has(self.stepCache) || !has(self.type) || self.type == 'diffusion'",
+            message="only diffusion stages cache steps; remove stepCache from this llm stage",
+            field_path=".stepCache",
         ),
         _rule(
             "!has(self.output) || !has(self.type) || self.type == 'llm'",

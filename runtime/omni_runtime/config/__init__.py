@@ -9,6 +9,7 @@ from .loader import dump_pipeline, load_pipeline
 from .models import (
     MAX_STAGE_ID,
     STAGE_PORT_BASE,
+    STEP_CACHE_OFF,
     ConnectorConfig,
     Dtype,
     LLMOutput,
@@ -16,6 +17,7 @@ from .models import (
     RouterConfig,
     RouterPolicy,
     StageConfig,
+    StepCacheConfig,
     stage_port,
     stage_port_name,
 )
@@ -24,6 +26,7 @@ from .topologies import StageType
 __all__ = [
     "MAX_STAGE_ID",
     "STAGE_PORT_BASE",
+    "STEP_CACHE_OFF",
     "ConnectorConfig",
     "Dtype",
     "LLMOutput",
@@ -33,6 +36,7 @@ __all__ = [
     "RouterPolicy",
     "StageConfig",
     "StageType",
+    "StepCacheConfig",
     "dump_pipeline",
     "load_pipeline",
     "stage_port",

@@ -168,6 +168,74 @@ class RouterConfig(_Model):
         return value.replace("_", "-") if isinstance(value, str) else value
 
 
+# The tier every step-cached stage has: the DiT computes every step (exact).
+STEP_CACHE_OFF = "off"
+# A tier's name: what a request's step_cache field gives (the CRD checks it too).
+STEP_CACHE_TIER_PATTERN = "^[a-z][a-z0-9-]{0,30}$"
+_TIER_NAME = re.compile(STEP_CACHE_TIER_PATTERN)
+
+
+class StepCacheTier(_Model):
+    """One way of caching a DiT's steps (diffusers' TaylorSeer): after warmupSteps computed
+    steps, the transformer computes one step in every interval and predicts the others from
+    the last computed ones (a Taylor expansion of order maxOrder); the last cooldownSteps
+    are computed again. Defaults: diffusers' own (its TaylorSeerCacheConfig)."""
+
+    interval: Annotated[int, Field(ge=2, le=100)] = Field(
+        default=5, description="Steps from one computed step to the next (2: every other)."
+    )
+    warmup_steps: Annotated[int, Field(ge=1, le=1000)] = Field(
+        default=3, description="Steps computed before any is predicted."
+    )
+    cooldown_steps: Annotated[int, Field(ge=0, le=1000)] = Field(
+        default=0, description="Last steps computed again (the image's fine detail)."
+    )
+    max_order: Annotated[int, Field(ge=0, le=2)] = Field(
+        default=1,
+        description="Order of the Taylor expansion that predicts a step (0: reuse the last "
+        "computed one).",
+    )
+
+
+class StepCacheConfig(_Model):
+    """A diffusion stage's step cache: named tiers a request picks with its step_cache field
+    (off, every step computed, is always one), and the tier of requests that pick none."""
+
+    tiers: dict[str, StepCacheTier] = Field(
+        min_length=1,
+        max_length=8,
+        description="Tier name (lower-case letters, digits and '-'; not 'off') -> its settings.",
+    )
+    default: str = Field(
+        default=STEP_CACHE_OFF,
+        max_length=31,
+        description="The tier of a request that names none: 'off' (exact) or one of tiers.",
+    )
+
+    @field_validator("tiers")
+    @classmethod
+    def _check_tiers(cls, value: dict[str, StepCacheTier]) -> dict[str, StepCacheTier]:
+        for name in value:
+            if name == STEP_CACHE_OFF or not _TIER_NAME.fullmatch(name):
+                raise ValueError(
+                    f"tier name {name!r}: use 1-31 lower-case letters, digits and '-', "
+                    f"starting with a letter, and not {STEP_CACHE_OFF!r} (always a tier)"
+                )
+        return value
+
+    @model_validator(mode="after")
+    def _check_default(self) -> Self:
+        if self.default != STEP_CACHE_OFF and self.default not in self.tiers:
+            known = ", ".join([STEP_CACHE_OFF, *self.tiers])
+            raise ValueError(f"default: {self.default!r} is not a tier; tiers: {known}")
+        return self
+
+    @property
+    def tier_names(self) -> tuple[str, ...]:
+        """What a request's step_cache may say: off, then the tiers."""
+        return (STEP_CACHE_OFF, *self.tiers)
+
+
 # The stage fields that are vLLM engine arguments of the same name (what an LLM stage passes
 # on to vLLM); engineArgs must not set them a second way.
 ENGINE_ARG_FIELDS = (
@@ -266,6 +334,12 @@ class StageConfig(_Model):
     enforce_eager: bool | None = Field(
         default=None, description="Run eagerly, without CUDA graphs (less memory, slower)."
     )
+    step_cache: StepCacheConfig | None = Field(
+        default=None,
+        description="Diffusion stages of a family whose DiT takes one: tiers of step "
+        "caching (diffusers' TaylorSeer), chosen per request by its step_cache field; "
+        "unset: every step computed.",
+    )
     default_sampling_params: dict[str, Any] = Field(
         default_factory=dict,
         description="Sampling parameters for requests that give none (temperature, top_p, "
@@ -322,6 +396,17 @@ class StageConfig(_Model):
             raise ValueError(
                 "only llm stages have an output kind (text or hidden_states); "
                 "remove output from this diffusion stage"
+            )
+        return value
+
+    @field_validator("step_cache")
+    @classmethod
+    def _check_step_cache(
+        cls, value: StepCacheConfig | None, info: ValidationInfo
+    ) -> StepCacheConfig | None:
+        if value is not None and info.data.get("type") == "llm":
+            raise ValueError(
+                "only diffusion stages cache steps; remove stepCache from this llm stage"
             )
         return value
 
@@ -525,6 +610,18 @@ class PipelineConfig(_Model):
         family = self.family_recipe
         if family is not None:
             issues += family.pipeline_issues(self.stages, index_of_id)
+        for index, stage in enumerate(self.stages):
+            if stage.step_cache is None or stage.type != "diffusion":
+                continue
+            if family is None or family.dit.step_cache is None:
+                cached = " or ".join(n for n, f in FAMILIES.items() if f.dit.step_cache)
+                issues.append(
+                    (
+                        f"stages[{index}].stepCache",
+                        f"only the DiT of a {cached} pipeline caches steps"
+                        + (f" (this is a {family.name} pipeline)" if family else ""),
+                    )
+                )
         thinkers = ", ".join(name for name, f in FAMILIES.items() if f.thinks)
         for index, stage in enumerate(self.stages):
             if stage.think and (family is None or not family.thinks or stage.type != "llm"):
@@ -566,6 +663,15 @@ class PipelineConfig(_Model):
     def family_recipe(self) -> Family | None:
         """The pipeline's model family (``omni_runtime.families``), if it names one."""
         return FAMILIES.get(self.family) if self.family is not None else None
+
+    @property
+    def step_cache_tiers(self) -> tuple[str, ...]:
+        """The step-cache tiers a request may name (its DiT's, off first); () where its DiT
+        declares none."""
+        for stage in self.stages:
+            if stage.step_cache is not None and stage.type == "diffusion":
+                return stage.step_cache.tier_names
+        return ()
 
     def encoder_recipe(self, stage: StageConfig) -> EncoderRecipe | None:
         """How ``stage`` encodes for the DiT after it, if it is its family's encoder."""

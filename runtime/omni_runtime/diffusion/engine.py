@@ -36,8 +36,9 @@ from typing import Annotated, Any, TypeVar
 import msgspec
 import numpy as np
 
-from omni_runtime.config import ConnectorConfig
+from omni_runtime.config import STEP_CACHE_OFF, ConnectorConfig
 from omni_runtime.connectors import ConnectorError, StageConnectors
+from omni_runtime.diffusion.step_cache import StepCacheTier, step_cache
 from omni_runtime.engine.stage.stage_core_client import request_id_in_flight_error
 from omni_runtime.engine.stage.stage_core_types import (
     InvalidStageRequestError,
@@ -87,6 +88,9 @@ class DiffusionEngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=
     # The pipeline's connectors (name -> {"name": class, "extra": {...}}), through which
     # the engine fetches what upstream stages handed off.
     connectors: dict[str, dict[str, Any]] = {}
+    # The stage's stepCache: its tiers by name, and the tier of a request that names none.
+    step_cache_tiers: dict[str, StepCacheTier] = {}
+    step_cache_default: str = STEP_CACHE_OFF
 
 
 class DiffusionParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -110,6 +114,8 @@ class DiffusionParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     # norm, and stop guiding once this fraction of the steps is done.
     cfg_normalization: bool | None = None
     cfg_truncation: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] | None = None
+    # The stage's step-cache tier to run with ("off": every step computed).
+    step_cache: str | None = None
 
 
 # The inputs a diffusers pipeline takes from upstream (its own argument names).
@@ -332,6 +338,14 @@ class DiffusionEngine(DiffusionEngineBase):
         self.size_multiple = _size_multiple(self.pipeline)
         self.default_size = _default_size(self.pipeline)
         self.conditioning_width = _conditioning_width(self.pipeline)
+        self.default_steps = _call_default(self.pipeline, "num_inference_steps")
+        modules = self.family.dit.step_cache if self.family is not None else None
+        if config.step_cache_tiers and modules is None:
+            raise ValueError(
+                f"stepCache: this stage's pipeline ({type(self.pipeline).__name__}) takes no "
+                "step cache"
+            )
+        self._step_cache_modules = modules
         # Schedulers index a table of their training timesteps: more steps than that fail
         # deep inside the pipeline.
         train_steps = getattr(self.pipeline.scheduler.config, "num_train_timesteps", None)
@@ -431,7 +445,29 @@ class DiffusionEngine(DiffusionEngineBase):
             if params.width is None:
                 params.width = self.default_size[1]
         check_sizes(params, self.size_multiple)
+        params.step_cache = self._step_cache_tier(params)
         return params
+
+    def _step_cache_tier(self, params: DiffusionParams) -> str:
+        """The request's tier (the stage's default where it names none)."""
+        tiers = self.config.step_cache_tiers
+        tier = params.step_cache or self.config.step_cache_default
+        if tier != STEP_CACHE_OFF and tier not in tiers:
+            known = ", ".join([STEP_CACHE_OFF, *tiers])
+            raise InvalidRequestError(
+                f"step_cache: {tier!r} is not a tier of this stage; tiers: {known}",
+                "step_cache",
+            )
+        truncation = params.cfg_truncation
+        if tier != STEP_CACHE_OFF and truncation is not None and truncation < 1:
+            # Z-Image stops guiding part way, which halves the DiT's batch from that step:
+            # a prediction made from the guided steps would be of the wrong batch.
+            raise InvalidRequestError(
+                f"step_cache: tier {tier!r} cannot run with cfg_truncation below 1 (guidance "
+                f"that stops part way); use step_cache {STEP_CACHE_OFF!r} or cfg_truncation 1",
+                "step_cache",
+            )
+        return tier
 
     def _embeds_shapes(self, request: StageDiffusionCoreRequest) -> dict[str, tuple[int, ...]]:
         """The shapes of the request's embeddings, given as arrays or handed off (whose
@@ -497,7 +533,7 @@ class DiffusionEngine(DiffusionEngineBase):
             kwargs["negative_prompt"] = params.negative_prompt
         pictures = [Image.fromarray(np.asarray(image), mode="RGB") for image in request.images]
         image = pictures[0] if pictures else None
-        with torch.inference_mode():
+        with torch.inference_mode(), self._step_cache(params):
             if len(pictures) > 1:
                 # A pipeline of several input images (Qwen-Image-Edit-Plus) takes them as a list.
                 result = self.pipeline(image=pictures, **kwargs)
@@ -514,6 +550,22 @@ class DiffusionEngine(DiffusionEngineBase):
                 result = self.pipeline(**kwargs)
         images = np.asarray(result.images)
         return np.clip(np.round(images * 255.0), 0, 255).astype(np.uint8)
+
+    def _step_cache(self, params: DiffusionParams) -> contextlib.AbstractContextManager[None]:
+        """The request's step cache on the transformer while the pipeline runs (nothing for
+        the off tier)."""
+        modules = self._step_cache_modules
+        if params.step_cache in (None, STEP_CACHE_OFF) or modules is None:
+            return contextlib.nullcontext()
+        steps = params.num_inference_steps or self.default_steps
+        return step_cache(
+            self.pipeline.transformer,
+            self.config.step_cache_tiers[params.step_cache],
+            steps,
+            modules.skip,
+            modules.predict,
+            self._torch_dtype,
+        )
 
     def _embeds_kwargs(self, request: StageDiffusionCoreRequest) -> dict[str, Any]:
         """The pipeline arguments that carry upstream embeddings, as its family takes them."""
@@ -551,6 +603,14 @@ class DiffusionEngine(DiffusionEngineBase):
             result["negative_prompt_embeds"] = negative.unsqueeze(0)
             result["negative_prompt_embeds_mask"] = _ones_mask(negative)
         return result
+
+
+def _call_default(pipeline: Any, name: str) -> Any:
+    """The default of the pipeline's __call__ argument ``name`` (None if it has none)."""
+    parameter = inspect.signature(pipeline.__call__).parameters.get(name)
+    if parameter is None or parameter.default is inspect.Parameter.empty:
+        return None
+    return parameter.default
 
 
 def _ones_mask(embeds: Any) -> Any:

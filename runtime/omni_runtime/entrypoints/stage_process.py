@@ -38,7 +38,13 @@ from typing import TYPE_CHECKING, Any
 import uvloop
 
 from omni_runtime import tracing
-from omni_runtime.config import PipelineConfig, StageConfig, dump_pipeline, stage_port
+from omni_runtime.config import (
+    STEP_CACHE_OFF,
+    PipelineConfig,
+    StageConfig,
+    dump_pipeline,
+    stage_port,
+)
 from omni_runtime.connectors import ConnectorError, StageConnectors
 from omni_runtime.engine.stage.stage_core_client import StageCoreClientBase, StageCoreStartupError
 from omni_runtime.families import EncoderRecipe
@@ -132,7 +138,9 @@ def diffusion_engine_config(
     """What the core of diffusion stage ``stage`` loads ``model`` (a local path or hub id)
     with."""
     from omni_runtime.diffusion.engine import DiffusionEngineConfig
+    from omni_runtime.diffusion.step_cache import StepCacheTier
 
+    cache = stage.step_cache
     return DiffusionEngineConfig(
         model=model,
         dtype=stage.dtype or "auto",
@@ -145,6 +153,13 @@ def diffusion_engine_config(
             name: connector.model_dump(mode="json")
             for name, connector in pipeline.connectors.items()
         },
+        step_cache_tiers={
+            name: StepCacheTier(**tier.model_dump(by_alias=False))
+            for name, tier in cache.tiers.items()
+        }
+        if cache is not None
+        else {},
+        step_cache_default=cache.default if cache is not None else STEP_CACHE_OFF,
     )
 
 

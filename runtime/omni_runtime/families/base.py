@@ -182,6 +182,20 @@ class EncoderRecipe:
 
 
 @dataclass(frozen=True)
+class StepCacheModules:
+    """Where a family's DiT takes a step cache (diffusers' TaylorSeer hooks): module names,
+    as regular expressions matched whole against the transformer's ``named_modules()``.
+
+    On a step the cache predicts, the ``skip`` modules (the transformer's blocks) compute
+    nothing and the ``predict`` module (the output projection) answers a Taylor expansion of
+    its outputs on the last computed steps: the step costs the embeddings and little else.
+    """
+
+    skip: tuple[str, ...]
+    predict: tuple[str, ...]
+
+
+@dataclass(frozen=True)
 class DiTRecipe:
     """How the DiT stage runs the family's pipeline on its named inputs."""
 
@@ -205,6 +219,9 @@ class DiTRecipe:
     # "module:Class" of a family whose DiT is its own engine rather than a diffusers
     # pipeline (BAGEL's); imported only in the process that runs it.
     engine: str | None = None
+    # Where its transformer takes a step cache; None: it takes none (a stage's stepCache is
+    # refused).
+    step_cache: StepCacheModules | None = None
 
 
 @dataclass(frozen=True)

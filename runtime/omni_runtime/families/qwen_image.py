@@ -7,7 +7,14 @@ from __future__ import annotations
 
 import dataclasses
 
-from .base import DiTRecipe, EmbeddingsFamily, EncoderRecipe, RequestField, encoder_then_dit
+from .base import (
+    DiTRecipe,
+    EmbeddingsFamily,
+    EncoderRecipe,
+    RequestField,
+    StepCacheModules,
+    encoder_then_dit,
+)
 
 _TEMPLATE = (
     "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, "
@@ -39,6 +46,9 @@ _REQUEST_FIELDS = (
     ),
 )
 
+# QwenImageTransformer2DModel: its dual-stream blocks, then norm_out and proj_out.
+_STEP_CACHE = StepCacheModules(skip=(r"transformer_blocks\.\d+",), predict=("proj_out",))
+
 QWEN_IMAGE = EmbeddingsFamily(
     name="qwen-image",
     encoder=EncoderRecipe(
@@ -52,6 +62,7 @@ QWEN_IMAGE = EmbeddingsFamily(
         embeds="padded",
         guidance="true_cfg_scale",
         guidance_default=4.0,
+        step_cache=_STEP_CACHE,
     ),
     topology=encoder_then_dit("encoder", "hidden_states"),
     hub_ids=("Qwen/Qwen-Image",),
@@ -70,6 +81,7 @@ def _edit_dit(pipeline_class: str) -> DiTRecipe:
         text_components=("text_encoder", "tokenizer", "processor"),
         takes_image=True,
         requires_image=True,
+        step_cache=_STEP_CACHE,
     )
 
 

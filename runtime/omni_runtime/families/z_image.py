@@ -6,7 +6,14 @@ from __future__ import annotations
 
 from types import MappingProxyType
 
-from .base import DiTRecipe, EmbeddingsFamily, EncoderRecipe, RequestField, encoder_then_dit
+from .base import (
+    DiTRecipe,
+    EmbeddingsFamily,
+    EncoderRecipe,
+    RequestField,
+    StepCacheModules,
+    encoder_then_dit,
+)
 
 Z_IMAGE = EmbeddingsFamily(
     name="z-image",
@@ -24,6 +31,12 @@ Z_IMAGE = EmbeddingsFamily(
         embeds="rows",
         guidance="guidance_scale",
         guidance_default=5.0,
+        # ZImageTransformer2DModel: its refiners and main layers, then the final layer of
+        # the request's patch size ("2-1").
+        step_cache=StepCacheModules(
+            skip=(r"(noise_refiner|context_refiner|layers)\.\d+",),
+            predict=(r"all_final_layer\.[^.]+",),
+        ),
     ),
     topology=encoder_then_dit("encoder", "hidden_states"),
     hub_ids=("Tongyi-MAI/Z-Image-Turbo",),

@@ -90,7 +90,7 @@ def create_app(
     serving = OpenAIServing(pipeline, pools, metrics, limits=limits, model_name=model_name)
     metrics.in_flight = lambda: serving.in_flight
     # The image-making bodies take the pipeline's family's own fields, and no other's.
-    bodies = request_models(pipeline.family_recipe)
+    bodies = request_models(pipeline.family_recipe, pipeline.step_cache_tiers)
 
     @asynccontextmanager
     async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -193,6 +193,7 @@ def create_app(
                 limits=serving.limits,
                 open_paths=guarded if api_keys is not None else None,
                 family=pipeline.family_recipe,
+                step_cache_tiers=pipeline.step_cache_tiers,
             )
         return app.openapi_schema
 

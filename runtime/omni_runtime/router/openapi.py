@@ -234,11 +234,13 @@ def openapi_document(
     limits: RouterLimits,
     open_paths: frozenset[str] | None = None,
     family: Family | None = None,
+    step_cache_tiers: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """The OpenAPI 3.1 document of a router serving ``model_name``, whose pipeline makes
-    ``output_kind``, within ``limits``, and is of ``family`` (None: of none); with API
-    keys, every path but ``open_paths`` needs one (a bearer security scheme)."""
-    models = request_models(family)
+    ``output_kind``, within ``limits``, and is of ``family`` (None: of none), its DiT
+    caching steps in ``step_cache_tiers`` (none: it does not); with API keys, every path but
+    ``open_paths`` needs one (a bearer security scheme)."""
+    models = request_models(family, step_cache_tiers)
     _, top = models_json_schema(
         [(model, "validation") for model in _request_models(models)]
         # Validation mode: a field with a default is one a response may leave out.

@@ -572,18 +572,38 @@ STRENGTH = RequestField(
 )
 
 
-def request_models(family: Family | None) -> RequestModels:
-    """The bodies a pipeline of ``family`` (None: of no family) takes; built once per set
-    of fields, so that the app and its OpenAPI document share the very classes."""
+# The request field that picks a step-cache tier (the DiT's params take it by this name).
+STEP_CACHE_FIELD = "step_cache"
+
+
+def step_cache_field(tiers: tuple[str, ...]) -> RequestField:
+    """The field that picks one of a DiT stage's step-cache ``tiers`` (config.StepCacheConfig)."""
+    return RequestField(
+        name=STEP_CACHE_FIELD,
+        kind="enum",
+        description="The DiT's step-cache tier: 'off' computes every step (exact); the others "
+        "predict some steps from the computed ones (faster, close to exact). Unset: the "
+        "stage's default tier.",
+        values=tiers,
+    )
+
+
+def request_models(family: Family | None, step_cache_tiers: tuple[str, ...] = ()) -> RequestModels:
+    """The bodies a pipeline of ``family`` (None: of no family) takes, with a step_cache
+    field where its DiT has ``step_cache_tiers``; built once per set of fields, so that the
+    app and its OpenAPI document share the very classes."""
+    cache = (step_cache_field(step_cache_tiers),) if step_cache_tiers else ()
     if family is None:
         # Its DiT's image-to-image variant takes one input image.
-        return _request_models(familyless_fields(), (STRENGTH,), InputRules(max_images=1))
+        return _request_models(
+            (*familyless_fields(), *cache), (STRENGTH,), InputRules(max_images=1)
+        )
     rules = InputRules(
         max_images=family.max_input_images,
         requires_image=family.dit.requires_image,
         unsupported=family.dit.unsupported_fields,
     )
-    return _request_models(family.request_fields, (), rules)
+    return _request_models((*family.request_fields, *cache), (), rules)
 
 
 @dataclass(frozen=True)
@@ -712,6 +732,8 @@ def unknown_field(name: str, model: type[BaseModel]) -> str:
     """Why the top-level field ``name`` of a ``model`` body is refused: not part of this
     API, or not of this pipeline (another family's field, named as such so that the caller
     knows where it belongs; "unknown parameter", as a DiT words one it does not take)."""
+    if name == STEP_CACHE_FIELD and issubclass(model, _FamilyFields):
+        return "unknown parameter for this pipeline (its diffusion stage has no stepCache)"
     takers = _takers(name, model)
     if not takers:
         return "unknown field (not part of this API)"

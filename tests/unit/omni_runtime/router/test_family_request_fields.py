@@ -29,6 +29,7 @@ from omni_runtime.router.app import create_app
 from omni_runtime.router.openapi import openapi_document
 from omni_runtime.router.orchestrator import PipelineRequest
 from omni_runtime.router.protocol import (
+    STEP_CACHE_FIELD,
     STRENGTH,
     ChatCompletionRequest,
     CompletionRequest,
@@ -426,7 +427,9 @@ def test_a_pipeline_of_no_family_takes_what_its_diffusers_dit_takes() -> None:
         "num_images",
     }
     generic = {f.name for f in familyless_fields()}
-    assert generic | {STRENGTH.name} == set(DiffusionParams.__struct_fields__) - common
+    # step_cache: only where the DiT stage declares tiers (the next test).
+    taken = generic | {STRENGTH.name, STEP_CACHE_FIELD}
+    assert taken == set(DiffusionParams.__struct_fields__) - common
     shared = request_models(None)
     assert set(shared.images.model_fields) - set(ImageGenerationRequest.model_fields) == generic
     assert set(shared.edits.model_fields) - set(ImageEditRequest.model_fields) == {
@@ -491,3 +494,16 @@ def test_http_api_doc_names_every_familys_fields() -> None:
     fields are named too."""
     text = (REPO / "docs" / "http-api.md").read_text(encoding="utf-8")
     assert sorted(name for name in ALL_FIELDS if f"`{name}`" not in text) == []
+
+
+def test_step_cache_is_a_field_of_pipelines_whose_dit_has_tiers() -> None:
+    cached = request_models(FAMILIES["qwen-image"], ("off", "fast"))
+    generation = parse_body(cached.images, {"prompt": "a cat", "step_cache": "fast"})
+    params = generation.to_pipeline_request("g", "image", LIMITS).diffusion_params
+    assert params == {"step_cache": "fast", "num_images": 1}
+    with pytest.raises(RequestError, match="step_cache: Input should be 'off' or 'fast'"):
+        parse_body(cached.images, {"prompt": "a cat", "step_cache": "faster"})
+    plain = request_models(FAMILIES["qwen-image"])
+    assert STEP_CACHE_FIELD not in plain.images.model_fields
+    with pytest.raises(RequestError, match="its diffusion stage has no stepCache"):
+        parse_body(plain.images, {"prompt": "a cat", "step_cache": "fast"})
