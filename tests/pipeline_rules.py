@@ -329,7 +329,10 @@ INVALID: list[RuleCase] = [
         "router-policy",
         _spec(router={"policy": "random"}),
         cel=["spec.router.policy", 'Unsupported value: "random"', '"round-robin"'],
-        python=["spec.router.policy", "'round-robin', 'least-outstanding-requests' or 'sticky'"],
+        python=[
+            "spec.router.policy",
+            "'round-robin', 'least-outstanding-requests', 'least-outstanding-work' or 'sticky'",
+        ],
     ),
     RuleCase(
         "stage-type-missing",

@@ -37,7 +37,9 @@ from .topologies import STAGE_TYPES, StageType
 
 LLMOutput = Literal["text", "hidden_states"]
 Dtype = Literal["auto", "float32", "float16", "bfloat16", "half", "float"]
-RouterPolicy = Literal["round-robin", "least-outstanding-requests", "sticky"]
+RouterPolicy = Literal[
+    "round-robin", "least-outstanding-requests", "least-outstanding-work", "sticky"
+]
 
 # Strict, so that YAML's `true` is not taken for the count 1.
 PositiveInt = Annotated[StrictInt, Field(gt=0)]
@@ -144,8 +146,9 @@ class RouterConfig(_Model):
     policy: RouterPolicy = Field(
         default="round-robin",
         description="How a request picks a stage replica: round-robin, "
-        "least-outstanding-requests, or sticky (requests with the same user field go to "
-        "the same replica).",
+        "least-outstanding-requests, least-outstanding-work (a diffusion request weighs "
+        "its steps x pixels x images, each replica's work its own seconds per unit), or "
+        "sticky (requests with the same user field go to the same replica).",
     )
     served_model_name: str | None = Field(
         default=None,

@@ -51,6 +51,7 @@ from opentelemetry.trace import SpanKind
 
 from omni_runtime import tracing
 from omni_runtime.config import PipelineConfig, StageConfig
+from omni_runtime.engine.stage.replica_policies import diffusion_work
 from omni_runtime.engine.stage.stage_core_types import (
     HandOff,
     StageError,
@@ -505,7 +506,11 @@ class PipelineOrchestrator:
             with self._stage_span(stage, stage_request) as span:
                 try:
                     pending = await pool.add_request(
-                        stage_request, sticky_key=sticky_key, revision=revision, host=host
+                        stage_request,
+                        sticky_key=sticky_key,
+                        revision=revision,
+                        host=host,
+                        work=_work(stage, stage_request),
                     )
                 except NoLiveReplicaError as e:
                     # The revision was complete when chosen: its replicas went away since.
@@ -588,6 +593,14 @@ class PipelineOrchestrator:
         except Exception:
             # Metrics must not fail a request that succeeded.
             logger.exception("an orchestrator hook failed")
+
+
+def _work(stage: StageConfig, stage_request: StageServerRequest) -> float | None:
+    """A diffusion request's estimated work (its params over the stage's defaults); None
+    for an LLM stage's, which have no estimate."""
+    if stage.type != "diffusion":
+        return None
+    return diffusion_work({**stage.default_sampling_params, **stage_request.params})
 
 
 def _input_lost(error: StageError, stage_request: StageServerRequest) -> bool:

@@ -12,9 +12,10 @@ leaves a hole rather than shifting everyone after it.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from omni_runtime.config import RouterPolicy
@@ -23,9 +24,20 @@ __all__ = [
     "NoCandidatesError",
     "PolicyState",
     "ReplicaCandidate",
+    "calibrated",
     "choose_replica",
+    "diffusion_work",
     "rendezvous_score",
 ]
+
+# The unit of a diffusion request's work: one step of one 1024x1024 image.
+WORK_PIXELS = 1024 * 1024
+# What a request that says neither is taken to make: diffusers' pipelines' usual defaults
+# (50 steps, 1024x1024), which the stage's defaultSamplingParams refine.
+DEFAULT_STEPS = 50
+DEFAULT_SIDE = 1024
+# How much of one request's seconds per unit a replica's estimate takes in.
+CALIBRATION_WEIGHT = 0.3
 
 
 class NoCandidatesError(ValueError):
@@ -43,6 +55,15 @@ class ReplicaCandidate:
     # that routers (whose ids differ) agree, and a replica re-added under a new id keeps
     # its keys.
     name: str = ""
+    # Least-outstanding-work's: the work of its requests in flight (diffusion_work's
+    # units; 1 for a request that has no estimate), and the seconds it takes per unit (its
+    # own execution times, calibrated).
+    outstanding_work: float = 0.0
+    seconds_per_work: float = 1.0
+
+    @property
+    def outstanding_seconds(self) -> float:
+        return self.outstanding_work * self.seconds_per_work
 
     @property
     def sticky_name(self) -> str:
@@ -82,6 +103,11 @@ def choose_replica(
         chosen = _next_after(
             state.cursor, [c.replica_id for c in candidates if c.in_flight == fewest]
         )
+    elif policy == "least-outstanding-work":
+        least = min(c.outstanding_seconds for c in candidates)
+        # Equal work within float rounding ties, and ties go round.
+        tied = [c.replica_id for c in candidates if c.outstanding_seconds <= least * (1 + 1e-9)]
+        chosen = _next_after(state.cursor, tied)
     elif policy == "sticky":
         if sticky_key is None:
             raise ValueError("policy 'sticky' needs a sticky_key (e.g. the user or request id)")
@@ -93,7 +119,7 @@ def choose_replica(
     else:
         raise ValueError(
             f"unknown router policy {policy!r}; expected round-robin, "
-            "least-outstanding-requests or sticky"
+            "least-outstanding-requests, least-outstanding-work or sticky"
         )
     return chosen, PolicyState(cursor=chosen)
 
@@ -113,3 +139,32 @@ def _next_after(cursor: int, ids: Sequence[int]) -> int:
     """The smallest id after ``cursor``, wrapping round to the smallest id."""
     later = [replica_id for replica_id in ids if replica_id > cursor]
     return min(later) if later else min(ids)
+
+
+def diffusion_work(params: Mapping[str, Any]) -> float:
+    """The work of a diffusion request whose params (defaults merged) are ``params``:
+    steps x pixels (in 1024x1024 images) x images, as the DiT's compute grows. Guidance,
+    which doubles every family's step, is the same for a stage's requests and calibration
+    takes it in; so does a step cache's share of the steps. A value of the wrong type counts
+    as absent (the DiT refuses it)."""
+
+    def number(name: str, default: int) -> float:
+        value = params.get(name)
+        if isinstance(value, int | float) and not isinstance(value, bool) and value > 0:
+            return float(value)
+        return float(default)
+
+    steps = number("num_inference_steps", DEFAULT_STEPS)
+    pixels = number("height", DEFAULT_SIDE) * number("width", DEFAULT_SIDE)
+    return steps * pixels / WORK_PIXELS * number("num_images", 1) * number("num_frames", 1)
+
+
+def calibrated(seconds_per_work: float | None, execute_s: float, work: float) -> float | None:
+    """A replica's seconds per unit of work after a request of ``work`` units ran
+    ``execute_s`` seconds on it (a moving average; the first request sets it)."""
+    if not (execute_s > 0 and work > 0 and math.isfinite(execute_s)):
+        return seconds_per_work
+    observed = execute_s / work
+    if seconds_per_work is None:
+        return observed
+    return seconds_per_work + CALIBRATION_WEIGHT * (observed - seconds_per_work)

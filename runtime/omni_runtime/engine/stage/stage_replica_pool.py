@@ -38,6 +38,7 @@ from omni_runtime.config import RouterPolicy
 from omni_runtime.engine.stage.replica_policies import (
     PolicyState,
     ReplicaCandidate,
+    calibrated,
     choose_replica,
 )
 from omni_runtime.engine.stage.stage_core_client import StageCoreClientBase, StageCoreDeadError
@@ -157,10 +158,17 @@ class PoolRequest:
     """
 
     def __init__(
-        self, pool: StageReplicaPool, request_id: str, replica_id: int, address: str = ""
+        self,
+        pool: StageReplicaPool,
+        request_id: str,
+        replica_id: int,
+        address: str = "",
+        work: float = 1.0,
     ) -> None:
         self.request_id = request_id
         self.replica_id = replica_id
+        # Its work (replica_policies.diffusion_work's units; 1 without an estimate).
+        self.work = work
         # The replica's address (host:port): where its pod is.
         self.address = address
         self._pool = pool
@@ -223,10 +231,16 @@ class _Replica:
     aborted: int = 0
     latency_total_s: float = 0.0
     latency_count: int = 0
+    # Seconds per unit of work, from its own execution times (None: nothing ran yet).
+    seconds_per_work: float | None = None
 
     @property
     def accepting(self) -> bool:
         return not self.draining and not self.client.draining
+
+    @property
+    def outstanding_work(self) -> float:
+        return sum(request.work for request in self.requests.values())
 
 
 class StageReplicaPool:
@@ -361,8 +375,12 @@ class StageReplicaPool:
         sticky_key: str | None = None,
         revision: str | None = None,
         host: str | None = None,
+        work: float | None = None,
     ) -> PoolRequest:
         """Send ``request`` to a replica chosen by the pool's policy.
+
+        ``work`` is the request's estimated work (replica_policies.diffusion_work; None:
+        1, as any request without an estimate), which least-outstanding-work weighs.
 
         ``sticky_key`` (the sticky policy's; else the request id) keeps related requests
         on one replica; ``revision`` (None: any) limits the choice to that revision's
@@ -387,7 +405,9 @@ class StageReplicaPool:
             except Exception as e:
                 self._evict(replica, f"health check failed: {_describe(e)}")
                 continue
-            pool_request = PoolRequest(self, request_id, replica.replica_id, replica.address)
+            pool_request = PoolRequest(
+                self, request_id, replica.replica_id, replica.address, work or 1.0
+            )
             # Bound before sending: the first output may arrive before the send returns.
             replica.requests[request_id] = pool_request
             self._requests[request_id] = pool_request
@@ -508,7 +528,19 @@ class StageReplicaPool:
                 f"stage {self.stage_name!r}: all {len(live)} live replica(s) have "
                 f"{limit} request(s) in flight"
             )
-        candidates = [ReplicaCandidate(r.replica_id, len(r.requests), r.address) for r in open_]
+        # A replica that has run nothing yet is taken to be as fast as the others.
+        known = [r.seconds_per_work for r in live if r.seconds_per_work is not None]
+        usual = sum(known) / len(known) if known else 1.0
+        candidates = [
+            ReplicaCandidate(
+                r.replica_id,
+                len(r.requests),
+                r.address,
+                outstanding_work=r.outstanding_work,
+                seconds_per_work=r.seconds_per_work or usual,
+            )
+            for r in open_
+        ]
         chosen, self._policy_state = choose_replica(
             self.policy, candidates, self._policy_state, sticky_key
         )
@@ -573,6 +605,9 @@ class StageReplicaPool:
             replica.failed += 1
         else:
             replica.done += 1
+            replica.seconds_per_work = calibrated(
+                replica.seconds_per_work, execute_s, pool_request.work
+            )
         pool_request._close(error)
         if self.on_request_done is not None:
             try:

@@ -12,7 +12,9 @@ from omni_runtime.engine.stage.replica_policies import (
     NoCandidatesError,
     PolicyState,
     ReplicaCandidate,
+    calibrated,
     choose_replica,
+    diffusion_work,
     rendezvous_score,
 )
 
@@ -38,7 +40,9 @@ def sticky_owner(key: str, pool: Sequence[ReplicaCandidate]) -> int:
     return replica_id
 
 
-@pytest.mark.parametrize("policy", ["round-robin", "least-outstanding-requests", "sticky"])
+@pytest.mark.parametrize(
+    "policy", ["round-robin", "least-outstanding-requests", "least-outstanding-work", "sticky"]
+)
 def test_no_candidates_is_a_clear_error(policy: RouterPolicy) -> None:
     with pytest.raises(NoCandidatesError, match="no replica to choose from"):
         choose_replica(policy, [], PolicyState(), "key")
@@ -105,6 +109,53 @@ def test_least_outstanding_balances_a_growing_load() -> None:
         replica_id, state = choose_replica("least-outstanding-requests", pool, state)
         load[replica_id] += 1
     assert load == {0: 100, 1: 100, 2: 100}
+
+
+def test_least_work_weighs_work_not_requests() -> None:
+    # One 1024x1024 50-step image against three 256x256 4-step ones.
+    big = diffusion_work({"height": 1024, "width": 1024, "num_inference_steps": 50})
+    small = diffusion_work({"height": 256, "width": 256, "num_inference_steps": 4})
+    pool = [
+        ReplicaCandidate(0, 1, outstanding_work=big),
+        ReplicaCandidate(1, 3, outstanding_work=3 * small),
+    ]
+    assert choose_replica("least-outstanding-work", pool, PolicyState())[0] == 1
+    assert choose_replica("least-outstanding-requests", pool, PolicyState())[0] == 0
+
+
+def test_least_work_weighs_each_replicas_own_speed() -> None:
+    # Replica 0 has twice the work but runs it five times as fast.
+    pool = [
+        ReplicaCandidate(0, 2, outstanding_work=20, seconds_per_work=0.1),
+        ReplicaCandidate(1, 1, outstanding_work=10, seconds_per_work=0.5),
+    ]
+    assert choose_replica("least-outstanding-work", pool, PolicyState())[0] == 0
+
+
+def test_least_work_rotates_among_idle_replicas() -> None:
+    chosen, state = run("least-outstanding-work", candidates(0, 1, 2), 4, PolicyState())
+    assert chosen == [0, 1, 2, 0]
+    assert state == PolicyState(cursor=0)
+
+
+def test_diffusion_work_is_steps_times_pixels_times_images() -> None:
+    assert diffusion_work({"height": 1024, "width": 1024, "num_inference_steps": 1}) == 1.0
+    assert diffusion_work(
+        {"height": 512, "width": 512, "num_inference_steps": 8, "num_images": 2}
+    ) == pytest.approx(4.0)
+    # What it does not say is taken as diffusers' usual defaults (50 steps, 1024x1024);
+    # a value of the wrong type counts as absent.
+    assert diffusion_work({}) == 50.0
+    assert diffusion_work({"num_inference_steps": True, "height": "big"}) == 50.0
+
+
+def test_calibration_starts_at_the_first_request_and_moves_by_a_share() -> None:
+    first = calibrated(None, 2.0, 4.0)
+    assert first == 0.5
+    assert calibrated(first, 1.0, 1.0) == pytest.approx(0.5 + 0.3 * 0.5)
+    # A request that ran no time (refused, or no estimate) teaches nothing.
+    assert calibrated(first, 0.0, 4.0) == first
+    assert calibrated(None, float("nan"), 1.0) is None
 
 
 def test_sticky_is_stable_and_leaves_the_cursor() -> None:

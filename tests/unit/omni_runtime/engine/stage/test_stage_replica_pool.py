@@ -111,6 +111,25 @@ async def test_least_outstanding_sends_to_the_idle_replica(make_pool: PoolFactor
     assert [s.in_flight for s in pool.stats()] == [1, 2]
 
 
+async def test_least_work_weighs_requests_by_their_work(make_pool: PoolFactory) -> None:
+    pool, (r0, r1) = make_pool(2, policy="least-outstanding-work")
+    big = await pool.add_request(req("big"), work=50.0)
+    small = [await pool.add_request(req(f"s{i}"), work=0.25) for i in range(3)]
+    # The big request holds replica 0: the small ones all go to 1, not one each in turn.
+    assert big.replica_id == 0
+    assert [s.replica_id for s in small] == [1, 1, 1]
+    # Replica 0 ran 0.1 s per unit, replica 1 0.5 s: five times slower.
+    r0.answer("big", execute_time=5.0)
+    for i in range(3):
+        r1.answer(f"s{i}", execute_time=0.125)
+    for request in (big, *small):
+        await collect(request)
+    assert (await pool.add_request(req("p"), work=20.0)).replica_id == 0
+    assert (await pool.add_request(req("q"), work=5.0)).replica_id == 1
+    # 20 units on 0 are 2 s of work, 5 on 1 are 2.5 s: 0 is the sooner free.
+    assert (await pool.add_request(req("r"), work=1.0)).replica_id == 0
+
+
 async def test_sticky_keeps_a_key_on_its_replica(make_pool: PoolFactory) -> None:
     pool, _ = make_pool(3, policy="sticky")
     expected, _ = choose_replica(
