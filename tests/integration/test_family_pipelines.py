@@ -438,6 +438,31 @@ def test_chat_completion_with_an_image_edits_it(
     assert_same_image(served_image, reference)
 
 
+@pytest.mark.parametrize("served", ["qwen-image-edit"], indirect=True)
+def test_an_edit_streams_its_partials_then_the_same_image(
+    served: tuple[str, openai.OpenAI],
+) -> None:
+    family, client = served
+    (image,) = input_images(family, 2)
+    edit: dict[str, Any] = {
+        "model": client.models.list().data[0].id,
+        "image": ("in.png", png(image), "image/png"),
+        "prompt": PROMPTS[1],
+        "size": f"{SIZE}x{SIZE}",
+        "extra_body": {"num_inference_steps": 6, "seed": 4},
+    }
+    answer = client.images.edit(**edit)
+    assert answer.data is not None
+    events = list(client.images.edit(stream=True, partial_images=2, **edit))
+    assert [event.type for event in events] == [
+        "image_edit.partial_image",
+        "image_edit.partial_image",
+        "image_edit.completed",
+    ]
+    assert [getattr(event, "partial_image_index", None) for event in events[:2]] == [0, 1]
+    assert np.array_equal(decoded(events[-1].b64_json), decoded(answer.data[0].b64_json))
+
+
 @pytest.mark.parametrize("served", ["qwen-image"], indirect=True)
 def test_concurrent_requests_each_get_their_own_embeddings(
     served: tuple[str, openai.OpenAI], tiny_models: Path

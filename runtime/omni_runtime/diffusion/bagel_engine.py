@@ -41,6 +41,7 @@ from omni_runtime.diffusion.engine import (
     DiffusionEngineBase,
     DiffusionEngineConfig,
     InvalidRequestError,
+    PartialEmit,
     RequestAbortedError,
     check_input_names,
     check_sizes,
@@ -217,7 +218,9 @@ class BagelEngine(DiffusionEngineBase):
         request: StageDiffusionCoreRequest,
         params: BagelParams,
         should_abort: Callable[[], bool],
+        emit: PartialEmit | None = None,
     ) -> np.ndarray:
+        # BAGEL's DiT makes no partial images: the router asks it for none.
         import torch
         from PIL import Image
 

@@ -38,9 +38,11 @@ import numpy as np
 
 from omni_runtime.config import STEP_CACHE_OFF, ConnectorConfig
 from omni_runtime.connectors import ConnectorError, StageConnectors
+from omni_runtime.diffusion.previews import PartialImages, partial_steps
 from omni_runtime.diffusion.step_cache import StepCacheTier, step_cache
 from omni_runtime.engine.stage.stage_core_client import request_id_in_flight_error
 from omni_runtime.engine.stage.stage_core_types import (
+    MAX_PARTIAL_IMAGES,
     InvalidStageRequestError,
     StageDiffusionCoreOutput,
     StageDiffusionCoreRequest,
@@ -50,6 +52,9 @@ from omni_runtime.engine.stage.stage_core_types import (
 from omni_runtime.families import FAMILIES, Family, family_of_pipeline_class
 
 logger = logging.getLogger(__name__)
+
+# Where an engine sends a request's partial images (outputs with partial_index set).
+PartialEmit = Callable[[StageDiffusionCoreOutput], None]
 
 MAX_SIDE = 4096
 MAX_IMAGES = 16
@@ -116,6 +121,8 @@ class DiffusionParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     cfg_truncation: Annotated[float, msgspec.Meta(ge=0.0, le=1.0)] | None = None
     # The stage's step-cache tier to run with ("off": every step computed).
     step_cache: str | None = None
+    # Partial images to send while the request runs (its stream's).
+    partial_images: Annotated[int, msgspec.Meta(ge=0, le=MAX_PARTIAL_IMAGES)] | None = None
 
 
 # The inputs a diffusers pipeline takes from upstream (its own argument names).
@@ -185,9 +192,14 @@ class DiffusionEngineBase(abc.ABC):
 
     @abc.abstractmethod
     def _run(
-        self, request: StageDiffusionCoreRequest, params: Any, should_abort: Callable[[], bool]
+        self,
+        request: StageDiffusionCoreRequest,
+        params: Any,
+        should_abort: Callable[[], bool],
+        emit: PartialEmit | None = None,
     ) -> np.ndarray:
-        """The request's images, uint8 [num_images, height, width, 3]."""
+        """The request's images, uint8 [num_images, height, width, 3]; its partial images,
+        where it asks for them and the engine makes them, to ``emit`` on the way."""
 
     def fetch(self, request: StageDiffusionCoreRequest, name: str, private: bool = False) -> Any:
         """The input ``name`` handed off for ``request``, as a tensor on the engine's device
@@ -242,20 +254,26 @@ class DiffusionEngineBase(abc.ABC):
         with self._lock:
             self._aborted.update(self._admitted)
 
-    def execute(self, request: StageDiffusionCoreRequest) -> StageDiffusionCoreOutput:
+    def execute(
+        self, request: StageDiffusionCoreRequest, emit: PartialEmit | None = None
+    ) -> StageDiffusionCoreOutput:
         """Run one (admitted) request to completion, and release its id. Never raises for a
         request's own problems: a refused, failed or aborted request becomes an output
-        saying so."""
+        saying so. ``emit`` gets each partial image the request asks for, as an output of
+        its own (``partial_index`` set), before the final one returns."""
         request_id = request.request_id
         try:
-            return self._execute(request, lambda: request_id in self._aborted)
+            return self._execute(request, lambda: request_id in self._aborted, emit)
         finally:
             with self._lock:
                 self._admitted.discard(request_id)
                 self._aborted.discard(request_id)
 
     def _execute(
-        self, request: StageDiffusionCoreRequest, should_abort: Callable[[], bool]
+        self,
+        request: StageDiffusionCoreRequest,
+        should_abort: Callable[[], bool],
+        emit: PartialEmit | None,
     ) -> StageDiffusionCoreOutput:
         request_id = request.request_id
         try:
@@ -269,7 +287,7 @@ class DiffusionEngineBase(abc.ABC):
         start = time.perf_counter()
         self._fetch_time = 0.0
         try:
-            images = self._run(request, params, should_abort)
+            images = self._run(request, params, should_abort, emit)
         except RequestAbortedError:
             return StageDiffusionCoreOutput(request_id=request_id, aborted=True)
         except UpstreamInputError as e:
@@ -501,15 +519,20 @@ class DiffusionEngine(DiffusionEngineBase):
         request: StageDiffusionCoreRequest,
         params: DiffusionParams,
         should_abort: Callable[[], bool],
+        emit: PartialEmit | None = None,
     ) -> np.ndarray:
         import torch
         from PIL import Image
+
+        partials = self._partials(request.request_id, params, emit)
 
         def on_step_end(
             pipe: Any, step: int, timestep: Any, tensors: dict[str, Any]
         ) -> dict[str, Any]:
             if should_abort():
                 raise RequestAbortedError
+            if partials is not None:
+                partials.after_step(step, tensors["latents"])
             return tensors
 
         # Left out, a parameter is the pipeline's own default (a family's pipeline sizes
@@ -532,6 +555,20 @@ class DiffusionEngine(DiffusionEngineBase):
             kwargs["prompt"] = request.prompt
             kwargs["negative_prompt"] = params.negative_prompt
         pictures = [Image.fromarray(np.asarray(image), mode="RGB") for image in request.images]
+        watch = partials.watch() if partials is not None else None
+        try:
+            result = self._call(params, kwargs, pictures)
+        finally:
+            if watch is not None:
+                watch.remove()
+        images = np.asarray(result.images)
+        return np.clip(np.round(images * 255.0), 0, 255).astype(np.uint8)
+
+    def _call(self, params: DiffusionParams, kwargs: dict[str, Any], pictures: list[Any]) -> Any:
+        """The pipeline's output for the request's call arguments and input images."""
+        import torch
+        from PIL import Image
+
         image = pictures[0] if pictures else None
         with torch.inference_mode(), self._step_cache(params):
             if len(pictures) > 1:
@@ -548,8 +585,29 @@ class DiffusionEngine(DiffusionEngineBase):
             else:
                 kwargs.pop("strength", None)
                 result = self.pipeline(**kwargs)
-        images = np.asarray(result.images)
-        return np.clip(np.round(images * 255.0), 0, 255).astype(np.uint8)
+        return result
+
+    def _partials(
+        self, request_id: str, params: DiffusionParams, emit: PartialEmit | None
+    ) -> PartialImages | None:
+        """What sends the request's partial images, if it asks for any and the pipeline
+        makes them (a family's, on a flow-matching scheduler); None otherwise (a request
+        may get fewer partials than it asked for, as OpenAI's API allows)."""
+        layout = self.family.dit.preview if self.family is not None else None
+        if not params.partial_images or emit is None or layout is None:
+            return None
+        steps = partial_steps(
+            params.num_inference_steps or self.default_steps, params.partial_images
+        )
+        if not steps:
+            return None
+
+        def send(images: np.ndarray, index: int) -> None:
+            emit(
+                StageDiffusionCoreOutput(request_id=request_id, images=images, partial_index=index)
+            )
+
+        return PartialImages(self.pipeline, layout, steps, send)
 
     def _step_cache(self, params: DiffusionParams) -> contextlib.AbstractContextManager[None]:
         """The request's step cache on the transformer while the pipeline runs (nothing for

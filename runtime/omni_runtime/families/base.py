@@ -42,6 +42,10 @@ GuidanceParam = Literal["true_cfg_scale", "guidance_scale"]
 # token's hidden state (the DiT's text conditioning), or its keys and values in every layer
 # (BAGEL's context KV cache).
 HandOffKind = Literal["prompt_embeds", "context_kv"]
+# How a DiT's latents become pixels, for partial images (omni_runtime.diffusion.previews):
+# "packed-3d": 2x2-packed, a video VAE normalised per channel (Qwen-Image); "scaled":
+# [batch, channels, height, width] with the VAE's scaling and shift (Z-Image).
+PreviewLayout = Literal["packed-3d", "scaled"]
 # One issue with a pipeline: the field at fault (a path such as "stages[1].output") and why.
 Issue = tuple[str, str]
 # A request field's JSON type: a number, an integer, true/false, one of ``values`` (strings),
@@ -222,6 +226,8 @@ class DiTRecipe:
     # Where its transformer takes a step cache; None: it takes none (a stage's stepCache is
     # refused).
     step_cache: StepCacheModules | None = None
+    # How its latents decode to a partial image; None: it sends no partials.
+    preview: PreviewLayout | None = None
 
 
 @dataclass(frozen=True)

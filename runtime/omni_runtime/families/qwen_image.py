@@ -63,6 +63,7 @@ QWEN_IMAGE = EmbeddingsFamily(
         guidance="true_cfg_scale",
         guidance_default=4.0,
         step_cache=_STEP_CACHE,
+        preview="packed-3d",
     ),
     topology=encoder_then_dit("encoder", "hidden_states"),
     hub_ids=("Qwen/Qwen-Image",),
@@ -82,6 +83,7 @@ def _edit_dit(pipeline_class: str) -> DiTRecipe:
         takes_image=True,
         requires_image=True,
         step_cache=_STEP_CACHE,
+        preview="packed-3d",
     )
 
 

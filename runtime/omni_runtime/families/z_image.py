@@ -37,6 +37,7 @@ Z_IMAGE = EmbeddingsFamily(
             skip=(r"(noise_refiner|context_refiner|layers)\.\d+",),
             predict=(r"all_final_layer\.[^.]+",),
         ),
+        preview="scaled",
     ),
     topology=encoder_then_dit("encoder", "hidden_states"),
     hub_ids=("Tongyi-MAI/Z-Image-Turbo",),

@@ -167,6 +167,29 @@ class ImagesResponse(BaseModel):
     data: list[ImageData]
 
 
+class ImageStreamEvent(BaseModel):
+    """One event of an image stream (stream: true): a partial image, or the image."""
+
+    type: Literal[
+        "image_generation.partial_image",
+        "image_generation.completed",
+        "image_edit.partial_image",
+        "image_edit.completed",
+    ]
+    b64_json: str = Field(description="A PNG file, base64-encoded.")
+    created_at: int
+    size: str = Field(description="WIDTHxHEIGHT of the image.")
+    quality: Literal["auto"]
+    background: Literal["opaque"]
+    output_format: Literal["png"]
+    partial_image_index: int | None = Field(
+        default=None, description="Partial images only: which, from 0."
+    )
+    usage: dict[str, Any] | None = Field(
+        default=None, description="The completed event's: input tokens (the prompt's)."
+    )
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"]
@@ -201,6 +224,7 @@ _RESPONSE_MODELS: tuple[type[BaseModel], ...] = (
     TokenizeResponse,
     DetokenizeResponse,
     ImagesResponse,
+    ImageStreamEvent,
     ModelList,
     Health,
     Liveness,
@@ -624,6 +648,27 @@ def _tokenizer_operation(method: Literal["tokenize", "detokenize"]) -> dict[str,
     }
 
 
+def _image_stream() -> dict[str, Any]:
+    # OpenAPI 3.1 reads an event stream's schema as that of each event.
+    return {
+        "schema": {
+            "type": "object",
+            "required": ["data"],
+            "properties": {
+                "event": {"type": "string", "description": "The event's type."},
+                "data": {
+                    "description": "With stream: true, one event per partial image "
+                    "(partial_images), then the image; an error object if the request fails "
+                    "after the stream started.",
+                    "type": "string",
+                    "contentMediaType": "application/json",
+                    "contentSchema": {"anyOf": [_ref("ImageStreamEvent"), _ref("ErrorResponse")]},
+                },
+            },
+        }
+    }
+
+
 def _images_generations() -> dict[str, Any]:
     return {
         "summary": "Create images from a prompt",
@@ -631,8 +676,8 @@ def _images_generations() -> dict[str, Any]:
         "requestBody": {"required": True, "content": _json("ImageGenerationRequest")},
         "responses": {
             "200": {
-                "description": "The images, as base64 PNGs.",
-                "content": _json("ImagesResponse"),
+                "description": "The images, as base64 PNGs (or their stream).",
+                "content": {**_json("ImagesResponse"), "text/event-stream": _image_stream()},
             },
             **_errors(*_POST_ERRORS),
         },
@@ -649,8 +694,8 @@ def _images_edits() -> dict[str, Any]:
         },
         "responses": {
             "200": {
-                "description": "The images, as base64 PNGs.",
-                "content": _json("ImagesResponse"),
+                "description": "The images, as base64 PNGs (or their stream).",
+                "content": {**_json("ImagesResponse"), "text/event-stream": _image_stream()},
             },
             **_errors(*_POST_ERRORS),
         },

@@ -42,6 +42,7 @@ from python_multipart.exceptions import FormParserError
 from python_multipart.multipart import MultipartParser, parse_options_header
 
 from omni_runtime.config.loader import nesting_depth
+from omni_runtime.engine.stage.stage_core_types import MAX_PARTIAL_IMAGES
 from omni_runtime.families import FAMILIES, Family
 from omni_runtime.families.base import RequestField
 from omni_runtime.images import decode_image
@@ -155,6 +156,8 @@ class _FamilyFields(_Body):
     requires_input_image: ClassVar[bool] = False
     # Common image fields the family's DiT does not take: refused by name.
     unsupported_fields: ClassVar[tuple[str, ...]] = ()
+    # Whether the DiT makes partial images (its family's latents decode part way).
+    makes_partial_images: ClassVar[bool] = False
 
     def _check_supported(self) -> None:
         for name in self.unsupported_fields:
@@ -443,6 +446,9 @@ class _ImageRequest(_FamilyFields):
     guidance_scale: NonNegativeFloat | None = None
     negative_prompt: str | None = None
     user: str | None = None
+    # OpenAI's image streaming: partial images as events, then the image.
+    stream: StrictBool = False
+    partial_images: Annotated[Integer, Field(ge=0, le=MAX_PARTIAL_IMAGES)] | None = None
 
     def _diffusion_params(
         self, output_kind: OutputKind, limits: RouterLimits, **more: Any
@@ -464,7 +470,19 @@ class _ImageRequest(_FamilyFields):
             )
         check_common(limits, len(self.prompt), self.n, self.num_inference_steps, "prompt")
         self._check_supported()
+        if self.partial_images is not None and not self.stream:
+            raise RequestError(
+                400,
+                "partial_images: only with stream: true (partial images are events of a stream)",
+                param="partial_images",
+            )
+        if self.stream and self.n != 1:
+            raise RequestError(400, f"n: a streamed request makes one image (got {self.n})", "n")
         height, width = parse_size(self.size, limits)
+        if self.partial_images and self.makes_partial_images:
+            # A DiT that makes none is asked for none: the stream has the image alone, as
+            # OpenAI's API allows (fewer partials than asked for).
+            more["partial_images"] = self.partial_images
         return _diffusion_params(self, height=height, width=width, **more)
 
     def _pipeline_request(
@@ -602,6 +620,7 @@ def request_models(family: Family | None, step_cache_tiers: tuple[str, ...] = ()
         max_images=family.max_input_images,
         requires_image=family.dit.requires_image,
         unsupported=family.dit.unsupported_fields,
+        partial_images=family.dit.preview is not None,
     )
     return _request_models((*family.request_fields, *cache), (), rules)
 
@@ -614,6 +633,7 @@ class InputRules:
     max_images: int
     requires_image: bool = False
     unsupported: tuple[str, ...] = ()
+    partial_images: bool = False
 
 
 def familyless_fields() -> tuple[RequestField, ...]:
@@ -688,6 +708,7 @@ def _with_fields(
     model.max_input_images = rules.max_images
     model.requires_input_image = rules.requires_image
     model.unsupported_fields = rules.unsupported
+    model.makes_partial_images = rules.partial_images
     return model
 
 

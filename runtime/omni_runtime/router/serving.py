@@ -16,7 +16,7 @@ import asyncio
 import base64
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -228,6 +228,8 @@ class OpenAIServing:
         request = body.to_pipeline_request(
             f"img-{uuid.uuid4().hex}", self.orchestrator.output_kind, self.limits
         )
+        if body.stream:
+            return await self._stream_images(request, "image_generation")
         return await self._images_response(request, http)
 
     async def image_edits(
@@ -242,6 +244,8 @@ class OpenAIServing:
             self.limits,
             images,
         )
+        if body.stream:
+            return await self._stream_images(request, "image_edit")
         return await self._images_response(request, http)
 
     def models(self) -> dict[str, Any]:
@@ -319,16 +323,21 @@ class OpenAIServing:
         finally:
             self.in_flight -= 1
 
-    async def _stream_text(
-        self, request: PipelineRequest, http: Request, include_usage: bool, chunks: _ChunkWriter
-    ) -> Response:
+    async def _open_stream(
+        self, request: PipelineRequest
+    ) -> tuple[
+        StageServerOutput,
+        AsyncGenerator[StageServerOutput, None],
+        Callable[[], Awaitable[None]],
+    ]:
+        """The first output of a streamed request, the rest of them, and what releases the
+        request (idempotent: it runs when the stream ends, and again when the response does,
+        as a client gone before the first event never starts the stream)."""
         self._admit()
         admitted = True
         outputs = self.orchestrator.run(request)
 
         async def release() -> None:
-            # Idempotent: runs when the stream ends, and again when the response does (a
-            # client gone before the first chunk never starts ``events``).
             nonlocal admitted
             await outputs.aclose()
             if admitted:
@@ -342,6 +351,34 @@ class OpenAIServing:
         except BaseException:
             await release()
             raise
+        return first, outputs, release
+
+    async def _stream_images(self, request: PipelineRequest, kind: str) -> Response:
+        """OpenAI's image stream: a ``<kind>.partial_image`` event per partial image, then
+        ``<kind>.completed`` with the image (the same bytes as without streaming). A client
+        that goes away ends the response, which aborts the request in every stage."""
+        first, outputs, release = await self._open_stream(request)
+
+        async def events() -> AsyncIterator[bytes]:
+            try:
+                output: StageServerOutput | None = first
+                while output is not None:
+                    if output.images is not None:  # a partial image, or the image
+                        yield await asyncio.to_thread(_image_event, kind, output)
+                    if output.finished:
+                        break
+                    output = await anext(outputs, None)
+            except PipelineError as e:
+                yield _sse(error_body(e.status, e.message, kind=e.kind, param=e.param))
+            finally:
+                await release()
+
+        return _StreamWithCleanup(events(), release)
+
+    async def _stream_text(
+        self, request: PipelineRequest, http: Request, include_usage: bool, chunks: _ChunkWriter
+    ) -> Response:
+        first, outputs, release = await self._open_stream(request)
 
         async def events() -> AsyncIterator[bytes]:
             try:
@@ -422,6 +459,35 @@ def _png_base64(images: np.ndarray | None) -> list[str]:
     if images is None:
         return []
     return [base64.b64encode(encode_png(image)).decode("ascii") for image in images]
+
+
+def _image_event(kind: str, output: StageServerOutput) -> bytes:
+    """One SSE event of an image stream (OpenAI's ``image_generation.partial_image`` /
+    ``.completed`` and their ``image_edit`` twins): the output's first image as a PNG."""
+    assert output.images is not None
+    image = output.images[0]
+    partial = output.partial_index is not None
+    event = f"{kind}.partial_image" if partial else f"{kind}.completed"
+    payload: dict[str, Any] = {
+        "type": event,
+        "b64_json": base64.b64encode(encode_png(image)).decode("ascii"),
+        "created_at": int(time.time()),
+        "size": f"{image.shape[1]}x{image.shape[0]}",
+        "quality": "auto",
+        "background": "opaque",
+        "output_format": "png",
+    }
+    if partial:
+        payload["partial_image_index"] = output.partial_index
+    else:
+        tokens = output.prompt_tokens
+        payload["usage"] = {
+            "input_tokens": tokens,
+            "input_tokens_details": {"image_tokens": 0, "text_tokens": tokens},
+            "output_tokens": 0,
+            "total_tokens": tokens,
+        }
+    return b"event: " + event.encode() + b"\n" + _sse(payload)
 
 
 def _png_data_urls(images: np.ndarray | None) -> list[str]:

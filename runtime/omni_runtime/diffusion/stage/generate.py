@@ -17,7 +17,7 @@ async def generate(
     requests: list[StageDiffusionCoreRequest],
     timeout: float | None = None,
 ) -> dict[str, StageDiffusionCoreOutput]:
-    """Send every request at once and wait for all their outputs, by request id.
+    """Send every request at once and wait for all their final outputs, by request id.
 
     The client must be this caller's alone: outputs for other requests are not expected.
     Raises StageCoreDeadError if the stage dies, TimeoutError after ``timeout`` seconds.
@@ -33,5 +33,6 @@ async def generate(
             outputs = await client.get_outputs_async()
             assert isinstance(outputs, StageDiffusionCoreOutputs)
             for output in outputs.outputs:
-                results[output.request_id] = output
+                if output.partial_index is None:  # a partial image: the request goes on
+                    results[output.request_id] = output
     return results

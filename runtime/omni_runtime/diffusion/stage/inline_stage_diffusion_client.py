@@ -17,6 +17,7 @@ from omni_runtime.diffusion.loader import load_diffusion_engine
 from omni_runtime.engine.stage.stage_core_client import StageCoreClientBase, StageCoreDeadError
 from omni_runtime.engine.stage.stage_core_types import (
     StageCoreRequest,
+    StageDiffusionCoreOutput,
     StageDiffusionCoreOutputs,
     StageDiffusionCoreRequest,
 )
@@ -92,10 +93,17 @@ class InlineStageDiffusionClient(StageCoreClientBase):
         self.engine.close()
 
     async def _run_pending(self) -> None:
+        loop = asyncio.get_running_loop()
+
+        def send(output: StageDiffusionCoreOutput) -> None:
+            # From the engine's thread: the queue is the loop's.
+            loop.call_soon_threadsafe(self._send, output)
+
         while self._pending:
             request = self._pending.popleft()
             async with self._engine_lock:
-                output = await asyncio.to_thread(self.engine.execute, request)
-            self._outputs.put_nowait(
-                StageDiffusionCoreOutputs(outputs=[output], timestamp=time.time())
-            )
+                output = await asyncio.to_thread(self.engine.execute, request, send)
+            self._send(output)
+
+    def _send(self, output: StageDiffusionCoreOutput) -> None:
+        self._outputs.put_nowait(StageDiffusionCoreOutputs(outputs=[output], timestamp=time.time()))

@@ -35,6 +35,7 @@ from omni_runtime.diffusion.engine import DiffusionEngineConfig
 from omni_runtime.diffusion.loader import load_diffusion_engine
 from omni_runtime.engine.stage.stage_core_types import (
     StageCoreRequestType,
+    StageDiffusionCoreOutput,
     StageDiffusionCoreOutputs,
     StageDiffusionCoreRequest,
     StageUtilityCall,
@@ -153,7 +154,10 @@ class StageDiffusionCoreProc:
         self.engine.close()
 
     def _execute(self, request: StageDiffusionCoreRequest) -> None:
-        output = self.engine.execute(request)
+        output = self.engine.execute(request, emit=self._send_output)
+        self._send_output(output)
+
+    def _send_output(self, output: StageDiffusionCoreOutput) -> None:
         self._output_queue.put(StageDiffusionCoreOutputs(outputs=[output], timestamp=time.time()))
 
     def _run_utility(self, call: StageUtilityCall) -> StageUtilityOutput:

@@ -146,8 +146,13 @@ class StageDiffusionCoreRequest(StageCoreRequest):
     inputs: dict[str, HandOff] = {}
 
 
+# The most partial images a request may ask for (OpenAI's Images API's bound).
+MAX_PARTIAL_IMAGES = 3
+
+
 class StageDiffusionCoreOutput(StageCoreOutput):
-    """A finished diffusion request: images, or why there are none."""
+    """A finished diffusion request: images, or why there are none; or, with
+    ``partial_index``, one of its partial images on the way."""
 
     request_id: str
     # uint8 RGB, [num_images, height, width, 3].
@@ -160,6 +165,8 @@ class StageDiffusionCoreOutput(StageCoreOutput):
     # Of those, the seconds spent fetching the request's handed-off inputs, which the core
     # does first.
     fetch_time: float = 0.0
+    # A partial image (the request goes on; its final output follows): which, from 0.
+    partial_index: int | None = None
 
 
 class StageUtilityOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -252,6 +259,9 @@ class StageServerOutput(StageCoreOutput):
     completion_tokens: int = 0
     # Seconds the stage spent on the request (0 for refused requests).
     execute_time: float = 0.0
+    # Diffusion stages: a partial image of a request that goes on (not finished): which,
+    # from 0.
+    partial_index: int | None = None
 
 
 class StageLoad(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

@@ -98,8 +98,11 @@ def is_final_output(output: object) -> bool:
     """Whether ``output`` is the last one of its request, whatever kind of stage sent it.
 
     Stage servers' outputs and vLLM's say so in ``finished`` (vLLM's is a property of
-    ``finish_reason``); a diffusion output has neither, being the request's only output.
+    ``finish_reason``); a diffusion core's output has neither: it is the request's last
+    unless it is a partial image.
     """
+    if getattr(output, "partial_index", None) is not None and not hasattr(output, "finished"):
+        return False
     if hasattr(output, "finished"):
         return bool(output.finished)
     if hasattr(output, "finish_reason"):

@@ -427,8 +427,9 @@ def test_a_pipeline_of_no_family_takes_what_its_diffusers_dit_takes() -> None:
         "num_images",
     }
     generic = {f.name for f in familyless_fields()}
-    # step_cache: only where the DiT stage declares tiers (the next test).
-    taken = generic | {STRENGTH.name, STEP_CACHE_FIELD}
+    # step_cache: only where the DiT stage declares tiers (the next test); partial_images:
+    # a stream's, which every image body takes.
+    taken = generic | {STRENGTH.name, STEP_CACHE_FIELD, "partial_images"}
     assert taken == set(DiffusionParams.__struct_fields__) - common
     shared = request_models(None)
     assert set(shared.images.model_fields) - set(ImageGenerationRequest.model_fields) == generic
