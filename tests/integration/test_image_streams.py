@@ -132,6 +132,17 @@ def test_partial_images_need_a_stream_of_one_image(client: openai.OpenAI) -> Non
     assert refused.value.body["param"] == "n"  # type: ignore[index]
 
 
+def test_a_chat_completion_refuses_to_stream_its_image(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(
+            model=client.models.list().data[0].id,
+            messages=[{"role": "user", "content": "a fox"}],
+            stream=True,
+            extra_body={"modalities": ["image"]},
+        )
+    assert refused.value.body["param"] == "stream"  # type: ignore[index]
+
+
 def test_a_client_gone_mid_stream_frees_the_dit(router: RunningRouter) -> None:
     pool = router.state.pools[DIT]
     aborted_before = sum(s.aborted for s in pool.stats())

@@ -310,7 +310,10 @@ class StageConfig(_Model):
         default=None, description="Most tokens in one engine step; the engine's default if unset."
     )
     max_num_seqs: PositiveInt | None = Field(
-        default=None, description="Most requests in one batch; the engine's default if unset."
+        default=None,
+        description="Most requests in one batch: vLLM's for an llm stage (its default if "
+        "unset); for a diffusion stage, the most requests one pipeline call runs together "
+        "(1 if unset: each alone).",
     )
     max_model_len: PositiveInt | None = Field(
         default=None, description="Context length; the model's own if unset."

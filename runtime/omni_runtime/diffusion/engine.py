@@ -30,7 +30,7 @@ import os
 import re
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Annotated, Any, TypeVar
 
 import msgspec
@@ -93,6 +93,9 @@ class DiffusionEngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=
     # The pipeline's connectors (name -> {"name": class, "extra": {...}}), through which
     # the engine fetches what upstream stages handed off.
     connectors: dict[str, dict[str, Any]] = {}
+    # The most requests one pipeline call runs together (the stage's maxNumSeqs; 1: each
+    # alone, as the seed's DiT runs).
+    max_batch: int = 1
     # The stage's stepCache: its tiers by name, and the tier of a request that names none.
     step_cache_tiers: dict[str, StepCacheTier] = {}
     step_cache_default: str = STEP_CACHE_OFF
@@ -269,6 +272,83 @@ class DiffusionEngineBase(abc.ABC):
                 self._admitted.discard(request_id)
                 self._aborted.discard(request_id)
 
+    def batch_key(self, request: StageDiffusionCoreRequest) -> Hashable | None:
+        """What a request must share with others to run in one pipeline call with them;
+        None: it runs alone (this engine batches nothing, or the request cannot be)."""
+        return None
+
+    def execute_batch(
+        self, requests: Sequence[StageDiffusionCoreRequest], emit: PartialEmit | None = None
+    ) -> list[StageDiffusionCoreOutput]:
+        """Run (admitted) requests of one batch_key in one pipeline call, each answered as
+        :meth:`execute` answers it alone; an aborted one is answered aborted and the others
+        go on. One request runs as :meth:`execute` runs it."""
+        if len(requests) == 1:
+            return [self.execute(requests[0], emit)]
+        ids = [request.request_id for request in requests]
+        try:
+            return self._execute_batch(requests)
+        finally:
+            with self._lock:
+                self._admitted.difference_update(ids)
+                self._aborted.difference_update(ids)
+
+    def _execute_batch(
+        self, requests: Sequence[StageDiffusionCoreRequest]
+    ) -> list[StageDiffusionCoreOutput]:
+        answers: dict[str, StageDiffusionCoreOutput] = {}
+        runnable: list[tuple[StageDiffusionCoreRequest, Any]] = []
+        for request in requests:
+            request_id = request.request_id
+            try:
+                params = self.validate(request)
+            except InvalidRequestError as e:
+                self._discard(request)
+                answers[request_id] = StageDiffusionCoreOutput(request_id=request_id, error=e.error)
+                continue
+            if request_id in self._aborted:
+                self._discard(request)
+                answers[request_id] = StageDiffusionCoreOutput(request_id=request_id, aborted=True)
+                continue
+            runnable.append((request, params))
+        ids = [request.request_id for request, _ in runnable]
+        start = time.perf_counter()
+        self._fetch_time = 0.0
+        try:
+            if runnable:
+                images = self._run_batch(
+                    [request for request, _ in runnable],
+                    [params for _, params in runnable],
+                    lambda: all(request_id in self._aborted for request_id in ids),
+                )
+        except Exception as e:
+            for request_id in ids:
+                answers[request_id] = _failure(request_id, e)
+        else:
+            elapsed = time.perf_counter() - start
+            for index, request_id in enumerate(ids):
+                # Aborted while its batch ran: dropped, the others untouched.
+                answers[request_id] = (
+                    StageDiffusionCoreOutput(request_id=request_id, aborted=True)
+                    if request_id in self._aborted
+                    else StageDiffusionCoreOutput(
+                        request_id=request_id,
+                        images=images[index : index + 1],
+                        execute_time=elapsed,
+                        fetch_time=self._fetch_time,
+                    )
+                )
+        return [answers[request.request_id] for request in requests]
+
+    def _run_batch(
+        self,
+        requests: list[StageDiffusionCoreRequest],
+        params: list[Any],
+        all_aborted: Callable[[], bool],
+    ) -> np.ndarray:
+        """The requests' images in one pipeline call, one each, in order."""
+        raise NotImplementedError(f"{type(self).__name__} runs no batches")
+
     def _execute(
         self,
         request: StageDiffusionCoreRequest,
@@ -288,22 +368,8 @@ class DiffusionEngineBase(abc.ABC):
         self._fetch_time = 0.0
         try:
             images = self._run(request, params, should_abort, emit)
-        except RequestAbortedError:
-            return StageDiffusionCoreOutput(request_id=request_id, aborted=True)
-        except UpstreamInputError as e:
-            failed = StageError(StageErrorCode.STAGE_FAILED, str(e), e.name)
-            return StageDiffusionCoreOutput(request_id=request_id, error=failed)
-        except ValueError as e:
-            # diffusers' own input checks (check_inputs) raise ValueError.
-            return StageDiffusionCoreOutput(
-                request_id=request_id, error=StageError.bad_request(f"pipeline: {e}")
-            )
         except Exception as e:  # a request that breaks the pipeline must not kill the stage
-            logger.exception("request %s failed", request_id)
-            failure = f"the pipeline failed: {type(e).__name__}: {e}"
-            return StageDiffusionCoreOutput(
-                request_id=request_id, error=StageError(StageErrorCode.STAGE_FAILED, failure)
-            )
+            return _failure(request_id, e)
         return StageDiffusionCoreOutput(
             request_id=request_id,
             images=images,
@@ -535,22 +601,11 @@ class DiffusionEngine(DiffusionEngineBase):
                 partials.after_step(step, tensors["latents"])
             return tensors
 
-        # Left out, a parameter is the pipeline's own default (a family's pipeline sizes
-        # its output itself; an edit's from its input image).
-        kwargs: dict[str, Any] = {
-            name: value
-            for name in (*_CALL_PARAMS, "height", "width")
-            if (value := getattr(params, name)) is not None
-        }
-        kwargs.update(
-            num_images_per_prompt=params.num_images,
-            output_type="np",
-            callback_on_step_end=on_step_end,
-        )
+        kwargs = _call_kwargs(params, on_step_end)
         if params.seed is not None:
             kwargs["generator"] = torch.Generator("cpu").manual_seed(params.seed)
-        if request.prompt_embeds is not None or "prompt_embeds" in request.inputs:
-            kwargs.update(self._embeds_kwargs(request))
+        if _upstream(request):
+            kwargs.update(self._embeds_kwargs([request]))
         else:
             kwargs["prompt"] = request.prompt
             kwargs["negative_prompt"] = params.negative_prompt
@@ -561,6 +616,63 @@ class DiffusionEngine(DiffusionEngineBase):
         finally:
             if watch is not None:
                 watch.remove()
+        images = np.asarray(result.images)
+        return np.clip(np.round(images * 255.0), 0, 255).astype(np.uint8)
+
+    def batch_key(self, request: StageDiffusionCoreRequest) -> Hashable | None:
+        """A family's text-to-image requests batch with those of the same call arguments
+        but seed and prompt (size, steps, guidance on or off and its scales, step-cache
+        tier), one image each, no partial images; the stage's maxNumSeqs above 1."""
+        if self.config.max_batch <= 1 or self.family is None or request.images:
+            return None
+        try:
+            params = self.validate(request)
+        except InvalidRequestError:
+            return None  # refused when it runs
+        if params.num_images != 1 or params.partial_images:
+            return None
+        upstream = _upstream(request)
+        negative = (
+            request.negative_prompt_embeds is not None or "negative_prompt_embeds" in request.inputs
+            if upstream
+            else params.negative_prompt is not None
+        )
+        shared = msgspec.structs.asdict(params)
+        for own in ("seed", "negative_prompt", "partial_images"):
+            del shared[own]
+        return (upstream, negative, tuple(sorted(shared.items())))
+
+    def _run_batch(
+        self,
+        requests: list[StageDiffusionCoreRequest],
+        params: list[Any],
+        all_aborted: Callable[[], bool],
+    ) -> np.ndarray:
+        import torch
+
+        def on_step_end(
+            pipe: Any, step: int, timestep: Any, tensors: dict[str, Any]
+        ) -> dict[str, Any]:
+            if all_aborted():
+                raise RequestAbortedError
+            return tensors
+
+        first: DiffusionParams = params[0]
+        kwargs = _call_kwargs(first, on_step_end)
+        # One generator per request: each draws its own noise, as it would alone.
+        kwargs["generator"] = [
+            torch.Generator("cpu").manual_seed(p.seed)
+            if p.seed is not None
+            else torch.Generator("cpu")
+            for p in params
+        ]
+        if _upstream(requests[0]):
+            kwargs.update(self._embeds_kwargs(requests))
+        else:
+            kwargs["prompt"] = [request.prompt for request in requests]
+            negatives = [p.negative_prompt for p in params]
+            kwargs["negative_prompt"] = negatives if negatives[0] is not None else None
+        result = self._call(first, kwargs, [])
         images = np.asarray(result.images)
         return np.clip(np.round(images * 255.0), 0, 255).astype(np.uint8)
 
@@ -625,11 +737,12 @@ class DiffusionEngine(DiffusionEngineBase):
             self._torch_dtype,
         )
 
-    def _embeds_kwargs(self, request: StageDiffusionCoreRequest) -> dict[str, Any]:
-        """The pipeline arguments that carry upstream embeddings, as its family takes them."""
+    def _embeds_kwargs(self, requests: list[StageDiffusionCoreRequest]) -> dict[str, Any]:
+        """The pipeline arguments that carry the requests' upstream embeddings (one
+        request's, or a batch's: a family's), as the family's pipeline takes them."""
         import torch
 
-        def tensor(name: str) -> Any:
+        def tensor(request: StageDiffusionCoreRequest, name: str) -> Any:
             array = getattr(request, name)
             if array is not None:
                 return torch.as_tensor(np.array(array), dtype=self._torch_dtype, device=self.device)
@@ -638,8 +751,9 @@ class DiffusionEngine(DiffusionEngineBase):
             # (measured here, 64x64, 4 steps, guidance on); a copy of embeddings is cheap.
             return self.fetch(request, name, private=True) if name in request.inputs else None
 
-        positive = tensor("prompt_embeds")
-        negative = tensor("negative_prompt_embeds")
+        positives = [tensor(request, "prompt_embeds") for request in requests]
+        negatives = [tensor(request, "negative_prompt_embeds") for request in requests]
+        positive, negative = positives[0], negatives[0]
         if self.family is None:
             # Guidance needs an unconditional branch of the prompt's shape; an LLM has no
             # hidden states for an empty prompt, so zeros stand for it.
@@ -649,18 +763,33 @@ class DiffusionEngine(DiffusionEngineBase):
             }
         if self.family.dit.embeds == "rows":
             return {
-                "prompt_embeds": [positive],
-                "negative_prompt_embeds": [negative] if negative is not None else None,
+                "prompt_embeds": positives,
+                "negative_prompt_embeds": negatives if negative is not None else None,
             }
-        # One prompt, so no padding: the mask is all ones.
-        result = {
-            "prompt_embeds": positive.unsqueeze(0),
-            "prompt_embeds_mask": _ones_mask(positive),
-        }
+        result = dict(zip(("prompt_embeds", "prompt_embeds_mask"), _padded(positives), strict=True))
         if negative is not None:
-            result["negative_prompt_embeds"] = negative.unsqueeze(0)
-            result["negative_prompt_embeds_mask"] = _ones_mask(negative)
+            names = ("negative_prompt_embeds", "negative_prompt_embeds_mask")
+            result.update(zip(names, _padded(negatives), strict=True))
         return result
+
+
+def _failure(request_id: str, error: Exception) -> StageDiffusionCoreOutput:
+    """The output of a request whose run raised ``error``."""
+    if isinstance(error, RequestAbortedError):
+        return StageDiffusionCoreOutput(request_id=request_id, aborted=True)
+    if isinstance(error, UpstreamInputError):
+        failed = StageError(StageErrorCode.STAGE_FAILED, str(error), error.name)
+        return StageDiffusionCoreOutput(request_id=request_id, error=failed)
+    if isinstance(error, ValueError):
+        # diffusers' own input checks (check_inputs) raise ValueError.
+        return StageDiffusionCoreOutput(
+            request_id=request_id, error=StageError.bad_request(f"pipeline: {error}")
+        )
+    logger.error("request %s failed", request_id, exc_info=error)
+    failure = f"the pipeline failed: {type(error).__name__}: {error}"
+    return StageDiffusionCoreOutput(
+        request_id=request_id, error=StageError(StageErrorCode.STAGE_FAILED, failure)
+    )
 
 
 def _call_default(pipeline: Any, name: str) -> Any:
@@ -671,10 +800,42 @@ def _call_default(pipeline: Any, name: str) -> Any:
     return parameter.default
 
 
-def _ones_mask(embeds: Any) -> Any:
+def _padded(rows: list[Any]) -> tuple[Any, Any]:
+    """Prompts' embeddings ([tokens, width] each) as one [prompts, most tokens, width]
+    batch, padded at the end as the family's own tokenizer pads, and its mask (1: a token;
+    one prompt alone has no padding)."""
     import torch
 
-    return torch.ones((1, embeds.shape[0]), dtype=torch.long, device=embeds.device)
+    longest = max(row.shape[0] for row in rows)
+    batch = rows[0].new_zeros((len(rows), longest, rows[0].shape[1]))
+    mask = torch.zeros((len(rows), longest), dtype=torch.long, device=rows[0].device)
+    for index, row in enumerate(rows):
+        batch[index, : row.shape[0]] = row
+        mask[index, : row.shape[0]] = 1
+    return batch, mask
+
+
+def _upstream(request: StageDiffusionCoreRequest) -> bool:
+    """Whether the request's text embeddings come from upstream (else its prompt's text is
+    encoded by the pipeline's own text encoder)."""
+    return request.prompt_embeds is not None or "prompt_embeds" in request.inputs
+
+
+def _call_kwargs(params: DiffusionParams, on_step_end: Callable[..., Any]) -> dict[str, Any]:
+    """The pipeline's call arguments a request's params give (left out, a parameter is the
+    pipeline's own default: a family's pipeline sizes its output itself, an edit's from its
+    input image)."""
+    kwargs: dict[str, Any] = {
+        name: value
+        for name in (*_CALL_PARAMS, "height", "width")
+        if (value := getattr(params, name)) is not None
+    }
+    kwargs.update(
+        num_images_per_prompt=params.num_images,
+        output_type="np",
+        callback_on_step_end=on_step_end,
+    )
+    return kwargs
 
 
 def _family(name: str | None) -> Family | None:

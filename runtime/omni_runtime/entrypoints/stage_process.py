@@ -160,6 +160,7 @@ def diffusion_engine_config(
         if cache is not None
         else {},
         step_cache_default=cache.default if cache is not None else STEP_CACHE_OFF,
+        max_batch=stage.max_num_seqs or 1,
     )
 
 

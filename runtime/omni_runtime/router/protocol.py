@@ -267,6 +267,15 @@ class ChatCompletionRequest(_FamilyFields, _Sampling):
                 'modalities: this pipeline makes images; ask for them with "modalities": ["image"]',
                 param="modalities",
             )
+        if wants_image and self.stream:
+            # A chat chunk has no image part; an answer that ignored stream would break the
+            # client that waits for events.
+            raise RequestError(
+                400,
+                "stream: a chat completion's image comes whole; stream an image's partials "
+                "with /v1/images/generations or /v1/images/edits (stream, partial_images)",
+                param="stream",
+            )
         most = self.max_input_images if wants_image else 0
         messages, images = flatten_messages(self.messages, limits, most)
         prompt_chars = sum(len(m["content"]) for m in messages)

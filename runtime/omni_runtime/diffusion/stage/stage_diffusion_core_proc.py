@@ -19,6 +19,7 @@ to read a result.
 from __future__ import annotations
 
 import argparse
+import collections
 import logging
 import os
 import queue
@@ -78,6 +79,7 @@ class StageDiffusionCoreProc:
     ) -> None:
         self._ctx = zmq.Context()
         self._handshake_address = handshake_address
+        self.max_batch = config.max_batch
         try:
             self.engine = load_diffusion_engine(config)
         except BaseException as e:
@@ -110,19 +112,53 @@ class StageDiffusionCoreProc:
         self._send_handshake(StageProcHandshake(os.getpid(), True, info=self.engine.describe()))
 
     def run_busy_loop(self) -> None:
-        """Serve until request_shutdown()."""
-        while True:
-            kind, payload = self._input_queue.get()
-            if kind is None:
-                return
-            if kind is StageCoreRequestType.ADD:
-                self._execute(payload)
-            elif kind is StageCoreRequestType.UTILITY:
-                self._output_queue.put(
-                    StageDiffusionCoreOutputs(
-                        utility_output=self._run_utility(payload), timestamp=time.time()
+        """Serve until request_shutdown().
+
+        Requests run in the order they came, each with those behind it that share its
+        batch key (``engine.batch_key``), up to the engine's ``max_batch``: a request that
+        comes while a batch runs waits for the next one rather than join it part way, as
+        a pipeline call runs its requests' steps together from the first to the last.
+        """
+        waiting: collections.deque[StageDiffusionCoreRequest] = collections.deque()
+        stopping = False
+        while waiting or not stopping:
+            # Whatever has come, without waiting; then, with nothing to run, wait.
+            while not stopping:
+                try:
+                    kind, payload = (
+                        self._input_queue.get_nowait() if waiting else self._input_queue.get()
                     )
-                )
+                except queue.Empty:
+                    break
+                if kind is None:
+                    stopping = True
+                elif kind is StageCoreRequestType.ADD:
+                    waiting.append(payload)
+                elif kind is StageCoreRequestType.UTILITY:
+                    self._output_queue.put(
+                        StageDiffusionCoreOutputs(
+                            utility_output=self._run_utility(payload), timestamp=time.time()
+                        )
+                    )
+            if waiting:
+                self._execute(self._next_batch(waiting))
+
+    def _next_batch(
+        self, waiting: collections.deque[StageDiffusionCoreRequest]
+    ) -> list[StageDiffusionCoreRequest]:
+        """The first waiting request and those behind it of its batch key, taken out."""
+        first = waiting.popleft()
+        batch = [first]
+        key = self.engine.batch_key(first) if self.max_batch > 1 else None
+        if key is None:
+            return batch
+        for request in list(waiting):
+            if len(batch) == self.max_batch:
+                break
+            if self.engine.batch_key(request) == key:
+                waiting.remove(request)
+                batch.append(request)
+        return batch
 
     def request_shutdown(self) -> None:
         """Make the busy loop return soon; safe from any thread. A running request is
@@ -153,9 +189,9 @@ class StageDiffusionCoreProc:
         self._ctx.term()
         self.engine.close()
 
-    def _execute(self, request: StageDiffusionCoreRequest) -> None:
-        output = self.engine.execute(request, emit=self._send_output)
-        self._send_output(output)
+    def _execute(self, batch: list[StageDiffusionCoreRequest]) -> None:
+        for output in self.engine.execute_batch(batch, emit=self._send_output):
+            self._send_output(output)
 
     def _send_output(self, output: StageDiffusionCoreOutput) -> None:
         self._output_queue.put(StageDiffusionCoreOutputs(outputs=[output], timestamp=time.time()))

@@ -1,0 +1,179 @@
+"""Batched DiT requests (a stage's maxNumSeqs above 1): requests that share their call
+arguments but seed and prompt run in one pipeline call, each getting the image it gets
+alone; one aborted in a batch is dropped and the others go on. Through the diffusion core
+process (StageDiffusionCoreProc), whose busy loop forms the batches."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from omni_runtime.diffusion.engine import DiffusionEngine, DiffusionEngineConfig
+from omni_runtime.diffusion.stage.stage_diffusion_core_client import StageDiffusionCoreClient
+from omni_runtime.engine.stage.stage_core_types import (
+    StageDiffusionCoreOutput,
+    StageDiffusionCoreOutputs,
+)
+from omni_runtime.engine.stage.stage_core_types import StageDiffusionCoreRequest as Request
+from omni_runtime.tiny_models import QWEN_IMAGE_SUBDIR, Z_IMAGE_SUBDIR
+
+pytestmark = pytest.mark.integration
+
+CHECKPOINTS = {"qwen-image": QWEN_IMAGE_SUBDIR, "z-image": Z_IMAGE_SUBDIR}
+# Different lengths, so that a batch pads its prompts (and its negative prompts).
+PROMPTS = ["a red fox", "a tall lighthouse on a cliff at night", "two cats"]
+STEPS = 6
+
+
+def request(index: int, **params: Any) -> Request:
+    return Request(
+        request_id=f"r{index}-{sorted(params.items())}",
+        prompt=PROMPTS[index % len(PROMPTS)],
+        params={
+            "num_inference_steps": STEPS,
+            "height": 64,
+            "width": 64,
+            "seed": 100 + index,
+            "negative_prompt": "blurry, dark" if index % 2 else "ugly",
+            **params,
+        },
+    )
+
+
+@pytest.fixture(scope="module", params=sorted(CHECKPOINTS))
+def family(request: pytest.FixtureRequest) -> str:
+    name: str = request.param
+    return name
+
+
+@pytest.fixture(scope="module")
+def alone(tiny_models: Path, family: str) -> DiffusionEngine:
+    config = DiffusionEngineConfig(model=str(tiny_models / CHECKPOINTS[family]), family=family)
+    return DiffusionEngine(config)
+
+
+@pytest.fixture(scope="module")
+def batched(tiny_models: Path, family: str) -> DiffusionEngineConfig:
+    """A core that batches up to four requests (a stage's maxNumSeqs 4)."""
+    return DiffusionEngineConfig(
+        model=str(tiny_models / CHECKPOINTS[family]), family=family, max_batch=4
+    )
+
+
+def image_alone(dit: DiffusionEngine, req: Request) -> np.ndarray:
+    dit.admit(req.request_id)
+    output = dit.execute(req)
+    assert output.error is None, output.error
+    assert output.images is not None
+    return output.images
+
+
+def outputs_of(
+    config: DiffusionEngineConfig, requests: list[Request]
+) -> dict[str, StageDiffusionCoreOutput]:
+    """Each request's final output from a core process of ``config``, the requests sent
+    together."""
+
+    async def run() -> dict[str, StageDiffusionCoreOutput]:
+        client = StageDiffusionCoreClient(config)
+        try:
+            for req in requests:
+                await client.add_request_async(req)
+            finals: dict[str, StageDiffusionCoreOutput] = {}
+            async with asyncio.timeout(120):
+                while len(finals) < len(requests):
+                    message = await client.get_outputs_async()
+                    assert isinstance(message, StageDiffusionCoreOutputs)
+                    for output in message.outputs:
+                        finals[output.request_id] = output
+            return finals
+        finally:
+            client.shutdown()
+
+    return asyncio.run(run())
+
+
+def assert_same_image(batched: np.ndarray, alone: np.ndarray) -> None:
+    # A batch's matrix products are of other shapes than one request's, so floating point
+    # may round an image value the other way: within 1 level, almost all identical.
+    difference = np.abs(batched.astype(np.int64) - alone.astype(np.int64))
+    assert difference.max() <= 1
+    assert (difference == 0).mean() > 0.99
+
+
+def test_a_batch_gives_each_request_its_image_alone(
+    alone: DiffusionEngine, batched: DiffusionEngineConfig
+) -> None:
+    requests = [request(i) for i in range(3)]
+    finals = outputs_of(batched, requests)
+    for req in requests:
+        output = finals[req.request_id]
+        assert output.error is None, output.error
+        assert output.images is not None
+        assert_same_image(output.images, image_alone(alone, req))
+    # The first may have started alone; those that came while it ran went together (a
+    # batch's requests share its run's time).
+    assert (
+        finals[requests[1].request_id].execute_time == finals[requests[2].request_id].execute_time
+    )
+    # Different seeds and prompts: different images.
+    first, second = (finals[r.request_id].images for r in requests[:2])
+    assert not np.array_equal(first, second)
+
+
+def test_requests_that_differ_in_their_call_run_apart(
+    alone: DiffusionEngine, batched: DiffusionEngineConfig
+) -> None:
+    requests = [request(0), request(1, num_inference_steps=STEPS + 1), request(2, height=32)]
+    keys = {batched_key(alone, req) for req in requests}
+    assert len(keys) == 3
+    finals = outputs_of(batched, requests)
+    for req in requests:
+        images = finals[req.request_id].images
+        assert images is not None
+        assert_same_image(images, image_alone(alone, req))
+
+
+def batched_key(dit: DiffusionEngine, req: Request) -> Any:
+    dit.config.max_batch = 4
+    try:
+        return dit.batch_key(req)
+    finally:
+        dit.config.max_batch = 1
+
+
+def test_an_aborted_request_leaves_its_batch_alone(
+    alone: DiffusionEngine, tiny_models: Path, family: str
+) -> None:
+    config = DiffusionEngineConfig(
+        model=str(tiny_models / CHECKPOINTS[family]), family=family, max_batch=4
+    )
+    dit = DiffusionEngine(config)
+    requests = [request(i) for i in range(3)]
+    dropped = requests[1].request_id
+    calls = [0]
+
+    def abort_mid_run(*_: Any) -> None:
+        calls[0] += 1
+        if calls[0] == 3:  # the batch is on its way
+            dit.abort([dropped])
+
+    handle = dit.pipeline.transformer.register_forward_pre_hook(abort_mid_run)
+    try:
+        for req in requests:
+            dit.admit(req.request_id)
+        outputs = dit.execute_batch(requests)
+    finally:
+        handle.remove()
+    assert calls[0] > 3, "the batch ran on after the abort"
+    assert [o.request_id for o in outputs] == [r.request_id for r in requests]
+    assert outputs[1].aborted
+    assert outputs[1].images is None
+    for index in (0, 2):
+        images = outputs[index].images
+        assert images is not None
+        assert_same_image(images, image_alone(alone, requests[index]))
