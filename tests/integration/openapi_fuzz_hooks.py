@@ -201,7 +201,8 @@ def openai_error_shape(
 ) -> bool | None:
     """Every 4xx/5xx body, and every error inside an event stream, is
     ``{"error": {"message": str, "type": str, "param": str | null, "code": int}}`` with the
-    response's status as its code."""
+    response's status as its code; a text stream ends with [DONE], an image stream with its
+    completed event."""
     content_type = response.headers.get("content-type", [""])[0]
     if response.status_code >= 400:
         try:
@@ -212,14 +213,23 @@ def openai_error_shape(
             ) from None
         _check_error(body, response.status_code)
     elif content_type.startswith("text/event-stream"):
+        # An event's data line (an image stream's events have an event line first).
         events = [
             line.removeprefix("data: ")
-            for line in response.content.decode().split("\n\n")
+            for block in response.content.decode().split("\n\n")
+            for line in block.split("\n")
             if line.startswith("data: ")
         ]
-        if not events or events[-1] != "[DONE]":
+        if case.path.startswith("/v1/images/"):
+            # OpenAI's image stream ends with the image (or an error), not [DONE].
+            last = json.loads(events[-1]) if events else {}
+            if "error" not in last and not str(last.get("type", "")).endswith(".completed"):
+                raise AssertionError(f"the image stream does not end with the image: {last!r}")
+        elif not events or events[-1] != "[DONE]":
             raise AssertionError(f"the stream does not end with [DONE]: {events[-3:]!r}")
-        for event in events[:-1]:
+        for event in events:
+            if event == "[DONE]":
+                continue
             payload = json.loads(event)
             if "error" in payload:
                 _check_error(payload, None)

@@ -123,13 +123,27 @@ def test_a_short_request_sends_fewer_partials_than_asked(client: openai.OpenAI) 
     assert events[-1].type == "image_generation.completed"
 
 
-def test_partial_images_need_a_stream_of_one_image(client: openai.OpenAI) -> None:
-    with pytest.raises(openai.BadRequestError) as refused:
-        client.images.generate(prompt="a fox", size=SIZE, partial_images=2)  # type: ignore[arg-type]
-    assert refused.value.body["param"] == "partial_images"  # type: ignore[index]
-    with pytest.raises(openai.BadRequestError) as refused:
-        list(client.images.generate(prompt="a fox", size=SIZE, n=2, stream=True))  # type: ignore[arg-type]
-    assert refused.value.body["param"] == "n"  # type: ignore[index]
+def test_partials_are_a_streams_and_each_image_completes(client: openai.OpenAI) -> None:
+    # Without a stream, partial_images changes nothing: the answer is the image.
+    assert np.array_equal(generate(client, 4, partial_images=2), generate(client, 4))
+    # Two images: the partials are the first one's, then each image completes.
+    events = list(
+        client.images.generate(
+            prompt="a fox",
+            size=SIZE,  # type: ignore[arg-type]
+            n=2,
+            stream=True,
+            partial_images=1,
+            extra_body={"num_inference_steps": 4, "seed": 2},
+        )
+    )
+    assert [event.type for event in events] == [
+        "image_generation.partial_image",
+        "image_generation.completed",
+        "image_generation.completed",
+    ]
+    first, second = (decoded(event.b64_json) for event in events[1:])
+    assert not np.array_equal(first, second)
 
 
 def test_a_chat_completion_refuses_to_stream_its_image(client: openai.OpenAI) -> None:

@@ -48,6 +48,7 @@ pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
 HOOKS = Path(__file__).with_name("openapi_fuzz_hooks.py")
+CONFIG = Path(__file__).with_name("schemathesis.toml")
 # 64 characters are at most 256 byte-level tokens; with MAX_MESSAGES messages' template
 # tokens, a prompt stays well inside the 512-token context (a generated token needs one).
 MAX_MESSAGES = 16
@@ -224,7 +225,8 @@ def test_schemathesis_finds_nothing(
     limits = fuzzed.limits
     har = tmp_path / "run.har"
     command = [
-        sys.executable, "-m", "schemathesis.cli", "run", f"{running.url}/openapi.json",
+        sys.executable, "-m", "schemathesis.cli", "--config-file", str(CONFIG),
+        "run", f"{running.url}/openapi.json",
         "--checks", "all",
         "--max-examples", str(fuzzed.max_examples),
         "--seed", str(SEED),

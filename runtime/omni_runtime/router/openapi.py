@@ -394,6 +394,8 @@ def _narrow_requests(
             _set(chat[name], maximum=limits.max_image_side)
         _set(chat["num_inference_steps"], maximum=limits.max_steps)
         _set(chat["n"], maximum=limits.max_n)
+        # An image answer comes whole (the image endpoints stream partials).
+        _set(chat["stream"], enum=[False])
         # Images are asked for explicitly, as vLLM-Omni's API asks for them.
         chat["modalities"] = {
             "type": "array",

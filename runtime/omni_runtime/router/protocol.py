@@ -479,16 +479,9 @@ class _ImageRequest(_FamilyFields):
             )
         check_common(limits, len(self.prompt), self.n, self.num_inference_steps, "prompt")
         self._check_supported()
-        if self.partial_images is not None and not self.stream:
-            raise RequestError(
-                400,
-                "partial_images: only with stream: true (partial images are events of a stream)",
-                param="partial_images",
-            )
-        if self.stream and self.n != 1:
-            raise RequestError(400, f"n: a streamed request makes one image (got {self.n})", "n")
         height, width = parse_size(self.size, limits)
-        if self.partial_images and self.makes_partial_images:
+        # Partial images are events of a stream: without one, the answer is the images alone.
+        if self.stream and self.partial_images and self.makes_partial_images:
             # A DiT that makes none is asked for none: the stream has the image alone, as
             # OpenAI's API allows (fewer partials than asked for).
             more["partial_images"] = self.partial_images

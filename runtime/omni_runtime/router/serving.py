@@ -363,8 +363,8 @@ class OpenAIServing:
             try:
                 output: StageServerOutput | None = first
                 while output is not None:
-                    if output.images is not None:  # a partial image, or the image
-                        yield await asyncio.to_thread(_image_event, kind, output)
+                    if output.images is not None:  # a partial image, or the images
+                        yield await asyncio.to_thread(_image_events, kind, output)
                     if output.finished:
                         break
                     output = await anext(outputs, None)
@@ -461,33 +461,38 @@ def _png_base64(images: np.ndarray | None) -> list[str]:
     return [base64.b64encode(encode_png(image)).decode("ascii") for image in images]
 
 
-def _image_event(kind: str, output: StageServerOutput) -> bytes:
-    """One SSE event of an image stream (OpenAI's ``image_generation.partial_image`` /
-    ``.completed`` and their ``image_edit`` twins): the output's first image as a PNG."""
+def _image_events(kind: str, output: StageServerOutput) -> bytes:
+    """The SSE events of an output of an image stream (OpenAI's
+    ``image_generation.partial_image`` / ``.completed`` and their ``image_edit`` twins): a
+    partial image's (of the first image, where a request makes several), or one completed
+    event per image, each a PNG."""
     assert output.images is not None
-    image = output.images[0]
     partial = output.partial_index is not None
     event = f"{kind}.partial_image" if partial else f"{kind}.completed"
-    payload: dict[str, Any] = {
-        "type": event,
-        "b64_json": base64.b64encode(encode_png(image)).decode("ascii"),
-        "created_at": int(time.time()),
-        "size": f"{image.shape[1]}x{image.shape[0]}",
-        "quality": "auto",
-        "background": "opaque",
-        "output_format": "png",
-    }
-    if partial:
-        payload["partial_image_index"] = output.partial_index
-    else:
-        tokens = output.prompt_tokens
-        payload["usage"] = {
-            "input_tokens": tokens,
-            "input_tokens_details": {"image_tokens": 0, "text_tokens": tokens},
-            "output_tokens": 0,
-            "total_tokens": tokens,
+    images = output.images[:1] if partial else output.images
+    frames = []
+    for image in images:
+        payload: dict[str, Any] = {
+            "type": event,
+            "b64_json": base64.b64encode(encode_png(image)).decode("ascii"),
+            "created_at": int(time.time()),
+            "size": f"{image.shape[1]}x{image.shape[0]}",
+            "quality": "auto",
+            "background": "opaque",
+            "output_format": "png",
         }
-    return b"event: " + event.encode() + b"\n" + _sse(payload)
+        if partial:
+            payload["partial_image_index"] = output.partial_index
+        else:
+            tokens = output.prompt_tokens
+            payload["usage"] = {
+                "input_tokens": tokens,
+                "input_tokens_details": {"image_tokens": 0, "text_tokens": tokens},
+                "output_tokens": 0,
+                "total_tokens": tokens,
+            }
+        frames.append(b"event: " + event.encode() + b"\n" + _sse(payload))
+    return b"".join(frames)
 
 
 def _png_data_urls(images: np.ndarray | None) -> list[str]:
