@@ -3,9 +3,16 @@
 from __future__ import annotations
 
 import io
+from typing import Any
 
 import numpy as np
 from PIL import Image
+
+
+def to_uint8(images: Any) -> np.ndarray:
+    """A pipeline's float images in [0, 1] (``output_type="np"``) as the wire's uint8,
+    rounded to the nearest level."""
+    return np.clip(np.round(np.asarray(images) * 255.0), 0, 255).astype(np.uint8)
 
 
 def encode_png(image: np.ndarray) -> bytes:

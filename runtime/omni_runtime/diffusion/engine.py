@@ -50,6 +50,7 @@ from omni_runtime.engine.stage.stage_core_types import (
     StageErrorCode,
 )
 from omni_runtime.families import FAMILIES, Family, family_of_pipeline_class
+from omni_runtime.images import to_uint8
 
 logger = logging.getLogger(__name__)
 
@@ -616,8 +617,7 @@ class DiffusionEngine(DiffusionEngineBase):
         finally:
             if watch is not None:
                 watch.remove()
-        images = np.asarray(result.images)
-        return np.clip(np.round(images * 255.0), 0, 255).astype(np.uint8)
+        return to_uint8(result.images)
 
     def batch_key(self, request: StageDiffusionCoreRequest) -> Hashable | None:
         """A family's text-to-image requests batch with those of the same call arguments
@@ -673,8 +673,7 @@ class DiffusionEngine(DiffusionEngineBase):
             negatives = [p.negative_prompt for p in params]
             kwargs["negative_prompt"] = negatives if negatives[0] is not None else None
         result = self._call(first, kwargs, [])
-        images = np.asarray(result.images)
-        return np.clip(np.round(images * 255.0), 0, 255).astype(np.uint8)
+        return to_uint8(result.images)
 
     def _call(self, params: DiffusionParams, kwargs: dict[str, Any], pictures: list[Any]) -> Any:
         """The pipeline's output for the request's call arguments and input images."""

@@ -24,6 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from omni_runtime.images import to_uint8
+
 
 def partial_steps(steps: int, count: int) -> list[int]:
     """The steps (0-based) after which a request of ``steps`` steps sends its partials:
@@ -116,4 +118,4 @@ class PartialImages:
                 latents = latents / vae.config.scaling_factor + vae.config.shift_factor
                 pixels = vae.decode(latents, return_dict=False)[0]
             images = pipeline.image_processor.postprocess(pixels, output_type="np")
-        return np.clip(np.round(np.asarray(images) * 255.0), 0, 255).astype(np.uint8)
+        return to_uint8(images)
