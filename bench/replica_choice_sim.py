@@ -29,6 +29,7 @@ from omni_runtime.config import RouterPolicy
 from omni_runtime.engine.stage.replica_policies import (
     PolicyState,
     ReplicaCandidate,
+    WorkCalibration,
     calibrated,
     choose_replica,
     diffusion_work,
@@ -49,7 +50,7 @@ class Replica:
     # the one running first.
     speed: float = 1.0
     held: list[tuple[float, float, bool]] = field(default_factory=list)
-    seconds_per_work: float | None = None
+    calibration: WorkCalibration | None = None
 
     def seconds(self, work: float) -> float:
         return work * SECONDS_PER_WORK / self.speed
@@ -73,9 +74,7 @@ def simulate(
             done_at, replica_id = heapq.heappop(running)
             replica = pool[replica_id]
             work, arrived, large = replica.held.pop(0)
-            replica.seconds_per_work = calibrated(
-                replica.seconds_per_work, replica.seconds(work), work
-            )
+            replica.calibration = calibrated(replica.calibration, replica.seconds(work), work)
             results.append((large, done_at - arrived))
             last_done[0] = done_at
             if replica.held:
@@ -84,17 +83,24 @@ def simulate(
     for now, large in arrivals:
         finish_until(now)
         work = diffusion_work(LARGE if large else SMALL)
-        known = [r.seconds_per_work for r in pool if r.seconds_per_work is not None]
-        usual = sum(known) / len(known) if known else 1.0
-        candidates = [
-            ReplicaCandidate(
-                r.replica_id,
-                len(r.held),
-                outstanding_work=sum(held[0] for held in r.held),
-                seconds_per_work=r.seconds_per_work or usual,
+        fits = [r.calibration.fit for r in pool if r.calibration is not None]
+        usual = (
+            (sum(f[0] for f in fits) / len(fits), sum(f[1] for f in fits) / len(fits))
+            if fits
+            else (0.0, 1.0)
+        )
+        candidates = []
+        for r in pool:
+            per_request, per_work = r.calibration.fit if r.calibration is not None else usual
+            candidates.append(
+                ReplicaCandidate(
+                    r.replica_id,
+                    len(r.held),
+                    outstanding_work=sum(held[0] for held in r.held),
+                    seconds_per_work=per_work,
+                    seconds_per_request=per_request,
+                )
             )
-            for r in pool
-        ]
         chosen, state = choose_replica(policy, candidates, state)
         replica = pool[chosen]
         replica.held.append((work, now, large))

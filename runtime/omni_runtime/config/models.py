@@ -147,7 +147,7 @@ class RouterConfig(_Model):
         default="round-robin",
         description="How a request picks a stage replica: round-robin, "
         "least-outstanding-requests, least-outstanding-work (a diffusion request weighs "
-        "its steps x pixels x images, each replica's work its own seconds per unit), or "
+        "its steps x pixels x images, each replica its own costs per request and per unit), or "
         "sticky (requests with the same user field go to the same replica).",
     )
     served_model_name: str | None = Field(

@@ -24,6 +24,7 @@ __all__ = [
     "NoCandidatesError",
     "PolicyState",
     "ReplicaCandidate",
+    "WorkCalibration",
     "calibrated",
     "choose_replica",
     "diffusion_work",
@@ -36,7 +37,7 @@ WORK_PIXELS = 1024 * 1024
 # (50 steps, 1024x1024), which the stage's defaultSamplingParams refine.
 DEFAULT_STEPS = 50
 DEFAULT_SIDE = 1024
-# How much of one request's seconds per unit a replica's estimate takes in.
+# How much a replica's calibration weighs its latest request against those before it.
 CALIBRATION_WEIGHT = 0.3
 
 
@@ -56,14 +57,18 @@ class ReplicaCandidate:
     # its keys.
     name: str = ""
     # Least-outstanding-work's: the work of its requests in flight (diffusion_work's
-    # units; 1 for a request that has no estimate), and the seconds it takes per unit (its
-    # own execution times, calibrated).
+    # units; 1 for a request that has no estimate), and what it takes for each request
+    # and each unit (its own execution times, calibrated).
     outstanding_work: float = 0.0
     seconds_per_work: float = 1.0
+    seconds_per_request: float = 0.0
 
     @property
     def outstanding_seconds(self) -> float:
-        return self.outstanding_work * self.seconds_per_work
+        return (
+            self.in_flight * self.seconds_per_request
+            + self.outstanding_work * self.seconds_per_work
+        )
 
     @property
     def sticky_name(self) -> str:
@@ -159,12 +164,46 @@ def diffusion_work(params: Mapping[str, Any]) -> float:
     return steps * pixels / WORK_PIXELS * number("num_images", 1) * number("num_frames", 1)
 
 
-def calibrated(seconds_per_work: float | None, execute_s: float, work: float) -> float | None:
-    """A replica's seconds per unit of work after a request of ``work`` units ran
-    ``execute_s`` seconds on it (a moving average; the first request sets it)."""
+@dataclass(frozen=True, slots=True)
+class WorkCalibration:
+    """What a replica's requests took: seconds = per_request + per_work x work, fitted to
+    its execution times by least squares, the latest weighing most (moving sums). A fixed
+    cost per request and a cost per unit, because a small image's time is mostly the
+    former (the router, the encoder, the VAE) and a large one's the latter; with one
+    parameter, a replica holding small requests would look idle."""
+
+    weight: float = 0.0
+    work: float = 0.0
+    seconds: float = 0.0
+    work_squared: float = 0.0
+    work_seconds: float = 0.0
+
+    @property
+    def fit(self) -> tuple[float, float]:
+        """(seconds per request, seconds per unit of work), neither negative."""
+        spread = self.weight * self.work_squared - self.work * self.work
+        if spread <= 1e-12 * max(1.0, self.weight * self.work_squared):
+            # Requests of one size so far: their time is all per unit.
+            return 0.0, self.seconds / self.work if self.work > 0 else 0.0
+        per_work = (self.weight * self.work_seconds - self.work * self.seconds) / spread
+        per_work = max(per_work, 0.0)
+        per_request = max((self.seconds - per_work * self.work) / self.weight, 0.0)
+        return per_request, per_work
+
+
+def calibrated(
+    calibration: WorkCalibration | None, execute_s: float, work: float
+) -> WorkCalibration | None:
+    """A replica's calibration after a request of ``work`` units ran ``execute_s`` seconds
+    on it (the first request starts it; one that ran no time teaches nothing)."""
     if not (execute_s > 0 and work > 0 and math.isfinite(execute_s)):
-        return seconds_per_work
-    observed = execute_s / work
-    if seconds_per_work is None:
-        return observed
-    return seconds_per_work + CALIBRATION_WEIGHT * (observed - seconds_per_work)
+        return calibration
+    keep = 1.0 - CALIBRATION_WEIGHT if calibration is not None else 0.0
+    old = calibration or WorkCalibration()
+    return WorkCalibration(
+        weight=old.weight * keep + 1.0,
+        work=old.work * keep + work,
+        seconds=old.seconds * keep + execute_s,
+        work_squared=old.work_squared * keep + work * work,
+        work_seconds=old.work_seconds * keep + work * execute_s,
+    )

@@ -38,6 +38,7 @@ from omni_runtime.config import RouterPolicy
 from omni_runtime.engine.stage.replica_policies import (
     PolicyState,
     ReplicaCandidate,
+    WorkCalibration,
     calibrated,
     choose_replica,
 )
@@ -234,8 +235,9 @@ class _Replica:
     aborted: int = 0
     latency_total_s: float = 0.0
     latency_count: int = 0
-    # Seconds per unit of work, from its own execution times (None: nothing ran yet).
-    seconds_per_work: float | None = None
+    # Its requests' time against their work, from its execution times (None: nothing
+    # ran yet).
+    calibration: WorkCalibration | None = None
 
     @property
     def accepting(self) -> bool:
@@ -532,18 +534,25 @@ class StageReplicaPool:
                 f"{limit} request(s) in flight"
             )
         # A replica that has run nothing yet is taken to be as fast as the others.
-        known = [r.seconds_per_work for r in live if r.seconds_per_work is not None]
-        usual = sum(known) / len(known) if known else 1.0
-        candidates = [
-            ReplicaCandidate(
-                r.replica_id,
-                len(r.requests),
-                r.address,
-                outstanding_work=r.outstanding_work,
-                seconds_per_work=r.seconds_per_work or usual,
+        fits = [r.calibration.fit for r in live if r.calibration is not None]
+        usual = (
+            (sum(f[0] for f in fits) / len(fits), sum(f[1] for f in fits) / len(fits))
+            if fits
+            else (0.0, 1.0)
+        )
+        candidates = []
+        for r in open_:
+            per_request, per_work = r.calibration.fit if r.calibration is not None else usual
+            candidates.append(
+                ReplicaCandidate(
+                    r.replica_id,
+                    len(r.requests),
+                    r.address,
+                    outstanding_work=r.outstanding_work,
+                    seconds_per_work=per_work,
+                    seconds_per_request=per_request,
+                )
             )
-            for r in open_
-        ]
         chosen, self._policy_state = choose_replica(
             self.policy, candidates, self._policy_state, sticky_key
         )
@@ -608,9 +617,7 @@ class StageReplicaPool:
             replica.failed += 1
         else:
             replica.done += 1
-            replica.seconds_per_work = calibrated(
-                replica.seconds_per_work, execute_s, pool_request.work
-            )
+            replica.calibration = calibrated(replica.calibration, execute_s, pool_request.work)
         pool_request._close(error)
         if self.on_request_done is not None:
             try:

@@ -12,6 +12,7 @@ from omni_runtime.engine.stage.replica_policies import (
     NoCandidatesError,
     PolicyState,
     ReplicaCandidate,
+    WorkCalibration,
     calibrated,
     choose_replica,
     diffusion_work,
@@ -149,13 +150,38 @@ def test_diffusion_work_is_steps_times_pixels_times_images() -> None:
     assert diffusion_work({"num_inference_steps": True, "height": "big"}) == 50.0
 
 
-def test_calibration_starts_at_the_first_request_and_moves_by_a_share() -> None:
+def test_calibration_fits_a_cost_per_request_and_per_unit() -> None:
+    # Requests of one size: their time is all per unit.
     first = calibrated(None, 2.0, 4.0)
-    assert first == 0.5
-    assert calibrated(first, 1.0, 1.0) == pytest.approx(0.5 + 0.3 * 0.5)
+    assert first is not None
+    assert first.fit == (0.0, 0.5)
+    # Sizes that differ: 0.1 s a request and 0.5 s a unit, found from three of them.
+    fitted: WorkCalibration | None = None
+    for work in (0.02, 1.0, 0.5):
+        fitted = calibrated(fitted, 0.1 + 0.5 * work, work)
+    assert fitted is not None
+    per_request, per_work = fitted.fit
+    assert per_request == pytest.approx(0.1)
+    assert per_work == pytest.approx(0.5)
     # A request that ran no time (refused, or no estimate) teaches nothing.
-    assert calibrated(first, 0.0, 4.0) == first
+    assert calibrated(first, 0.0, 4.0) is first
     assert calibrated(None, float("nan"), 1.0) is None
+
+
+def test_least_work_counts_each_requests_fixed_cost() -> None:
+    # Replica 0 holds five small requests, replica 1 one large: at 0.1 s a request and
+    # 0.5 s a unit, 0 is busy for 0.51 s and 1 for 0.6 s.
+    pool = [
+        ReplicaCandidate(
+            0, 5, outstanding_work=0.02, seconds_per_work=0.5, seconds_per_request=0.1
+        ),
+        ReplicaCandidate(1, 1, outstanding_work=1.0, seconds_per_work=0.5, seconds_per_request=0.1),
+    ]
+    assert choose_replica("least-outstanding-work", pool, PolicyState())[0] == 0
+    pool[0] = ReplicaCandidate(
+        0, 6, outstanding_work=0.024, seconds_per_work=0.5, seconds_per_request=0.1
+    )
+    assert choose_replica("least-outstanding-work", pool, PolicyState())[0] == 1
 
 
 def test_sticky_is_stable_and_leaves_the_cursor() -> None:
