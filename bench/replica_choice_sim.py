@@ -32,6 +32,7 @@ from omni_runtime.engine.stage.replica_policies import (
     WorkCalibration,
     calibrated,
     choose_replica,
+    costs,
     diffusion_work,
 )
 
@@ -83,24 +84,17 @@ def simulate(
     for now, large in arrivals:
         finish_until(now)
         work = diffusion_work(LARGE if large else SMALL)
-        fits = [r.calibration.fit for r in pool if r.calibration is not None]
-        usual = (
-            (sum(f[0] for f in fits) / len(fits), sum(f[1] for f in fits) / len(fits))
-            if fits
-            else (0.0, 1.0)
-        )
-        candidates = []
-        for r in pool:
-            per_request, per_work = r.calibration.fit if r.calibration is not None else usual
-            candidates.append(
-                ReplicaCandidate(
-                    r.replica_id,
-                    len(r.held),
-                    outstanding_work=sum(held[0] for held in r.held),
-                    seconds_per_work=per_work,
-                    seconds_per_request=per_request,
-                )
+        fitted = costs([r.calibration for r in pool])
+        candidates = [
+            ReplicaCandidate(
+                r.replica_id,
+                len(r.held),
+                outstanding_work=sum(held[0] for held in r.held),
+                seconds_per_request=per_request,
+                seconds_per_work=per_work,
             )
+            for r, (per_request, per_work) in zip(pool, fitted, strict=True)
+        ]
         chosen, state = choose_replica(policy, candidates, state)
         replica = pool[chosen]
         replica.held.append((work, now, large))

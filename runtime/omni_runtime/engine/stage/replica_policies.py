@@ -27,6 +27,7 @@ __all__ = [
     "WorkCalibration",
     "calibrated",
     "choose_replica",
+    "costs",
     "diffusion_work",
     "rendezvous_score",
 ]
@@ -207,3 +208,17 @@ def calibrated(
         work_squared=old.work_squared * keep + work * work,
         work_seconds=old.work_seconds * keep + work * execute_s,
     )
+
+
+def costs(
+    calibrations: Sequence[WorkCalibration | None],
+) -> list[tuple[float, float]]:
+    """Each replica's (seconds per request, seconds per unit of work): its own fit, or, for
+    a replica that has run nothing yet, the others' mean (as fast as they are)."""
+    fits = [c.fit for c in calibrations if c is not None]
+    usual = (
+        (sum(f[0] for f in fits) / len(fits), sum(f[1] for f in fits) / len(fits))
+        if fits
+        else (0.0, 1.0)
+    )
+    return [c.fit if c is not None else usual for c in calibrations]

@@ -41,6 +41,7 @@ from omni_runtime.engine.stage.replica_policies import (
     WorkCalibration,
     calibrated,
     choose_replica,
+    costs,
 )
 from omni_runtime.engine.stage.stage_core_client import StageCoreClientBase, StageCoreDeadError
 from omni_runtime.engine.stage.stage_core_types import StageCoreOutput, StageCoreRequest
@@ -533,26 +534,18 @@ class StageReplicaPool:
                 f"stage {self.stage_name!r}: all {len(live)} live replica(s) have "
                 f"{limit} request(s) in flight"
             )
-        # A replica that has run nothing yet is taken to be as fast as the others.
-        fits = [r.calibration.fit for r in live if r.calibration is not None]
-        usual = (
-            (sum(f[0] for f in fits) / len(fits), sum(f[1] for f in fits) / len(fits))
-            if fits
-            else (0.0, 1.0)
-        )
-        candidates = []
-        for r in open_:
-            per_request, per_work = r.calibration.fit if r.calibration is not None else usual
-            candidates.append(
-                ReplicaCandidate(
-                    r.replica_id,
-                    len(r.requests),
-                    r.address,
-                    outstanding_work=r.outstanding_work,
-                    seconds_per_work=per_work,
-                    seconds_per_request=per_request,
-                )
+        fitted = costs([r.calibration for r in open_])
+        candidates = [
+            ReplicaCandidate(
+                r.replica_id,
+                len(r.requests),
+                r.address,
+                outstanding_work=r.outstanding_work,
+                seconds_per_request=per_request,
+                seconds_per_work=per_work,
             )
+            for r, (per_request, per_work) in zip(open_, fitted, strict=True)
+        ]
         chosen, self._policy_state = choose_replica(
             self.policy, candidates, self._policy_state, sticky_key
         )
