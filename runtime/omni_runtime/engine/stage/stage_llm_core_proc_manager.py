@@ -144,9 +144,11 @@ class StageLLMCoreProcManager(CoreEngineProcManager):  # type: ignore[misc]
         super().shutdown(timeout)
         for proc in self.processes:
             if proc.pid is not None:
+                # join returns once the sentinel fires, which an exiting core's closed
+                # files do before its status exists: then it still looks alive, and a
+                # status left uncollected here is lost to whoever reaps the pid next.
                 proc.join(_KILLED_REAP_S)
-                if not proc.is_alive():
-                    _settle_exit_code(proc)
+                _settle_exit_code(proc)
 
     def wait_for_first_exit(self, timeout: float = ANNOUNCED_EXIT_WAIT_S) -> None:
         """Wait up to ``timeout`` seconds for any proc to end by itself."""
