@@ -18,6 +18,15 @@ A stage's need is the larger of two rules, each where its target is set:
   over 10 % at this look and the last, and no fewer than then: a closed loop of clients at
   the stage's capacity, which a rate alone never shows) asks for ``in_flight / target``,
   at most double or +4 a look.
+
+  Where the routers count the stage's work (a diffusion stage: steps x pixels x images, the
+  unit least-outstanding-work weighs replicas by) and its replicas' cost fit, the rule
+  reads work instead of requests: the seconds that arrive each second are ``arrival_rate
+  x seconds_per_request + work_rate x seconds_per_unit``, and a queued request costs what
+  the requests in the stage cost on average. A mean service time remembered across looks
+  lags a change of mix: when 1024x1024 50-step images follow 256x256 4-step ones at the
+  same rate, it would ask for a fortieth of the replicas at the first look; the work asks
+  for them at once.
 - latency: the ready replicas scaled by how far the observed percentile of time in stage
   is from the objective (``ready * observed / objective``), as Kubernetes' HPA scales on a
   metric, with its 10 % tolerance, and up by at most double or +4 a look (the HPA's
@@ -66,6 +75,12 @@ class StageObservation:
     # Mean seconds the replicas said they worked on a request (no queue), over the window;
     # None where they report none or none finished.
     execution_time: float | None = None
+    # Units of work (router_load's) that entered per second, the work in the stage at the
+    # scrape, and the replicas' (seconds per request, seconds per unit) fit; None where the
+    # routers report none. With all three, the in-flight rule sizes the stage from work.
+    work_rate: float | None = None
+    outstanding_work: float | None = None
+    cost: tuple[float, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -164,22 +179,44 @@ def _in_flight_need(
     service_time: float | None,
     drain_s: float,
 ) -> tuple[int, str]:
-    service = stage.time_in_stage if service_time is None else service_time
-    serving = stage.arrival_rate * service / target
     backlog = max(0.0, stage.in_flight - ready * target)
+    work = _work_load(stage)
+    if work is not None:
+        busy, service = work
+        serving = busy / target
+        why = (
+            f"{stage.stage}: {stage.work_rate:.3g} units of work/s and "
+            f"{stage.arrival_rate:.3g} req/s = {busy:.3g} s/s / {target:g} per replica = "
+            f"{serving:.3g}"
+        )
+    else:
+        service = stage.time_in_stage if service_time is None else service_time
+        serving = stage.arrival_rate * service / target
+        why = (
+            f"{stage.stage}: {stage.arrival_rate:.3g} req/s x {service:.3g} s / {target:g} "
+            f"per replica = {serving:.3g}"
+        )
     draining = backlog * service / (target * drain_s) if drain_s > 0 else 0.0
     wanted = serving + draining
     if current > 0 and abs(wanted / current - 1) <= TOLERANCE:
         need = current
     else:
         need = math.ceil(wanted - 1e-9) if wanted > 0 else 0
-    why = (
-        f"{stage.stage}: {stage.arrival_rate:.3g} req/s x {service:.3g} s / {target:g} per "
-        f"replica = {serving:.3g}"
-    )
     if backlog:
         why += f", + {backlog:.0f} queued over {drain_s:g} s = {draining:.3g}"
     return need, f"{why} ({stage.in_flight} in flight) -> {need}"
+
+
+def _work_load(stage: StageObservation) -> tuple[float, float] | None:
+    """From the stage's work: the replica-seconds that arrive each second, and what one
+    request in the stage now costs on average (what a queued one will take); None where the
+    routers report no work or no cost fit."""
+    if stage.work_rate is None or stage.outstanding_work is None or stage.cost is None:
+        return None
+    per_request, per_work = stage.cost
+    busy = stage.arrival_rate * per_request + stage.work_rate * per_work
+    held = stage.in_flight * per_request + stage.outstanding_work * per_work
+    return busy, held / stage.in_flight if stage.in_flight > 0 else per_request
 
 
 def _standing_queue_need(

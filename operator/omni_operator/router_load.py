@@ -9,6 +9,13 @@ arrival rate and mean time in stage that the planner (planner.py) sizes it from.
 replicas report the time they worked on each request (``omni_stage_execution_seconds``),
 its mean is the stage's service time, free of the queue.
 
+The same in units of work (``omni_stage_work_units``: steps x pixels x images for a
+diffusion stage, as least-outstanding-work weighs a request): the work that finished and
+the work in the stage now give the work that arrived, and each router's cost fit
+(``omni_stage_seconds_per_request`` and ``omni_stage_seconds_per_work_unit``, from the
+replicas' execution times) turns it into seconds. A burst of large images shows in the
+work at once, where the requests' mean service time would learn it a look at a time.
+
 Pure: text in, numbers out; fetching is the autoscaler's (autoscaler.py).
 """
 
@@ -26,6 +33,10 @@ FINISHED = "omni_stage_requests_total"
 TIME_IN_STAGE = "omni_stage_request_duration_seconds"
 IN_FLIGHT = "omni_stage_in_flight"
 EXECUTION = "omni_stage_execution_seconds"
+WORK = "omni_stage_work_units_total"
+OUTSTANDING_WORK = "omni_stage_outstanding_work_units"
+SECONDS_PER_REQUEST = "omni_stage_seconds_per_request"
+SECONDS_PER_WORK = "omni_stage_seconds_per_work_unit"
 PERCENTILES = (50, 90, 95, 99)
 
 
@@ -46,6 +57,11 @@ class StageCounters:
     in_flight: float = 0.0
     execution_sum: float = 0.0
     execution_count: float = 0.0
+    # Work of the requests finished; None from a router that exports no work.
+    work: float | None = None
+    outstanding_work: float = 0.0
+    # (seconds per request, seconds per unit of work); None before a replica ran one.
+    cost: tuple[float, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -65,6 +81,10 @@ def parse_router_metrics(text: str) -> dict[str, StageCounters]:
     in_flight: dict[str, float] = {}
     execution_sum: dict[str, float] = {}
     execution_count: dict[str, float] = {}
+    work: dict[str, float] = {}
+    outstanding_work: dict[str, float] = {}
+    per_request: dict[str, float] = {}
+    per_work: dict[str, float] = {}
     try:
         families = list(text_string_to_metric_families(text))
     except ValueError as e:
@@ -89,6 +109,14 @@ def parse_router_metrics(text: str) -> dict[str, StageCounters]:
                 execution_sum[stage] = sample.value
             elif sample.name == f"{EXECUTION}_count":
                 execution_count[stage] = sample.value
+            elif sample.name == WORK:
+                work[stage] = sample.value
+            elif sample.name == OUTSTANDING_WORK:
+                outstanding_work[stage] = sample.value
+            elif sample.name == SECONDS_PER_REQUEST:
+                per_request[stage] = sample.value
+            elif sample.name == SECONDS_PER_WORK:
+                per_work[stage] = sample.value
     names = set(finished) | set(time_count) | set(in_flight)
     return {
         name: StageCounters(
@@ -99,6 +127,11 @@ def parse_router_metrics(text: str) -> dict[str, StageCounters]:
             in_flight=in_flight.get(name, 0.0),
             execution_sum=execution_sum.get(name, 0.0),
             execution_count=execution_count.get(name, 0.0),
+            work=work.get(name, 0.0) if name in work or name in outstanding_work else None,
+            outstanding_work=outstanding_work.get(name, 0.0),
+            cost=(per_request[name], per_work[name])
+            if name in per_request and name in per_work
+            else None,
         )
         for name in names
     }
@@ -120,7 +153,7 @@ def observe(
             complete = False
         for name, window in totals.items():
             counters = now.stages.get(name, StageCounters())
-            window.in_flight += counters.in_flight
+            window.hold(counters)
             if then is None or now.at <= then.at:
                 continue
             earlier = then.stages.get(name, StageCounters())
@@ -137,6 +170,9 @@ class _Delta:
     in_flight_change: float
     execution_sum: float
     execution_count: float
+    # None where either scrape has no work (a router of an older revision).
+    work: float | None
+    outstanding_work_change: float
 
 
 def _delta(then: StageCounters, now: StageCounters) -> _Delta:
@@ -144,6 +180,9 @@ def _delta(then: StageCounters, now: StageCounters) -> _Delta:
     restarted = now.finished < then.finished or now.time_count < then.time_count
     base = StageCounters(in_flight=then.in_flight) if restarted else then
     earlier = dict(base.buckets)
+    work = None
+    if now.work is not None and (base.work is not None or restarted):
+        work = now.work - (base.work or 0.0)
     return _Delta(
         finished=now.finished - base.finished,
         time_sum=now.time_sum - base.time_sum,
@@ -152,6 +191,8 @@ def _delta(then: StageCounters, now: StageCounters) -> _Delta:
         in_flight_change=now.in_flight - then.in_flight,
         execution_sum=now.execution_sum - base.execution_sum,
         execution_count=now.execution_count - base.execution_count,
+        work=work,
+        outstanding_work_change=now.outstanding_work - then.outstanding_work,
     )
 
 
@@ -164,10 +205,28 @@ class _Window:
     buckets: dict[float, float] | None = None
     execution_sum: float = 0.0
     execution_count: float = 0.0
+    # None once a router in the window had no work to tell.
+    work_rate: float | None = 0.0
+    outstanding_work: float | None = 0.0
+    costs: list[tuple[float, float]] | None = None
+
+    def hold(self, counters: StageCounters) -> None:
+        """What one router has in the stage now."""
+        self.in_flight += counters.in_flight
+        if counters.work is None or self.outstanding_work is None:
+            self.outstanding_work = None
+        else:
+            self.outstanding_work += counters.outstanding_work
+        if counters.cost is not None:
+            self.costs = [*(self.costs or []), counters.cost]
 
     def add(self, delta: _Delta, seconds: float) -> None:
         entered = max(0.0, delta.finished + delta.in_flight_change)
         self.arrival_rate += entered / seconds
+        if delta.work is None or self.work_rate is None:
+            self.work_rate = None
+        else:
+            self.work_rate += max(0.0, delta.work + delta.outstanding_work_change) / seconds
         self.time_sum += delta.time_sum
         self.time_count += delta.time_count
         self.execution_sum += delta.execution_sum
@@ -182,6 +241,12 @@ class _Window:
         buckets = sorted((self.buckets or {}).items())
         percentiles = {p: q for p in PERCENTILES if (q := quantile(p / 100, buckets)) is not None}
         execution = self.execution_sum / self.execution_count if self.execution_count > 0 else None
+        costs = self.costs or []
+        cost = (
+            (sum(c[0] for c in costs) / len(costs), sum(c[1] for c in costs) / len(costs))
+            if costs
+            else None
+        )
         return StageObservation(
             stage=stage,
             arrival_rate=self.arrival_rate,
@@ -189,6 +254,9 @@ class _Window:
             in_flight=round(self.in_flight),
             time_in_stage_percentiles=percentiles,
             execution_time=execution,
+            work_rate=self.work_rate,
+            outstanding_work=self.outstanding_work,
+            cost=cost,
         )
 
 

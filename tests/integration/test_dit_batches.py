@@ -176,3 +176,34 @@ def test_an_aborted_request_leaves_its_batch_alone(
         images = outputs[index].images
         assert images is not None
         assert_same_image(images, image_alone(alone, requests[index]))
+
+
+def test_a_batch_sends_each_request_its_own_partial_images(
+    alone: DiffusionEngine, tiny_models: Path, family: str
+) -> None:
+    config = DiffusionEngineConfig(
+        model=str(tiny_models / CHECKPOINTS[family]), family=family, max_batch=4
+    )
+    dit = DiffusionEngine(config)
+    requests = [request(i, partial_images=2) for i in range(2)]
+    # As many partials: one batch; a request without them runs apart.
+    assert batched_key(alone, requests[0]) == batched_key(alone, requests[1])
+    assert batched_key(alone, requests[0]) != batched_key(alone, request(0))
+    sent: list[StageDiffusionCoreOutput] = []
+    for req in requests:
+        dit.admit(req.request_id)
+    finals = dit.execute_batch(requests, emit=sent.append)
+    for req, final in zip(requests, finals, strict=True):
+        solo: list[StageDiffusionCoreOutput] = []
+        alone.admit(req.request_id)
+        solo_final = alone.execute(req, emit=solo.append)
+        own = [output for output in sent if output.request_id == req.request_id]
+        assert [o.partial_index for o in own] == [o.partial_index for o in solo] == [0, 1]
+        for mine, theirs in zip(own, solo, strict=True):
+            assert mine.images is not None
+            assert theirs.images is not None
+            assert mine.images.shape == (1, 64, 64, 3)
+            assert_same_image(mine.images, theirs.images)
+        assert final.images is not None
+        assert solo_final.images is not None
+        assert_same_image(final.images, solo_final.images)

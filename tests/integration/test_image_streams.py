@@ -17,6 +17,7 @@ import openai
 import pytest
 import yaml
 from PIL import Image
+from prometheus_client.parser import text_string_to_metric_families
 from serving import (
     RunningRouter,
     StageProcess,
@@ -190,3 +191,29 @@ def test_a_request_picks_its_step_cache_tier(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as refused:
         generate(client, 8, step_cache="fastest")
     assert refused.value.body["param"] == "step_cache"  # type: ignore[index]
+
+
+def stage_metrics(router: RunningRouter, stage: str) -> dict[str, float]:
+    """The router's /metrics samples labelled with ``stage`` (name -> value)."""
+    text = httpx.get(f"{router.url}/metrics", timeout=10).text
+    return {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.labels.get("stage") == stage and set(sample.labels) == {"stage"}
+    }
+
+
+def test_metrics_count_the_dits_work_as_the_planner_reads_it(
+    router: RunningRouter, client: openai.OpenAI
+) -> None:
+    before = stage_metrics(router, "dit").get("omni_stage_work_units_total", 0.0)
+    generate(client, 8)
+    after = stage_metrics(router, "dit")
+    # 8 steps of a 64x64 image: 8 x 64 x 64 / 1024^2 units.
+    assert after["omni_stage_work_units_total"] - before == pytest.approx(8 * 64 * 64 / 1024**2)
+    assert after["omni_stage_outstanding_work_units"] == 0
+    # The DiT replica has run requests: its cost fit is there, and an image costs something.
+    cost = after["omni_stage_seconds_per_request"], after["omni_stage_seconds_per_work_unit"]
+    assert min(cost) >= 0, cost
+    assert max(cost) > 0, cost

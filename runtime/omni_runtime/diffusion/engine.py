@@ -288,14 +288,14 @@ class DiffusionEngineBase(abc.ABC):
             return [self.execute(requests[0], emit)]
         ids = [request.request_id for request in requests]
         try:
-            return self._execute_batch(requests)
+            return self._execute_batch(requests, emit)
         finally:
             with self._lock:
                 self._admitted.difference_update(ids)
                 self._aborted.difference_update(ids)
 
     def _execute_batch(
-        self, requests: Sequence[StageDiffusionCoreRequest]
+        self, requests: Sequence[StageDiffusionCoreRequest], emit: PartialEmit | None
     ) -> list[StageDiffusionCoreOutput]:
         answers: dict[str, StageDiffusionCoreOutput] = {}
         runnable: list[tuple[StageDiffusionCoreRequest, Any]] = []
@@ -321,6 +321,7 @@ class DiffusionEngineBase(abc.ABC):
                     [request for request, _ in runnable],
                     [params for _, params in runnable],
                     lambda: all(request_id in self._aborted for request_id in ids),
+                    emit,
                 )
         except Exception as e:
             for request_id in ids:
@@ -346,8 +347,10 @@ class DiffusionEngineBase(abc.ABC):
         requests: list[StageDiffusionCoreRequest],
         params: list[Any],
         all_aborted: Callable[[], bool],
+        emit: PartialEmit | None,
     ) -> np.ndarray:
-        """The requests' images in one pipeline call, one each, in order."""
+        """The requests' images in one pipeline call, one each, in order; partial images
+        (the batch's requests ask for as many) through ``emit``."""
         raise NotImplementedError(f"{type(self).__name__} runs no batches")
 
     def _execute(
@@ -591,7 +594,7 @@ class DiffusionEngine(DiffusionEngineBase):
         import torch
         from PIL import Image
 
-        partials = self._partials(request.request_id, params, emit)
+        partials = self._partials([request.request_id], params, emit)
 
         def on_step_end(
             pipe: Any, step: int, timestep: Any, tensors: dict[str, Any]
@@ -622,14 +625,14 @@ class DiffusionEngine(DiffusionEngineBase):
     def batch_key(self, request: StageDiffusionCoreRequest) -> Hashable | None:
         """A family's text-to-image requests batch with those of the same call arguments
         but seed and prompt (size, steps, guidance on or off and its scales, step-cache
-        tier), one image each, no partial images; the stage's maxNumSeqs above 1."""
+        tier, partial images), one image each; the stage's maxNumSeqs above 1."""
         if self.config.max_batch <= 1 or self.family is None or request.images:
             return None
         try:
             params = self.validate(request)
         except InvalidRequestError:
             return None  # refused when it runs
-        if params.num_images != 1 or params.partial_images:
+        if params.num_images != 1:
             return None
         upstream = _upstream(request)
         negative = (
@@ -638,7 +641,7 @@ class DiffusionEngine(DiffusionEngineBase):
             else params.negative_prompt is not None
         )
         shared = msgspec.structs.asdict(params)
-        for own in ("seed", "negative_prompt", "partial_images"):
+        for own in ("seed", "negative_prompt"):
             del shared[own]
         return (upstream, negative, tuple(sorted(shared.items())))
 
@@ -647,17 +650,22 @@ class DiffusionEngine(DiffusionEngineBase):
         requests: list[StageDiffusionCoreRequest],
         params: list[Any],
         all_aborted: Callable[[], bool],
+        emit: PartialEmit | None,
     ) -> np.ndarray:
         import torch
+
+        first: DiffusionParams = params[0]
+        partials = self._partials([request.request_id for request in requests], first, emit)
 
         def on_step_end(
             pipe: Any, step: int, timestep: Any, tensors: dict[str, Any]
         ) -> dict[str, Any]:
             if all_aborted():
                 raise RequestAbortedError
+            if partials is not None:
+                partials.after_step(step, tensors["latents"])
             return tensors
 
-        first: DiffusionParams = params[0]
         kwargs = _call_kwargs(first, on_step_end)
         # One generator per request: each draws its own noise, as it would alone.
         kwargs["generator"] = [
@@ -672,7 +680,12 @@ class DiffusionEngine(DiffusionEngineBase):
             kwargs["prompt"] = [request.prompt for request in requests]
             negatives = [p.negative_prompt for p in params]
             kwargs["negative_prompt"] = negatives if negatives[0] is not None else None
-        result = self._call(first, kwargs, [])
+        watch = partials.watch() if partials is not None else None
+        try:
+            result = self._call(first, kwargs, [])
+        finally:
+            if watch is not None:
+                watch.remove()
         return to_uint8(result.images)
 
     def _call(self, params: DiffusionParams, kwargs: dict[str, Any], pictures: list[Any]) -> Any:
@@ -699,11 +712,13 @@ class DiffusionEngine(DiffusionEngineBase):
         return result
 
     def _partials(
-        self, request_id: str, params: DiffusionParams, emit: PartialEmit | None
+        self, request_ids: Sequence[str], params: DiffusionParams, emit: PartialEmit | None
     ) -> PartialImages | None:
-        """What sends the request's partial images, if it asks for any and the pipeline
-        makes them (a family's, on a flow-matching scheduler); None otherwise (a request
-        may get fewer partials than it asked for, as OpenAI's API allows)."""
+        """What sends the partial images of the requests of one pipeline call (one, or a
+        batch's, which ask for as many), if they ask for any and the pipeline makes them (a
+        family's, on a flow-matching scheduler); None otherwise (a request may get fewer
+        partials than it asked for, as OpenAI's API allows). Each request gets its own
+        images' rows; one aborted while its batch runs gets none."""
         layout = self.family.dit.preview if self.family is not None else None
         if not params.partial_images or emit is None or layout is None:
             return None
@@ -714,9 +729,15 @@ class DiffusionEngine(DiffusionEngineBase):
             return None
 
         def send(images: np.ndarray, index: int) -> None:
-            emit(
-                StageDiffusionCoreOutput(request_id=request_id, images=images, partial_index=index)
-            )
+            rows = len(images) // len(request_ids)
+            for at, request_id in enumerate(request_ids):
+                if request_id not in self._aborted:
+                    own = images[at * rows : (at + 1) * rows]
+                    emit(
+                        StageDiffusionCoreOutput(
+                            request_id=request_id, images=own, partial_index=index
+                        )
+                    )
 
         return PartialImages(self.pipeline, layout, steps, send)
 

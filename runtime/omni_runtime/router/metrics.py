@@ -83,6 +83,15 @@ class RouterMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         )
+        self.stage_work = Counter(
+            "omni_stage_work_units",
+            "Work of the stage requests finished (ok or error), by stage: steps x pixels (in "
+            "1024x1024 images) x images x frames for a diffusion stage, 1 per request where "
+            "a stage has no estimate. With omni_stage_outstanding_work_units, the work that "
+            "arrived, which the autoscaler sizes a stage from.",
+            ["stage"],
+            registry=self.registry,
+        )
         self.retries = Counter(
             "omni_router_retries",
             "Stage requests the router sent again, invisibly to the caller, by stage and "
@@ -122,12 +131,19 @@ class RouterMetrics:
         self.revision_requests.labels(revision).inc()
 
     def stage_request_done(
-        self, stage: str, replica_id: int, latency: float, failed: bool, execute_s: float = 0.0
+        self,
+        stage: str,
+        replica_id: int,
+        latency: float,
+        failed: bool,
+        execute_s: float = 0.0,
+        work: float = 1.0,
     ) -> None:
         """The pools' per-request hook."""
         outcome = "error" if failed else "ok"
         self.stage_requests.labels(stage, str(replica_id), outcome).inc()
         self.stage_latency.labels(stage).observe(latency)
+        self.stage_work.labels(stage).inc(work)
         if execute_s > 0 and not failed:
             self.stage_execution.labels(stage).observe(execute_s)
 
@@ -158,6 +174,23 @@ class _PoolCollector(Collector):
             "router is removing it), else 0; with the revision it advertised.",
             labels=["stage", "replica", "address", "revision"],
         )
+        outstanding_work = GaugeMetricFamily(
+            "omni_stage_outstanding_work_units",
+            "Work of the requests a stage is working on, by stage (omni_stage_work_units' "
+            "units): what least-outstanding-work weighs.",
+            labels=["stage"],
+        )
+        per_request = GaugeMetricFamily(
+            "omni_stage_seconds_per_request",
+            "A stage's fixed cost of a request, fitted to its replicas' execution times "
+            "(their mean; absent until one has run a request).",
+            labels=["stage"],
+        )
+        per_work = GaugeMetricFamily(
+            "omni_stage_seconds_per_work_unit",
+            "A stage's cost of one unit of work, fitted with omni_stage_seconds_per_request.",
+            labels=["stage"],
+        )
         terminating = GaugeMetricFamily(
             "omni_stage_replica_terminating",
             "1 for a replica whose pod is terminating but still serves (used only where no "
@@ -167,6 +200,10 @@ class _PoolCollector(Collector):
         for name, pool in self._pools().items():
             stats = pool.stats()
             in_flight.add_metric([name], sum(s.in_flight for s in stats))
+            outstanding_work.add_metric([name], sum(s.outstanding_work for s in stats))
+            if fits := [s.cost for s in stats if s.cost is not None]:
+                per_request.add_metric([name], sum(f[0] for f in fits) / len(fits))
+                per_work.add_metric([name], sum(f[1] for f in fits) / len(fits))
             live.add_metric([name], pool.live_replica_count)
             for s in stats:
                 replica = [name, str(s.replica_id), s.address]
@@ -174,6 +211,9 @@ class _PoolCollector(Collector):
                 draining.add_metric([*replica, s.revision], 0 if s.accepting else 1)
                 terminating.add_metric(replica, 1 if s.terminating else 0)
         yield in_flight
+        yield outstanding_work
+        yield per_request
+        yield per_work
         yield replica_in_flight
         yield live
         yield draining

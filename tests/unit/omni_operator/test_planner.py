@@ -260,3 +260,37 @@ def test_a_queue_that_stands_asks_for_what_holds_it() -> None:
     fewer = StageObservation("dit", 8.0, 0.3, in_flight=3, execution_time=0.124)
     decisions, _ = plan([GroupState("dit", 2, settings, [fewer])], 30.0, memory)
     assert decisions[0].desired == 2
+
+
+def test_work_sizes_a_change_of_mix_at_the_first_look() -> None:
+    gpu_dit = Autoscaling(1, 1000, target_in_flight=1, scale_down_window_s=300, drain_s=120)
+    # Replicas fitted at 0.5 s per request + 2 s per unit (one 1024x1024 step). Small
+    # images (256x256, 4 steps: 1/4 unit, 1 s each) at 2 req/s keep 2 replicas busy.
+    cost = (0.5, 2.0)
+    small = StageObservation(
+        "dit", 2.0, 1.0, 2, execution_time=1.0, work_rate=0.5, outstanding_work=0.5, cost=cost
+    )
+    decisions, memory = plan([GroupState("dit", 2, gpu_dit, [small])], 0.0, Memory())
+    assert decisions[0].desired == 2
+    assert "0.5 units of work/s and 2 req/s = 2 s/s" in decisions[0].reason
+    # The same rate of large ones (1024x1024, 50 steps: 50 units, 100.5 s each), none
+    # finished yet: 2 x 0.5 + 100 x 2 = 201 s of work a second, and 28 queued x 100.5 s
+    # over 120 s = 23.45 more.
+    large = StageObservation(
+        "dit", 2.0, 1.0, 30, execution_time=1.0, work_rate=100.0, outstanding_work=1500.0,
+        cost=cost,
+    )  # fmt: skip
+    decisions, _ = plan([GroupState("dit", 2, gpu_dit, [large])], 15.0, memory)
+    assert decisions[0].desired == 225
+    # Without the work, the service time the small ones taught asks for 3.
+    blind = StageObservation("dit", 2.0, 1.0, 30, execution_time=1.0)
+    decisions, _ = plan([GroupState("dit", 2, gpu_dit, [blind])], 15.0, memory)
+    assert decisions[0].desired == 3
+
+
+def test_work_without_a_cost_fit_leaves_the_request_rule() -> None:
+    # Routers that count work but whose replicas have run nothing yet: no seconds per unit.
+    stage = StageObservation("dit", 40.0, 0.124, 0, work_rate=10.0, outstanding_work=0.0)
+    (decision,) = run([GroupState("dit", 1, DIT, [stage])], 0.0, {})
+    assert decision.desired == 3
+    assert "40 req/s x 0.124 s" in decision.reason

@@ -17,10 +17,15 @@ from omni_runtime.router.metrics import RouterMetrics
 
 
 class FakePool:
-    """What the metrics' collector reads of a stage's replica pool: in flight per replica."""
+    """What the metrics' collector reads of a stage's replica pool: in flight per replica,
+    their work and the replica's cost fit."""
 
-    def __init__(self, in_flight: int) -> None:
+    def __init__(
+        self, in_flight: int, work: float = 0.0, cost: tuple[float, float] | None = None
+    ) -> None:
         self.in_flight = in_flight
+        self.work = work
+        self.cost = cost
         self.live_replica_count = 1
 
     def stats(self) -> list[object]:
@@ -34,20 +39,29 @@ class FakePool:
                 accepting=True,
                 revision="1-abc",
                 terminating=False,
+                outstanding_work=self.work,
+                cost=self.cost,
             )
         ]
 
 
 def router_text(
-    finished: dict[str, list[float]], in_flight: dict[str, int], executing: float = 0.0
+    finished: dict[str, list[float]],
+    in_flight: dict[str, int],
+    executing: float = 0.0,
+    work: float = 1.0,
+    held_work: float = 0.0,
+    cost: tuple[float, float] | None = None,
 ) -> str:
     """/metrics of a router whose stages finished requests taking ``finished`` seconds, of
-    which the replicas said they worked ``executing`` (0: they said nothing)."""
-    pools = {name: FakePool(n) for name, n in in_flight.items()}
+    which the replicas said they worked ``executing`` (0: they said nothing), each of
+    ``work`` units; the requests in flight hold ``held_work`` units on a replica whose fit
+    is ``cost``."""
+    pools = {name: FakePool(n, held_work, cost) for name, n in in_flight.items()}
     metrics = RouterMetrics(lambda: pools)  # type: ignore[arg-type, return-value]
     for stage, times in finished.items():
         for seconds in times:
-            metrics.stage_request_done(stage, 0, seconds, False, executing)
+            metrics.stage_request_done(stage, 0, seconds, False, executing, work)
     return generate_latest(metrics.registry).decode()
 
 
@@ -133,3 +147,29 @@ def test_the_replicas_own_time_is_the_execution_time_free_of_the_queue() -> None
     silent = {"r0": RouterScrape(10.0, parse_router_metrics(router_text({"dit": [2.0]}, {})))}
     (dit,), _ = observe(["dit"], before, silent)
     assert dit.execution_time is None
+
+
+def test_the_work_that_arrived_and_the_routers_cost_fit() -> None:
+    empty = router_text({}, {"dit": 0})
+    before = {"r0": RouterScrape(0.0, parse_router_metrics(empty))}
+    # 10 s later: 4 requests of 12.5 units finished, and 30 units are in the stage.
+    text = router_text({"dit": [1.0] * 4}, {"dit": 2}, work=12.5, held_work=30, cost=(0.5, 2))
+    other = router_text({}, {"dit": 0}, cost=(1.5, 4.0))
+    after = {
+        "r0": RouterScrape(10.0, parse_router_metrics(text)),
+        "r1": RouterScrape(10.0, parse_router_metrics(other)),
+    }
+    before["r1"] = RouterScrape(0.0, parse_router_metrics(empty))
+    (dit,), _ = observe(["dit"], before, after)
+    assert dit.work_rate == pytest.approx((4 * 12.5 + 30) / 10)
+    assert dit.outstanding_work == 30
+    assert dit.cost == pytest.approx((1.0, 3.0))  # the routers' mean
+
+
+def test_a_router_that_counts_no_work_leaves_the_stage_without_it() -> None:
+    text = router_text({"dit": [1.0]}, {"dit": 0})
+    lines = [line for line in text.splitlines() if "work_units" not in line]
+    before = {"r0": RouterScrape(0.0, parse_router_metrics("\n".join(lines) + "\n"))}
+    after = {"r0": RouterScrape(10.0, parse_router_metrics("\n".join(lines) + "\n"))}
+    (dit,), _ = observe(["dit"], before, after)
+    assert (dit.work_rate, dit.outstanding_work, dit.cost) == (None, None, None)

@@ -62,11 +62,12 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-# (stage_name, replica_id, latency_s, failed, execute_s), called once per request that
-# finished or failed on a replica (not for requests the caller aborted): what /metrics
+# (stage_name, replica_id, latency_s, failed, execute_s, work), called once per request
+# that finished or failed on a replica (not for requests the caller aborted): what /metrics
 # records. execute_s is what the replica said it spent on the request (its engine's time,
-# without its own queue for a diffusion stage); 0 where it said nothing.
-RequestDoneHook = Callable[[str, int, float, bool, float], None]
+# without its own queue for a diffusion stage); 0 where it said nothing. work is the
+# request's (replica_policies.diffusion_work's units; 1 without an estimate).
+RequestDoneHook = Callable[[str, int, float, bool, float, float], None]
 
 # A replica the pool removes drains for as long as its pod would (the pod contract's).
 DEFAULT_DRAIN_TIMEOUT_S = float(pod_contract.DEFAULT_DRAIN_TIMEOUT_S)
@@ -141,6 +142,10 @@ class ReplicaStats:
     replica_draining: bool = False
     # Its pod is terminating but still serves: used only where nothing else is.
     terminating: bool = False
+    # The work of its requests in flight (replica_policies.diffusion_work's units).
+    outstanding_work: float = 0.0
+    # Its fitted (seconds per request, seconds per unit of work); None before it ran one.
+    cost: tuple[float, float] | None = None
 
     @property
     def accepting(self) -> bool:
@@ -322,6 +327,8 @@ class StageReplicaPool:
                 revision=r.revision,
                 replica_draining=r.client.draining,
                 terminating=r.terminating,
+                outstanding_work=r.outstanding_work,
+                cost=r.calibration.fit if r.calibration is not None else None,
             )
             for r in self._replicas.values()
         ]
@@ -615,7 +622,12 @@ class StageReplicaPool:
         if self.on_request_done is not None:
             try:
                 self.on_request_done(
-                    self.stage_name, replica.replica_id, latency, failed, execute_s
+                    self.stage_name,
+                    replica.replica_id,
+                    latency,
+                    failed,
+                    execute_s,
+                    pool_request.work,
                 )
             except Exception:
                 # A metrics hook must not stop outputs reaching their requests.

@@ -164,7 +164,7 @@ async def test_outputs_reach_their_own_requests(make_pool: PoolFactory) -> None:
 
 async def test_a_dead_replica_fails_only_its_requests(make_pool: PoolFactory) -> None:
     done: list[tuple[str, int, bool]] = []
-    pool, (r0, r1) = make_pool(2, on_request_done=lambda s, i, _lat, f, _ex: done.append((s, i, f)))
+    pool, (r0, r1) = make_pool(2, on_request_done=lambda s, i, _lat, f, *_: done.append((s, i, f)))
     on_r0 = await pool.add_request(req("a"))
     on_r1 = await pool.add_request(req("b"))
     r0.emit(r0.step("a", "partial"))
@@ -365,11 +365,11 @@ async def test_cancelling_add_request_aborts_on_the_replica(make_pool: PoolFacto
 
 
 async def test_counters_and_the_done_hook(make_pool: PoolFactory) -> None:
-    done: list[tuple[str, int, float, bool, float]] = []
+    done: list[tuple[str, int, float, bool, float, float]] = []
     pool, (r0, r1) = make_pool(2, on_request_done=lambda *args: done.append(args))
-    ok = await pool.add_request(req("ok"))
+    ok = await pool.add_request(req("ok"), work=3.0)
     bad = await pool.add_request(req("bad"))
-    await pool.add_request(req("waiting"))
+    await pool.add_request(req("waiting"), work=2.0)
     r0.answer("ok", execute_time=0.25)
     height = StageError.bad_request("params.height: Expected int >= 1", "height")
     r1.answer("bad", error=height)
@@ -386,13 +386,18 @@ async def test_counters_and_the_done_hook(make_pool: PoolFactory) -> None:
     assert s0.latency_total_s >= 0.0
     assert pool.in_flight == 1
     assert pool.live_replica_count == 2
-    assert [(stage, replica, failed) for stage, replica, _, failed, _ in done] == [
+    assert [(stage, replica, failed) for stage, replica, _, failed, *_ in done] == [
         ("dit", 0, False),
         ("dit", 1, True),
     ]
-    assert all(latency >= 0.0 for _, _, latency, _, _ in done)
-    # What the replica said it worked on the request reaches the hook (0: said nothing).
-    assert [execute_s for *_, execute_s in done] == [0.25, 0.0]
+    assert all(latency >= 0.0 for _, _, latency, *_ in done)
+    # What the replica said it worked on the request reaches the hook (0: said nothing),
+    # with the request's work (1 without an estimate).
+    assert [(execute_s, work) for *_, execute_s, work in done] == [(0.25, 3.0), (0.0, 1.0)]
+    # The work still on each replica, and the cost fit of the one that ran something.
+    assert (s0.outstanding_work, s1.outstanding_work) == (2.0, 0.0)
+    assert s0.cost == (0.0, pytest.approx(0.25 / 3.0))
+    assert s1.cost is None
 
 
 async def test_a_broken_done_hook_does_not_stop_outputs(make_pool: PoolFactory) -> None:
