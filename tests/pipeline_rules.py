@@ -293,6 +293,12 @@ INVALID: list[RuleCase] = [
         python=["spec.stages[1].stepCache.tiers.fast.interval", "greater than or equal to 2"],
     ),
     RuleCase(
+        "torch-compile-on-llm-stage",
+        _set(0, torchCompile=True),
+        cel=["spec.stages[0].torchCompile", "only diffusion stages take torchCompile"],
+        python=["spec.stages[0].torchCompile", "only diffusion stages take torchCompile"],
+    ),
+    RuleCase(
         "output-on-diffusion-stage",
         _set(1, output="text"),
         cel=["spec.stages[1].output", "only llm stages have an output kind"],
@@ -508,6 +514,7 @@ VALID: list[ValidCase] = [
     ),
     ValidCase("known-topology-gives-stage-types", _topology),
     ValidCase("named-family-gives-stage-types", _named_family),
+    ValidCase("compiled-dit", _set(1, torchCompile=True)),
     ValidCase(
         "step-cached-dit-of-a-family",
         _both(_named_family, _set(1, stepCache={"tiers": {"fast": {"interval": 2}}})),

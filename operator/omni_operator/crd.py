@@ -684,6 +684,13 @@ def _add_stage_rules(stage: dict[str, Any]) -> None:
             field_path=".stepCache",
         ),
         _rule(
+            "!has(self.torchCompile) || !self.torchCompile || !has(self.type) "
+            "|| self.type == 'diffusion'",
+            message="only diffusion stages take torchCompile (vLLM compiles an llm stage on "
+            "its own: see enforceEager); remove it from this llm stage",
+            field_path=".torchCompile",
+        ),
+        _rule(
             "!has(self.output) || !has(self.type) || self.type == 'llm'",
             message="only llm stages have an output kind (text or hidden_states); remove "
             "output from this diffusion stage",

@@ -346,6 +346,15 @@ class StageConfig(_Model):
         "caching (diffusers' TaylorSeer), chosen per request by its step_cache field; "
         "unset: every step computed.",
     )
+    # None rather than False when unset: the rendered config (and its hash, which rolls the
+    # stage's pods) stays what it was for pipelines that do not set it.
+    torch_compile: bool | None = Field(
+        default=None,
+        description="Diffusion stages of a diffusers pipeline: compile the DiT's repeated "
+        "transformer blocks with torch.compile (regional compilation). The first request "
+        "of each new shape (size, batch, guidance) waits for its compilation; the images "
+        "are the eager ones (identical bytes on CPU).",
+    )
     default_sampling_params: dict[str, Any] = Field(
         default_factory=dict,
         description="Sampling parameters for requests that give none (temperature, top_p, "
@@ -413,6 +422,16 @@ class StageConfig(_Model):
         if value is not None and info.data.get("type") == "llm":
             raise ValueError(
                 "only diffusion stages cache steps; remove stepCache from this llm stage"
+            )
+        return value
+
+    @field_validator("torch_compile")
+    @classmethod
+    def _check_torch_compile(cls, value: bool | None, info: ValidationInfo) -> bool | None:
+        if value and info.data.get("type") == "llm":
+            raise ValueError(
+                "only diffusion stages take torchCompile (vLLM compiles an llm stage on its "
+                "own: see enforceEager); remove it from this llm stage"
             )
         return value
 
@@ -626,6 +645,15 @@ class PipelineConfig(_Model):
                         f"stages[{index}].stepCache",
                         f"only the DiT of a {cached} pipeline caches steps"
                         + (f" (this is a {family.name} pipeline)" if family else ""),
+                    )
+                )
+        for index, stage in enumerate(self.stages):
+            if stage.torch_compile and family is not None and family.dit.engine is not None:
+                issues.append(
+                    (
+                        f"stages[{index}].torchCompile",
+                        f"a {family.name} DiT runs on its own engine, not a diffusers "
+                        "transformer with repeated blocks; remove torchCompile",
                     )
                 )
         thinkers = ", ".join(name for name, f in FAMILIES.items() if f.thinks)

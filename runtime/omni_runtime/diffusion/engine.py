@@ -28,6 +28,7 @@ import inspect
 import logging
 import os
 import re
+import shutil
 import threading
 import time
 from collections.abc import Callable, Hashable, Iterable, Sequence
@@ -100,6 +101,8 @@ class DiffusionEngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=
     # The stage's stepCache: its tiers by name, and the tier of a request that names none.
     step_cache_tiers: dict[str, StepCacheTier] = {}
     step_cache_default: str = STEP_CACHE_OFF
+    # The stage's torchCompile: the transformer's repeated blocks compiled (regionally).
+    torch_compile: bool = False
 
 
 class DiffusionParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -434,6 +437,8 @@ class DiffusionEngine(DiffusionEngineBase):
                 "step cache"
             )
         self._step_cache_modules = modules
+        if config.torch_compile:
+            _compile_blocks(self.pipeline, self.device)
         # Schedulers index a table of their training timesteps: more steps than that fail
         # deep inside the pipeline.
         train_steps = getattr(self.pipeline.scheduler.config, "num_train_timesteps", None)
@@ -864,6 +869,28 @@ def _family(name: str | None) -> Family | None:
     if name not in FAMILIES:
         raise InvalidRequestError(f"family: {name!r} is not one of {', '.join(FAMILIES)}", "family")
     return FAMILIES[name]
+
+
+def _compile_blocks(pipeline: Any, device: str) -> None:
+    """torchCompile: the pipeline's transformer's repeated blocks compiled in place
+    (diffusers' regional compilation), each shape on its first call. Not as one graph: a
+    step cache's hooks on the blocks break it, and their state stays Python's (the images
+    are the same)."""
+    transformer = getattr(pipeline, "transformer", None)
+    if transformer is None or not getattr(transformer, "_repeated_blocks", None):
+        raise ValueError(
+            f"torchCompile: this pipeline ({type(pipeline).__name__}) has no transformer "
+            "with repeated blocks to compile; remove torchCompile"
+        )
+    # Inductor builds C++ kernels on a CPU, and Triton its C launchers on a GPU, at run time.
+    on_cpu = device.startswith("cpu")
+    compilers = ("g++", "c++", "clang++") if on_cpu else ("gcc", "cc", "clang")
+    if not os.environ.get("CXX" if on_cpu else "CC") and not any(map(shutil.which, compilers)):
+        raise ValueError(
+            f"torchCompile: compiling for {device} needs a {'C++' if on_cpu else 'C'} compiler "
+            f"({', '.join(compilers)}) and this image has none; remove torchCompile"
+        )
+    transformer.compile_repeated_blocks(fullgraph=False)
 
 
 def _check_family(pipeline_class: str, family: Family | None) -> None:

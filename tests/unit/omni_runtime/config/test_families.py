@@ -95,6 +95,20 @@ def test_a_family_encoder_that_outputs_text_is_refused() -> None:
     assert "hidden_states" in message
 
 
+def test_a_dit_on_its_own_engine_takes_no_torch_compile() -> None:
+    data = two_stages("ByteDance-Seed/BAGEL-7B-MoT")
+    data["stages"][1]["torchCompile"] = True
+    with pytest.raises(PipelineConfigError) as caught:
+        load_pipeline(data)
+    ((path, message),) = caught.value.issues
+    assert path == "stages[1].torchCompile"
+    assert "bagel DiT runs on its own engine" in message
+    # A diffusers family's DiT takes it.
+    data = two_stages("Qwen/Qwen-Image")
+    data["stages"][1]["torchCompile"] = True
+    assert load_pipeline(data).stages[1].torch_compile
+
+
 @pytest.mark.parametrize(
     ("family", "params", "negative"),
     [
