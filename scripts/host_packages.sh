@@ -9,9 +9,11 @@
 #   containernetworking-plugins     the real node's pod network (bridge, loopback, host-local)
 #   iptables                        kube-proxy's Service rules, inside the node's own netns
 #   socat                           joins the node's network namespace to the control plane
+#   redis-server                    the video job store's tests run against a real Redis
 set -euo pipefail
 
-packages=(podman buildah runc uidmap mmdebstrap containernetworking-plugins iptables socat)
+packages=(podman buildah runc uidmap mmdebstrap containernetworking-plugins iptables socat
+    redis-server)
 missing=()
 for p in "${packages[@]}"; do
     dpkg-query -W -f '${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

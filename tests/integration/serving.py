@@ -233,10 +233,14 @@ def running_router(
     limits: RouterLimits | None = None,
     wait_for_replicas: bool = True,
     api_keys: ApiKeys | None = None,
+    state_dir: Path | None = None,
 ) -> Iterator[RunningRouter]:
     """The router app on a port of its own (bound here and handed to uvicorn, so that
-    nothing can take it in between), served by uvicorn in a thread of its own."""
-    app, replicas = build_router(pipeline, addresses, limits=limits, api_keys=api_keys)
+    nothing can take it in between), served by uvicorn in a thread of its own; a video
+    pipeline's jobs in ``state_dir``."""
+    app, replicas = build_router(
+        pipeline, addresses, limits=limits, api_keys=api_keys, state_dir=state_dir
+    )
     listener = socket.create_server(("127.0.0.1", 0))
     port = int(listener.getsockname()[1])
     # The server config `omni-runtime router` and `serve` run: its connection deadlines and

@@ -77,7 +77,7 @@ def _request_fields(document: dict[str, Any]) -> set[str]:
     }
 
 
-@pytest.mark.parametrize("output_kind", ["text", "image"])
+@pytest.mark.parametrize("output_kind", ["text", "image", "video"])
 def test_http_api_doc_names_every_path_and_field(output_kind: Any) -> None:
     text = (REPO / "docs" / "http-api.md").read_text(encoding="utf-8")
     document = openapi_document(

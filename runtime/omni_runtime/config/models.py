@@ -9,6 +9,7 @@ their keys exactly as written.
 from __future__ import annotations
 
 import re
+import urllib.parse
 from collections.abc import Mapping
 from typing import Annotated, Any, ClassVar, Literal, Self
 
@@ -31,6 +32,7 @@ from omni_runtime.families import (
     FamilyName,
     family_of_model_name,
 )
+from omni_runtime.families.base import VideoRecipe
 
 from .errors import PipelineConfigError
 from .topologies import STAGE_TYPES, StageType
@@ -137,6 +139,56 @@ class ConnectorConfig(_Model):
         return value
 
 
+# Where a router finds the video store's password: never in the pipeline's config, which
+# a ConfigMap holds.
+VIDEO_STORE_PASSWORD_ENV = "OMNI_VIDEO_STORE_PASSWORD"
+
+
+class VideoJobsConfig(_Model):
+    """The Videos API's jobs, for a pipeline whose DiT makes videos."""
+
+    store_url: str | None = Field(
+        default=None,
+        description="redis:// or rediss:// URL of the Redis where the pipeline's router "
+        "replicas share their jobs (the password comes from the router's environment, "
+        f"{VIDEO_STORE_PASSWORD_ENV}, never the URL); unset: an embedded store (SQLite and "
+        "files in the router's state directory) that one router replica uses alone.",
+    )
+    max_active_jobs: Annotated[StrictInt, Field(ge=1, le=1_000_000)] = Field(
+        default=64,
+        description="Jobs queued or running at once, over all router replicas; past it POST "
+        "/v1/videos answers 429.",
+    )
+    jobs_per_router: Annotated[StrictInt, Field(ge=1, le=256)] = Field(
+        default=2,
+        description="Jobs one router replica runs at once; the rest wait, queued, for any replica.",
+    )
+    content_ttl_seconds: Annotated[StrictInt, Field(ge=60, le=30 * 86400)] = Field(
+        default=3600,
+        description="How long a finished job and its video are kept; then both are deleted.",
+    )
+    job_timeout_seconds: Annotated[StrictInt, Field(ge=10, le=86400)] = Field(
+        default=3600, description="A job still running after this long fails (timeout)."
+    )
+
+    @field_validator("store_url")
+    @classmethod
+    def _check_store_url(cls, value: str | None) -> str | None:
+        if value is None:
+            return value
+        url = urllib.parse.urlsplit(value)
+        if url.scheme not in ("redis", "rediss") or not url.hostname:
+            raise ValueError(
+                f"{value!r} is not a Redis URL: use redis://HOST:PORT/DB or rediss://... (TLS)"
+            )
+        if url.password is not None:
+            raise ValueError(
+                "the URL holds a password, which would sit in the pipeline's ConfigMap; give "
+                f"it to the router as {VIDEO_STORE_PASSWORD_ENV} instead"
+            )
+        return value
+
+
 class RouterConfig(_Model):
     """The HTTP router in front of the stages."""
 
@@ -155,6 +207,11 @@ class RouterConfig(_Model):
         min_length=1,
         description="The model name clients send (GET /v1/models lists it); defaults to "
         "the last part of the pipeline's model path.",
+    )
+    videos: VideoJobsConfig | None = Field(
+        default=None,
+        description="The Videos API's jobs (a pipeline whose DiT makes videos): their store, "
+        "limits and how long a video is kept; unset: the defaults.",
     )
     # None, not False, when unset: a pipeline that does not name it keeps its revision.
     metrics_need_api_key: bool | None = Field(
@@ -697,6 +754,12 @@ class PipelineConfig(_Model):
     def family_recipe(self) -> Family | None:
         """The pipeline's model family (``omni_runtime.families``), if it names one."""
         return FAMILIES.get(self.family) if self.family is not None else None
+
+    @property
+    def video_recipe(self) -> VideoRecipe | None:
+        """How the pipeline's clips play, where its family's DiT makes videos."""
+        family = self.family_recipe
+        return family.dit.video if family is not None else None
 
     @property
     def step_cache_tiers(self) -> tuple[str, ...]:

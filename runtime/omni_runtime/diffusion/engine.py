@@ -60,6 +60,9 @@ PartialEmit = Callable[[StageDiffusionCoreOutput], None]
 
 MAX_SIDE = 4096
 MAX_IMAGES = 16
+# A video's frames: Wan2.2's and HunyuanVideo-1.5's pipelines make 121 (5 s at 24 fps); a
+# bound keeps one request from asking the DiT for hours of work.
+MAX_FRAMES = 1024
 _DTYPES = {
     "float32": "float32",
     "float": "float32",
@@ -130,6 +133,11 @@ class DiffusionParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     step_cache: str | None = None
     # Partial images to send while the request runs (its stream's).
     partial_images: Annotated[int, msgspec.Meta(ge=0, le=MAX_PARTIAL_IMAGES)] | None = None
+    # A video pipeline's frames.
+    num_frames: Annotated[int, msgspec.Meta(ge=1, le=MAX_FRAMES)] | None = None
+    # Send the share of steps done as the request runs (outputs with ``progress``): what a
+    # video job's status reports.
+    report_progress: bool | None = None
 
 
 # The inputs a diffusers pipeline takes from upstream (its own argument names).
@@ -142,6 +150,7 @@ _CALL_PARAMS = (
     "strength",
     "cfg_normalization",
     "cfg_truncation",
+    "num_frames",
 )
 
 
@@ -420,6 +429,14 @@ class DiffusionEngine(DiffusionEngineBase):
                 self._img2img.set_progress_bar_config(disable=True)
             except ValueError:
                 pass  # this pipeline family has no image-to-image variant
+        # A family whose input image needs another pipeline on the same weights.
+        self._image_pipeline = None
+        image_class = self.family.dit.image_pipeline_class if self.family is not None else None
+        if image_class is not None:
+            import diffusers
+
+            self._image_pipeline = getattr(diffusers, image_class).from_pipe(self.pipeline)
+            self._image_pipeline.set_progress_bar_config(disable=True)
         # What the pipeline's __call__ takes, so a parameter it would ignore or choke on
         # is refused by name instead.
         self._call_params = frozenset(inspect.signature(self.pipeline.__call__).parameters)
@@ -430,6 +447,8 @@ class DiffusionEngine(DiffusionEngineBase):
         self.default_size = _default_size(self.pipeline)
         self.conditioning_width = _conditioning_width(self.pipeline)
         self.default_steps = _call_default(self.pipeline, "num_inference_steps")
+        # A video pipeline (Wan, HunyuanVideo) makes frames, one video per prompt.
+        self.makes_video = "num_frames" in self._call_params
         modules = self.family.dit.step_cache if self.family is not None else None
         if config.step_cache_tiers and modules is None:
             raise ValueError(
@@ -456,6 +475,7 @@ class DiffusionEngine(DiffusionEngineBase):
             "image_to_image": self._img2img is not None,
             "family": self.family.name if self.family is not None else None,
             "takes_image": self.takes_image,
+            "video": self.makes_video,
         }
 
     def validate(self, request: StageDiffusionCoreRequest) -> DiffusionParams:
@@ -473,6 +493,12 @@ class DiffusionEngine(DiffusionEngineBase):
                 "num_inference_steps",
             )
         self._check_call_params(params)
+        if self.makes_video and params.num_images != 1:
+            raise InvalidRequestError(
+                f"num_images: a video pipeline makes one video per request "
+                f"(got {params.num_images})",
+                "num_images",
+            )
         shapes = self._embeds_shapes(request)
         if request.prompt is None and "prompt_embeds" not in shapes:
             raise InvalidRequestError(
@@ -600,6 +626,7 @@ class DiffusionEngine(DiffusionEngineBase):
         from PIL import Image
 
         partials = self._partials([request.request_id], params, emit)
+        progress = self._progress(request.request_id, params, emit)
 
         def on_step_end(
             pipe: Any, step: int, timestep: Any, tensors: dict[str, Any]
@@ -608,9 +635,11 @@ class DiffusionEngine(DiffusionEngineBase):
                 raise RequestAbortedError
             if partials is not None:
                 partials.after_step(step, tensors["latents"])
+            if progress is not None:
+                progress(step + 1, getattr(pipe, "num_timesteps", None))
             return tensors
 
-        kwargs = _call_kwargs(params, on_step_end)
+        kwargs = _call_kwargs(params, on_step_end, video=self.makes_video)
         if params.seed is not None:
             kwargs["generator"] = torch.Generator("cpu").manual_seed(params.seed)
         if _upstream(request):
@@ -625,13 +654,34 @@ class DiffusionEngine(DiffusionEngineBase):
         finally:
             if watch is not None:
                 watch.remove()
-        return to_uint8(result.images)
+        # A video pipeline's frames: [videos, frames, height, width, 3], one video here.
+        return to_uint8(result.frames[0] if self.makes_video else result.images)
+
+    def _progress(
+        self, request_id: str, params: DiffusionParams, emit: PartialEmit | None
+    ) -> Callable[[int, int | None], None] | None:
+        """What reports a request's progress (the percent of its steps done, each time it
+        moves), if it asks for it; None otherwise."""
+        if not params.report_progress or emit is None:
+            return None
+        planned = params.num_inference_steps or self.default_steps or 1
+        sent = [-1]
+
+        def report(done: int, steps: int | None) -> None:
+            # The pipeline's own count where it has one (a strength of an image-to-image
+            # run leaves out the first steps); the last step's 100 is the final output's.
+            percent = min(99, 100 * done // max(1, steps or planned))
+            if percent != sent[0]:
+                sent[0] = percent
+                emit(StageDiffusionCoreOutput(request_id=request_id, progress=percent))
+
+        return report
 
     def batch_key(self, request: StageDiffusionCoreRequest) -> Hashable | None:
         """A family's text-to-image requests batch with those of the same call arguments
         but seed and prompt (size, steps, guidance on or off and its scales, step-cache
         tier, partial images), one image each; the stage's maxNumSeqs above 1."""
-        if self.config.max_batch <= 1 or self.family is None or request.images:
+        if self.config.max_batch <= 1 or self.family is None or request.images or self.makes_video:
             return None
         try:
             params = self.validate(request)
@@ -671,7 +721,7 @@ class DiffusionEngine(DiffusionEngineBase):
                 partials.after_step(step, tensors["latents"])
             return tensors
 
-        kwargs = _call_kwargs(first, on_step_end)
+        kwargs = _call_kwargs(first, on_step_end, video=False)
         # One generator per request: each draws its own noise, as it would alone.
         kwargs["generator"] = [
             torch.Generator("cpu").manual_seed(p.seed)
@@ -703,6 +753,8 @@ class DiffusionEngine(DiffusionEngineBase):
             if len(pictures) > 1:
                 # A pipeline of several input images (Qwen-Image-Edit-Plus) takes them as a list.
                 result = self.pipeline(image=pictures, **kwargs)
+            elif image is not None and self._image_pipeline is not None:
+                result = self._image_pipeline(image=image, **kwargs)
             elif image is not None and self._img2img is not None:
                 if image.size != (params.width, params.height):
                     image = image.resize((params.width, params.height), Image.Resampling.BICUBIC)
@@ -846,17 +898,19 @@ def _upstream(request: StageDiffusionCoreRequest) -> bool:
     return request.prompt_embeds is not None or "prompt_embeds" in request.inputs
 
 
-def _call_kwargs(params: DiffusionParams, on_step_end: Callable[..., Any]) -> dict[str, Any]:
+def _call_kwargs(
+    params: DiffusionParams, on_step_end: Callable[..., Any], *, video: bool
+) -> dict[str, Any]:
     """The pipeline's call arguments a request's params give (left out, a parameter is the
     pipeline's own default: a family's pipeline sizes its output itself, an edit's from its
-    input image)."""
+    input image). A video pipeline counts videos, not images."""
     kwargs: dict[str, Any] = {
         name: value
         for name in (*_CALL_PARAMS, "height", "width")
         if (value := getattr(params, name)) is not None
     }
     kwargs.update(
-        num_images_per_prompt=params.num_images,
+        {"num_videos_per_prompt" if video else "num_images_per_prompt": params.num_images},
         output_type="np",
         callback_on_step_end=on_step_end,
     )
@@ -1006,7 +1060,9 @@ def parse_params(params: dict[str, Any], where: str, struct: type[_S]) -> _S:
 
 def _size_multiple(pipeline: Any) -> int:
     """Heights and widths must be multiples of this for the pipeline to run."""
-    vae_scale = int(getattr(pipeline, "vae_scale_factor", 8))
+    # A video pipeline's VAE scales space and time apart (Wan: 16 and 4).
+    spatial: Any = getattr(pipeline, "vae_scale_factor_spatial", None)
+    vae_scale = int(spatial or getattr(pipeline, "vae_scale_factor", 8))
     unet = getattr(pipeline, "unet", None)
     if unet is not None:
         # Each down block but the last halves the latent.
@@ -1018,11 +1074,16 @@ def _size_multiple(pipeline: Any) -> int:
         # with the multiple that makes (VAE scale times patch size).
         return int(processor.config.vae_scale_factor)
     transformer = getattr(pipeline, "transformer", None)
-    patch = int(getattr(getattr(transformer, "config", None), "patch_size", 1) or 1)
-    return vae_scale * patch
+    patch = getattr(getattr(transformer, "config", None), "patch_size", 1) or 1
+    if isinstance(patch, list | tuple):
+        patch = patch[-1]  # a video DiT's patch: (frames, height, width)
+    return vae_scale * int(patch)
 
 
 def _default_size(pipeline: Any) -> tuple[int, int]:
+    height, width = _call_default(pipeline, "height"), _call_default(pipeline, "width")
+    if isinstance(height, int) and isinstance(width, int):
+        return height, width  # a pipeline that says (Wan's 480x832)
     vae_scale = int(getattr(pipeline, "vae_scale_factor", 8))
     denoiser = getattr(pipeline, "unet", None) or getattr(pipeline, "transformer", None)
     sample = getattr(getattr(denoiser, "config", None), "sample_size", 64) or 64

@@ -25,6 +25,7 @@ import re
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import uvicorn
 from fastapi import FastAPI
@@ -219,10 +220,12 @@ def build_router(
     discovery: DiscoverySettings | None = None,
     stage_keys: StageClientKeys | None = None,
     api_keys: ApiKeys | None = None,
+    state_dir: Path | None = None,
 ) -> tuple[FastAPI, ReplicaConnector]:
     """The app and the connector that keeps its pools filled (started by the app), fed by
     EndpointSlice discovery too when ``discovery`` is given; it connects to the stages
-    with ``stage_keys`` (the pipeline's CURVE client keys) when given."""
+    with ``stage_keys`` (the pipeline's CURVE client keys) when given. A video pipeline's
+    embedded job store lives in ``state_dir`` (None: the app's default)."""
     policy = pipeline.router.policy
     pools = {stage.stage_id: StageReplicaPool(stage.name, policy) for stage in pipeline.stages}
     replicas = ReplicaConnector(pools, keys=stage_keys)
@@ -251,7 +254,13 @@ def build_router(
                 await asyncio.gather(*tasks, return_exceptions=True)
 
     app = create_app(
-        pipeline, pools, limits=limits, model_name=model_name, lifespan=lifespan, api_keys=api_keys
+        pipeline,
+        pools,
+        limits=limits,
+        model_name=model_name,
+        lifespan=lifespan,
+        api_keys=api_keys,
+        state_dir=state_dir,
     )
     app.state.replicas = replicas
     return app, replicas

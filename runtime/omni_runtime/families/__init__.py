@@ -28,6 +28,7 @@ from .base import (
     prompt_image_size,
 )
 from .qwen_image import QWEN_IMAGE, QWEN_IMAGE_EDIT, QWEN_IMAGE_EDIT_PLUS
+from .wan import WAN
 from .z_image import Z_IMAGE
 
 __all__ = [
@@ -51,12 +52,14 @@ __all__ = [
 ]
 
 # The pipeline schema's enum (and so the CRD's); a unit test keeps it equal to FAMILIES.
-FamilyName = Literal["qwen-image", "qwen-image-edit", "qwen-image-edit-plus", "z-image", "bagel"]
+FamilyName = Literal[
+    "qwen-image", "qwen-image-edit", "qwen-image-edit-plus", "z-image", "bagel", "wan2.2"
+]
 FAMILY_NAMES: tuple[str, ...] = get_args(FamilyName)
 FAMILIES: Mapping[str, Family] = MappingProxyType(
     {
         family.name: family
-        for family in (QWEN_IMAGE, QWEN_IMAGE_EDIT, QWEN_IMAGE_EDIT_PLUS, Z_IMAGE, BAGEL)
+        for family in (QWEN_IMAGE, QWEN_IMAGE_EDIT, QWEN_IMAGE_EDIT_PLUS, Z_IMAGE, BAGEL, WAN)
     }
 )
 MODEL_INDEX = "model_index.json"

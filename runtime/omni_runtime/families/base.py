@@ -200,6 +200,17 @@ class StepCacheModules:
 
 
 @dataclass(frozen=True)
+class VideoRecipe:
+    """A video family's clips: how fast its frames play and how its pipeline counts them."""
+
+    # Frames a second, as the family's pipeline is trained and its examples export.
+    fps: int
+    # A clip has 1 + k x frame_step frames: its VAE compresses frame_step frames into one
+    # latent frame after the first.
+    frame_step: int = 4
+
+
+@dataclass(frozen=True)
 class DiTRecipe:
     """How the DiT stage runs the family's pipeline on its named inputs."""
 
@@ -228,6 +239,11 @@ class DiTRecipe:
     step_cache: StepCacheModules | None = None
     # How its latents decode to a partial image; None: it sends no partials.
     preview: PreviewLayout | None = None
+    # A video family's clips; None: the DiT makes images.
+    video: VideoRecipe | None = None
+    # The diffusers pipeline that runs a request with an input image on the same weights
+    # (built with from_pipe), where ``pipeline_class`` takes none (Wan's image-to-video).
+    image_pipeline_class: str | None = None
 
 
 @dataclass(frozen=True)
@@ -250,7 +266,8 @@ class Family:
     """One model family: an encoder stage on vLLM feeding the family's DiT stage."""
 
     name: str
-    encoder: EncoderRecipe
+    # None: the family's DiT stage encodes its prompts itself (Wan's UMT5).
+    encoder: EncoderRecipe | None
     dit: DiTRecipe
     topology: tuple[TopologyStage, ...]
     # Hub ids of the family's public checkpoints (for docs and examples).
@@ -268,7 +285,11 @@ class Family:
 
     def is_encoder(self, stage: StageView) -> bool:
         """Whether ``stage`` of a pipeline of this family is its encoder."""
-        return stage.type == "llm" and stage.output == self.encoder.stage_output
+        return (
+            self.encoder is not None
+            and stage.type == "llm"
+            and stage.output == self.encoder.stage_output
+        )
 
     def companions(
         self, prompt: str, has_image: bool, dit_params: Mapping[str, Any], thinks: bool
@@ -279,7 +300,7 @@ class Family:
 
     def encoder_params(self, dit_params: Mapping[str, Any], has_image: bool) -> dict[str, Any]:
         """What the encoder stage takes of the request's DiT params."""
-        if not has_image:
+        if not has_image or self.encoder is None:
             return {}
         return {name: dit_params[name] for name in self.encoder.dit_params if name in dit_params}
 

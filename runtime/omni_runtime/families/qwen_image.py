@@ -87,16 +87,18 @@ def _edit_dit(pipeline_class: str) -> DiTRecipe:
     )
 
 
+_EDIT_ENCODER = EncoderRecipe(
+    template=_EDIT_TEMPLATE,
+    drop_prefix=64,
+    max_length=None,
+    image_area=1024 * 1024,
+    tokenizer_subfolder="processor",
+    vision_language=True,
+)
+
 QWEN_IMAGE_EDIT = EmbeddingsFamily(
     name="qwen-image-edit",
-    encoder=EncoderRecipe(
-        template=_EDIT_TEMPLATE,
-        drop_prefix=64,
-        max_length=None,
-        image_area=1024 * 1024,
-        tokenizer_subfolder="processor",
-        vision_language=True,
-    ),
+    encoder=_EDIT_ENCODER,
     dit=_edit_dit("QwenImageEditPipeline"),
     topology=encoder_then_dit("encoder", "hidden_states"),
     hub_ids=("Qwen/Qwen-Image-Edit",),
@@ -111,7 +113,7 @@ QWEN_IMAGE_EDIT_PLUS = dataclasses.replace(
     QWEN_IMAGE_EDIT,
     name="qwen-image-edit-plus",
     encoder=dataclasses.replace(
-        QWEN_IMAGE_EDIT.encoder,
+        _EDIT_ENCODER,
         template=_EDIT_PLUS_TEMPLATE,
         image_area=384 * 384,
         image_prompt=_EDIT_PLUS_IMAGE_PROMPT,

@@ -9,6 +9,10 @@
     POST /v1/images/generations  b64_json images
     POST /v1/images/edits        b64_json images from an input image (multipart/form-data:
                                  image, prompt, n, size, ...; image-to-image diffusion)
+    POST /v1/videos              a video job (multipart/form-data or JSON: prompt, seconds,
+                                 size, input_reference, ...), for pipelines whose DiT makes
+                                 videos; GET /v1/videos[/{id}[/content]] and DELETE
+                                 /v1/videos/{id} as OpenAI's Videos API (router.video_jobs)
     GET  /v1/models              the one served model
     GET  /health                 200 when some pipeline revision has a live replica of every
                                  stage (the one requests run on now), else 503 saying why
@@ -28,31 +32,37 @@ own 404 and 405 and an unexpected exception's 500 included.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from omni_runtime.config import PipelineConfig
+from omni_runtime.config import VIDEO_STORE_PASSWORD_ENV, PipelineConfig, VideoJobsConfig
 from omni_runtime.engine.stage.stage_replica_pool import StageReplicaPool
 from omni_runtime.router.auth import ApiKeys, RequireApiKey, open_paths
+from omni_runtime.router.job_store import JobStoreError, open_job_store
 from omni_runtime.router.metrics import RouterMetrics, batch_slots
 from omni_runtime.router.openapi import openapi_document
 from omni_runtime.router.orchestrator import PipelineError
 from omni_runtime.router.protocol import (
+    INPUT_REFERENCE,
     CompletionRequest,
     DetokenizeRequest,
+    FileParts,
     ImageEditForm,
-    ImageEditRequest,
     RequestError,
     RouterLimits,
     TokenizeRequest,
+    VideoCreateRequest,
     body_too_large,
     decode_json,
     parse_body,
@@ -65,7 +75,12 @@ from omni_runtime.router.serving import (
     error_response,
     served_model_name,
 )
+from omni_runtime.router.video_jobs import VideoJobs, video_object
 from omni_runtime.tracing import TraceRequests
+
+# Where an embedded video store keeps its jobs (a pipeline's own directory below it) when
+# the router is given none: it outlives the router, so a restart loses no job.
+DEFAULT_STATE_DIR = Path("~/.cache/omni-runtime/videos")
 
 
 def create_app(
@@ -76,9 +91,11 @@ def create_app(
     model_name: str | None = None,
     lifespan: Callable[[FastAPI], Any] | None = None,
     api_keys: ApiKeys | None = None,
+    state_dir: Path | None = None,
 ) -> FastAPI:
     """The router app over ``pools`` (one per stage id; the caller fills them), asking
-    for one of ``api_keys`` (router.auth) when given."""
+    for one of ``api_keys`` (router.auth) when given. A video pipeline without a Redis
+    store keeps its jobs under ``state_dir`` (None: DEFAULT_STATE_DIR/<model>)."""
     names = {stage.stage_id: stage.name for stage in pipeline.stages}
     metrics = RouterMetrics(
         lambda: {names[i]: pool for i, pool in pools.items()},
@@ -92,14 +109,54 @@ def create_app(
     # The image-making bodies take the pipeline's family's own fields, and no other's.
     bodies = request_models(pipeline.family_recipe, pipeline.step_cache_tiers)
 
+    recipe = pipeline.video_recipe
+    videos_config = pipeline.router.videos or VideoJobsConfig()
+    videos: VideoJobs | None = None
+
     @asynccontextmanager
     async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
-        if lifespan is None:
-            yield
-        else:
-            async with lifespan(app):
+        nonlocal videos
+        if recipe is not None:
+            name = serving.served_model_name
+            store = open_job_store(
+                videos_config.store_url,
+                (state_dir or DEFAULT_STATE_DIR / name).expanduser(),
+                prefix=f"omni-videos:{name}",
+                password=os.environ.get(VIDEO_STORE_PASSWORD_ENV),
+            )
+            videos = VideoJobs(
+                store,
+                serving.orchestrator,
+                videos_config,
+                recipe,
+                model_name=name,
+                limits=serving.limits,
+            )
+            videos.start()
+            app.state.videos = videos
+        try:
+            if lifespan is None:
                 yield
-        await serving.close()
+            else:
+                async with lifespan(app):
+                    yield
+        finally:
+            if videos is not None:
+                await videos.close()
+            await serving.close()
+
+    def _videos() -> VideoJobs:
+        if videos is None:
+            raise RequestError(
+                400,
+                f"this pipeline makes {serving.orchestrator.output_kind}, not videos; "
+                + (
+                    "use /v1/images/generations"
+                    if serving.orchestrator.output_kind == "image"
+                    else "use /v1/chat/completions"
+                ),
+            )
+        return videos
 
     app = FastAPI(title="omni-runtime router", lifespan=_lifespan, docs_url=None, redoc_url=None)
     app.state.router = serving
@@ -111,6 +168,15 @@ def create_app(
     @app.exception_handler(PipelineError)
     async def _pipeline_error(request: Request, error: PipelineError) -> Response:
         return error_response(error)
+
+    @app.exception_handler(JobStoreError)
+    async def _store_error(request: Request, error: JobStoreError) -> Response:
+        # The store is down or refuses us: the job is neither lost nor made; retry later.
+        return JSONBody(
+            error_body(503, f"the video job store failed: {error}", kind="service_unavailable"),
+            status_code=503,
+            headers={"Retry-After": "5"},
+        )
 
     # Starlette's own answers (an unknown path, a method a path does not take) in the
     # shape of every other error, so that a client parses one error format.
@@ -164,6 +230,41 @@ def create_app(
     async def images_edits(request: Request) -> Response:
         body, images = (await read_form(request, serving.limits, bodies.edits)).finish()
         return await serving.image_edits(body, images, request)
+
+    @app.post("/v1/videos")
+    async def videos_create(request: Request) -> Response:
+        jobs = _videos()
+        content_type = request.headers.get("content-type", "")
+        files: list[bytes] = []
+        if content_type.split(";")[0].strip().lower() == "application/json":
+            body = parse_body(VideoCreateRequest, await read_json(request, serving.limits))
+        else:
+            form = await read_form(request, serving.limits, VideoCreateRequest, INPUT_REFERENCE)
+            body, files = form.finish()
+        return JSONBody(video_object(await jobs.create(body, files)))
+
+    @app.get("/v1/videos")
+    async def videos_list(
+        after: str | None = None, limit: int | None = None, order: str | None = None
+    ) -> Response:
+        return JSONBody(await _videos().page(after, limit, order))
+
+    @app.get("/v1/videos/{video_id}")
+    async def videos_get(video_id: str) -> Response:
+        return JSONBody(video_object(await _videos().get(video_id)))
+
+    @app.get("/v1/videos/{video_id}/content")
+    async def videos_content(video_id: str, variant: str = "video") -> Response:
+        if variant != "video":
+            raise RequestError(
+                400, f"variant: only 'video' is made here (got {variant!r})", param="variant"
+            )
+        data = await _videos().content(video_id)
+        return Response(data, media_type="video/mp4")
+
+    @app.delete("/v1/videos/{video_id}")
+    async def videos_delete(video_id: str) -> Response:
+        return JSONBody(await _videos().delete(video_id))
 
     @app.get("/v1/models")
     async def models() -> Response:
@@ -229,12 +330,12 @@ async def read_json(request: Request, limits: RouterLimits) -> Any:
 
 
 async def read_form(
-    request: Request, limits: RouterLimits, model: type[ImageEditRequest]
+    request: Request, limits: RouterLimits, model: type[BaseModel], files: FileParts | None = None
 ) -> ImageEditForm:
-    """The request's multipart/form-data body as ``model``, parsed as it streams in, each
-    limit enforced on the way (``ImageEditForm``): nothing past a limit is read, let alone
-    held."""
-    form = ImageEditForm(request.headers.get("content-type", ""), limits, model)
+    """The request's multipart/form-data body as ``model`` with ``files`` (None: an edit's
+    images), parsed as it streams in, each limit enforced on the way (``ImageEditForm``):
+    nothing past a limit is read, let alone held."""
+    form = ImageEditForm(request.headers.get("content-type", ""), limits, model, files)
     _check_declared_length(request, limits)
     async for chunk in request.stream():
         form.feed(chunk)
@@ -253,6 +354,7 @@ _V1_PATHS = frozenset(
         "/v1/completions",
         "/v1/images/generations",
         "/v1/images/edits",
+        "/v1/videos",
         "/v1/models",
     )
 )

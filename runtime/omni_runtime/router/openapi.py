@@ -31,6 +31,7 @@ from omni_runtime.router.protocol import (
     RequestModels,
     RouterLimits,
     TokenizeRequest,
+    VideoCreateRequest,
     request_models,
 )
 
@@ -216,6 +217,43 @@ class Liveness(BaseModel):
     status: Literal["ok"]
 
 
+class VideoError(BaseModel):
+    code: str
+    message: str
+
+
+class Video(BaseModel):
+    """A video job (OpenAI's Video object)."""
+
+    id: str
+    object: Literal["video"]
+    created_at: int
+    completed_at: int | None = Field(description="When it ended (completed or failed).")
+    expires_at: int | None = Field(description="When it and its clip are deleted.")
+    error: VideoError | None = Field(description="Why it failed (failed only).")
+    model: str
+    progress: int = Field(ge=0, le=100, description="Percent of its denoising steps done.")
+    prompt: str
+    remixed_from_video_id: None
+    seconds: str = Field(description="The clip's length: frames / fps.")
+    size: str = Field(description="WIDTHxHEIGHT, or auto until done where none was asked.")
+    status: Literal["queued", "in_progress", "completed", "failed"]
+
+
+class VideoList(BaseModel):
+    object: Literal["list"]
+    data: list[Video]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
+class VideoDeleted(BaseModel):
+    id: str
+    object: Literal["video.deleted"]
+    deleted: Literal[True]
+
+
 _RESPONSE_MODELS: tuple[type[BaseModel], ...] = (
     ErrorResponse,
     ChatCompletion,
@@ -228,6 +266,9 @@ _RESPONSE_MODELS: tuple[type[BaseModel], ...] = (
     ModelList,
     Health,
     Liveness,
+    Video,
+    VideoList,
+    VideoDeleted,
 )
 
 # Why each error status is answered; the statuses an operation lists are those its
@@ -237,13 +278,15 @@ _ERRORS: dict[int, str] = {
     "valid JSON or form data, nests too deep, is over a RouterLimits limit, or a stage "
     "refused a parameter.",
     401: "Missing or wrong API key (when the router requires one).",
-    404: "The model named is not the one served here.",
+    404: "The model named is not the one served here, or (videos) no such job.",
+    409: "The video job is not completed: its content does not exist yet.",
     413: "The body, or an input image, is over its size limit.",
     415: "The Content-Type is not the one the path takes.",
     429: "The router or a stage replica is at its concurrency limit: retry after the "
     "Retry-After header's seconds.",
     500: "A stage failed on the request.",
-    503: "No pipeline revision has a live replica of every stage.",
+    503: "No pipeline revision has a live replica of every stage, or (videos) the job store "
+    "cannot be reached.",
     504: "The request did not finish within the router's timeout.",
 }
 _POST_ERRORS = (400, 401, 404, 413, 415, 429, 500, 503, 504)
@@ -299,10 +342,15 @@ def openapi_document(
     schemas["ImageEditForm"] = _edit_form(
         schemas["ImageEditRequest"], pairs, models.edits.max_input_images
     )
-    paths: dict[str, Any] = {
-        "/v1/chat/completions": {"post": _chat_operation(output_kind)},
-    }
-    if output_kind == "image":
+    paths: dict[str, Any] = {}
+    if output_kind != "video":
+        paths["/v1/chat/completions"] = {"post": _chat_operation(output_kind)}
+    if output_kind == "video":
+        schemas["VideoCreateForm"] = _video_form(schemas["VideoCreateRequest"])
+        _narrow_video(schemas["VideoCreateRequest"], model_name, limits)
+        _narrow_video(schemas["VideoCreateForm"], model_name, limits)
+        paths.update(_video_paths())
+    elif output_kind == "image":
         if not requires_image:
             paths["/v1/images/generations"] = {"post": _images_generations()}
         if takes_image:
@@ -312,13 +360,19 @@ def openapi_document(
         paths["/tokenize"] = {"post": _tokenizer_operation("tokenize")}
         paths["/detokenize"] = {"post": _tokenizer_operation("detokenize")}
     paths.update(_get_paths())
+    answers = {"image": "images", "video": "videos (jobs)", "text": "text"}[output_kind]
     description = (
         f"Serves the model {model_name!r}, a pipeline that answers with "
-        f"{'images' if output_kind == 'image' else 'text'}. Errors are OpenAI-shaped "
+        f"{answers}. Errors are OpenAI-shaped "
         '(`{"error": {"message", "type", "param", "code"}}`); unknown paths answer 404 and '
         "other methods 405 in the same shape."
     )
-    if output_kind == "text":
+    if output_kind == "video":
+        description += (
+            " Only the Videos API (/v1/videos) makes its videos: the chat, completion and "
+            "image paths answer 400 here, so they are not listed."
+        )
+    elif output_kind == "text":
         description += (
             " /v1/images/generations and /v1/images/edits answer 400 here (this pipeline "
             "makes no images), so they are not listed."
@@ -369,7 +423,114 @@ def _request_models(models: RequestModels) -> tuple[type[BaseModel], ...]:
         DetokenizeRequest,
         models.images,
         models.edits,
+        VideoCreateRequest,
     )
+
+
+def _video_form(fields: dict[str, Any]) -> dict[str, Any]:
+    """POST /v1/videos' multipart form (what OpenAI's client sends): VideoCreateRequest's
+    fields and the optional input_reference image file."""
+    properties = {
+        "input_reference": {
+            "type": "string",
+            "format": "binary",
+            "description": "An image file to start the clip from (image-to-video).",
+        },
+        **{name: _form_field(schema) for name, schema in fields["properties"].items()},
+    }
+    return {
+        "type": "object",
+        "properties": properties,
+        "required": fields.get("required", []),
+        "additionalProperties": False,
+    }
+
+
+def _narrow_video(schema: dict[str, Any], model_name: str, limits: RouterLimits) -> None:
+    properties = schema["properties"]
+    _set(properties["model"], enum=[model_name])
+    _set(properties["prompt"], maxLength=limits.max_prompt_chars)
+    _set(properties["num_inference_steps"], maximum=limits.max_steps)
+    _set(properties["num_frames"], maximum=limits.max_video_frames)
+
+
+def _video_paths() -> dict[str, Any]:
+    job = {"name": "video_id", "in": "path", "required": True, "schema": {"type": "string"}}
+    return {
+        "/v1/videos": {
+            "post": {
+                "summary": "Create a video job",
+                "operationId": "createVideo",
+                "requestBody": {
+                    "required": True,
+                    "content": {
+                        "multipart/form-data": {"schema": _ref("VideoCreateForm")},
+                        **_json("VideoCreateRequest"),
+                    },
+                },
+                "responses": {
+                    "200": {"description": "The job, queued.", "content": _json("Video")},
+                    **_errors(400, 401, 404, 413, 415, 429, 500, 503),
+                },
+            },
+            "get": {
+                "summary": "List video jobs",
+                "operationId": "listVideos",
+                "parameters": [
+                    {"name": "after", "in": "query", "schema": {"type": "string"}},
+                    {
+                        "name": "limit",
+                        "in": "query",
+                        "schema": {"type": "integer", "minimum": 1, "maximum": 100},
+                    },
+                    {"name": "order", "in": "query", "schema": {"enum": ["asc", "desc"]}},
+                ],
+                "responses": {
+                    "200": {"description": "A page of jobs.", "content": _json("VideoList")},
+                    **_errors(400, 401, 404, 500, 503),
+                },
+            },
+        },
+        "/v1/videos/{video_id}": {
+            "get": {
+                "summary": "Retrieve a video job",
+                "operationId": "retrieveVideo",
+                "parameters": [job],
+                "responses": {
+                    "200": {"description": "The job.", "content": _json("Video")},
+                    **_errors(401, 404, 500, 503),
+                },
+            },
+            "delete": {
+                "summary": "Delete a video job (aborting it if it runs) and its clip",
+                "operationId": "deleteVideo",
+                "parameters": [job],
+                "responses": {
+                    "200": {"description": "Deleted.", "content": _json("VideoDeleted")},
+                    **_errors(401, 404, 500, 503),
+                },
+            },
+        },
+        "/v1/videos/{video_id}/content": {
+            "get": {
+                "summary": "Download a completed job's clip (MP4, H.264)",
+                "operationId": "downloadVideoContent",
+                "parameters": [
+                    job,
+                    {"name": "variant", "in": "query", "schema": {"enum": ["video"]}},
+                ],
+                "responses": {
+                    "200": {
+                        "description": "The clip.",
+                        "content": {
+                            "video/mp4": {"schema": {"type": "string", "format": "binary"}}
+                        },
+                    },
+                    **_errors(400, 401, 404, 409, 500, 503),
+                },
+            }
+        },
+    }
 
 
 def _narrow_requests(

@@ -74,7 +74,7 @@ from omni_runtime.tracing import SpanScope
 logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
-OutputKind = Literal["text", "image"]
+OutputKind = Literal["text", "image", "video"]
 # One retry: a second lost replica in a row says more about the stage than the request.
 _ATTEMPTS = 2
 # Hand-backs of one stage request: each comes from a replica that has since stopped taking
@@ -229,22 +229,32 @@ class PipelineOrchestrator:
             )
         }
         last = self.stages[-1]
-        self.output_kind: OutputKind = "image" if last.type == "diffusion" else "text"
+        self.output_kind: OutputKind = (
+            "text"
+            if last.type != "diffusion"
+            else "video"
+            if pipeline.video_recipe is not None
+            else "image"
+        )
         if last.type == "llm" and last.output == "hidden_states":
             raise ValueError(
                 f"the last stage ({last.name}) outputs hidden states, which no caller can "
                 "use; end the pipeline with a text LLM stage or a diffusion stage"
             )
 
-    async def run(self, request: PipelineRequest) -> AsyncGenerator[StageServerOutput, None]:
+    async def run(
+        self, request: PipelineRequest, *, timeout: float | None = None
+    ) -> AsyncGenerator[StageServerOutput, None]:
         """Yield the last stage's outputs for ``request`` (until and including the final
-        one); raise PipelineError if any stage fails it."""
+        one); raise PipelineError if any stage fails it, or if it takes longer than
+        ``timeout`` seconds (None: the orchestrator's request timeout)."""
+        deadline_s = self.request_timeout if timeout is None else timeout
         tracing.set_current_attribute(tracing.REQUEST_ID, request.request_id)
         for number in range(_ATTEMPTS):
             yielded = False
             attempt = _Attempt(number)
             try:
-                async with asyncio.timeout(self.request_timeout):
+                async with asyncio.timeout(deadline_s):
                     async for output in self._run_once(request, attempt):
                         yielded = True
                         yield output
@@ -265,7 +275,7 @@ class PipelineOrchestrator:
             except TimeoutError:
                 raise PipelineError(
                     504,
-                    f"the request did not finish within {self.request_timeout:.0f} s",
+                    f"the request did not finish within {deadline_s:.0f} s",
                     kind="timeout",
                 ) from None
 

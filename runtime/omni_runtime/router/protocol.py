@@ -44,9 +44,10 @@ from python_multipart.multipart import MultipartParser, parse_options_header
 from omni_runtime.config.loader import nesting_depth
 from omni_runtime.engine.stage.stage_core_types import MAX_PARTIAL_IMAGES
 from omni_runtime.families import FAMILIES, Family
-from omni_runtime.families.base import RequestField
+from omni_runtime.families.base import RequestField, VideoRecipe
 from omni_runtime.images import decode_image
 from omni_runtime.router.orchestrator import OutputKind, PipelineRequest
+from omni_runtime.videos import frames_for
 
 if TYPE_CHECKING:
     from python_multipart.multipart import MultipartCallbacks
@@ -89,6 +90,8 @@ class RouterLimits:
     # that a container's soft limit often is (containerd 2 leaves it at systemd's
     # 1024:524288; 1.x set 1048576).
     max_connections: int = 512
+    # A video's frames: 10 s at 24 fps and a latent frame's worth more.
+    max_video_frames: int = 245
 
 
 class RequestError(Exception):
@@ -540,6 +543,80 @@ class ImageEditRequest(_ImageRequest):
         )
 
 
+# OpenAI's clip length when a request gives none.
+DEFAULT_VIDEO_SECONDS = 4
+
+
+class VideoCreateRequest(_Body):
+    """POST /v1/videos: OpenAI's fields (``input_reference``, an image file, travels beside
+    as bytes) and the video DiT's own, spelled as the image endpoints spell them."""
+
+    prompt: str = Field(min_length=1)
+    model: str | None = None
+    # OpenAI's clients send "4", "8" or "12"; any length in seconds is taken here.
+    seconds: str | None = None
+    size: str | None = None
+    num_inference_steps: Positive | None = None
+    seed: Seed | None = None
+    guidance_scale: NonNegativeFloat | None = None
+    negative_prompt: str | None = None
+    # The clip's frames, instead of those ``seconds`` asks for; and its frame rate.
+    num_frames: Positive | None = None
+    fps: Positive | None = None
+    user: str | None = None
+
+    def job_params(self, recipe: VideoRecipe, limits: RouterLimits) -> dict[str, Any]:
+        """The diffusion params of this clip (frames from ``seconds`` at the family's fps,
+        or ``num_frames``) and its ``fps``; RequestError naming the field over a limit."""
+        check_common(limits, len(self.prompt), 1, self.num_inference_steps, "prompt")
+        height, width = parse_size(self.size, limits)
+        fps = self.fps or recipe.fps
+        frames = self.num_frames
+        if frames is None:
+            seconds = _seconds(self.seconds)
+            frames = frames_for(seconds, fps, recipe.frame_step)
+        if frames > limits.max_video_frames:
+            field = "num_frames" if self.num_frames is not None else "seconds"
+            raise RequestError(
+                400,
+                f"{field}: at most {limits.max_video_frames} frames a clip "
+                f"({limits.max_video_frames / fps:.1f} s at {fps} fps); this asks for {frames}",
+                param=field,
+            )
+        if (frames - 1) % recipe.frame_step:
+            raise RequestError(
+                400,
+                f"num_frames: 1 + a multiple of {recipe.frame_step} (the VAE's "
+                f"compression), such as {frames_for(frames / fps, fps, recipe.frame_step)}; "
+                f"got {frames}",
+                param="num_frames",
+            )
+        return _given(
+            height=height,
+            width=width,
+            num_frames=frames,
+            fps=fps,
+            num_inference_steps=self.num_inference_steps,
+            seed=self.seed,
+            guidance_scale=self.guidance_scale,
+            negative_prompt=self.negative_prompt,
+        )
+
+
+def _seconds(value: str | None) -> float:
+    if value is None:
+        return float(DEFAULT_VIDEO_SECONDS)
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = float("nan")
+    if not (seconds > 0 and seconds != float("inf")):
+        raise RequestError(
+            400, f"seconds: a positive number of seconds, such as 4 (got {value!r})", "seconds"
+        )
+    return seconds
+
+
 def _given(**params: Any) -> dict[str, Any]:
     return {name: value for name, value in params.items() if value is not None}
 
@@ -987,6 +1064,22 @@ def too_many_images(most: int, count: int | None = None) -> str:
 # The form's image parts: "image" as the openai client sends one file, "image[]" as it
 # sends a list (of which this server takes as many as the pipeline's family allows).
 _IMAGE_PARTS = ("image", "image[]")
+
+
+@dataclass(frozen=True)
+class FileParts:
+    """The file parts a form takes: the names it may spell them by (one kind per form),
+    the field its errors name, how many it takes at most, and whether one is required."""
+
+    names: tuple[str, ...]
+    field: str
+    most: int
+    required: bool
+
+
+# A video's image to start from (image-to-video): OpenAI's form part.
+INPUT_REFERENCE = FileParts(("input_reference",), "input_reference", 1, required=False)
+
 _UNSUPPORTED_PARTS = {
     "mask": "inpainting masks are not supported here; send the image alone (all of it is "
     "edited, as far as strength says)",
@@ -1007,8 +1100,14 @@ class ImageEditForm:
     """
 
     def __init__(
-        self, content_type: str, limits: RouterLimits, model: type[ImageEditRequest]
+        self,
+        content_type: str,
+        limits: RouterLimits,
+        model: type[BaseModel],
+        files: FileParts | None = None,
     ) -> None:
+        """``files``: the form's file parts (None: an edit's images, as many as ``model``,
+        an edit body, takes)."""
         media, options = parse_options_header(content_type)
         if media != b"multipart/form-data":
             raise RequestError(
@@ -1022,6 +1121,10 @@ class ImageEditForm:
             )
         self.limits = limits
         self.model = model
+        if files is None:
+            most = getattr(model, "max_input_images", 1)
+            files = FileParts(_IMAGE_PARTS, "image", most, required=True)
+        self.files = files
         self.fields: dict[str, str] = {}
         self.images: list[bytes] = []
         # How the form spells its image parts (image, or image[] for a list).
@@ -1056,14 +1159,16 @@ class ImageEditForm:
         except FormParserError as e:
             raise RequestError(400, f"the body is not valid multipart/form-data: {e}") from None
 
-    def finish(self) -> tuple[ImageEditRequest, list[bytes]]:
-        """The validated fields and the images' bytes, once the whole body is fed."""
+    def finish(self) -> tuple[Any, list[bytes]]:
+        """The validated fields (a ``model``) and the files' bytes, once the whole body is
+        fed."""
         if not self._ended:
             raise RequestError(
                 400, "the body is not valid multipart/form-data: it ends before its last boundary"
             )
-        if not self.images:
-            raise RequestError(400, "image: required (a file part named image)", param="image")
+        if self.files.required and not self.images:
+            field = self.files.field
+            raise RequestError(400, f"{field}: required (a file part named {field})", param=field)
         try:
             # Form fields are text: "2" is the integer 2 here, "abc" is not.
             request = self.model.model_validate_strings(self.fields)
@@ -1099,16 +1204,17 @@ class ImageEditForm:
         name = raw.decode("utf-8", errors="replace")
         label = name if len(name) <= 60 else name[:57] + "..."
         self._name = name
-        if name in _IMAGE_PARTS:
-            most = self.model.max_input_images
-            if len(self.images) >= most:
-                why = too_many_images(most)
-                raise RequestError(400, f"image: {why}", param="image")
+        files = self.files
+        if name in files.names:
+            if len(self.images) >= files.most:
+                why = too_many_images(files.most)
+                raise RequestError(400, f"{files.field}: {why}", param=files.field)
             if self._image_part not in (None, name):
                 raise RequestError(
                     400,
-                    "image: give one file as image or a list as image[], not both",
-                    param="image",
+                    f"{files.field}: give one file as {files.field} or a list as "
+                    f"{files.field}[], not both",
+                    param=files.field,
                 )
             self._image_part = name
         elif name in _UNSUPPORTED_PARTS:
@@ -1120,20 +1226,20 @@ class ImageEditForm:
 
     def _part_data(self, data: bytes, start: int, end: int) -> None:
         if len(self._data) + end - start > self._part_limit():
-            if self._name in _IMAGE_PARTS:
-                raise image_too_large(self.limits, "image")
+            if self._name in self.files.names:
+                raise image_too_large(self.limits, self.files.field)
             raise RequestError(
                 413, f"{self._name}: over {self._part_limit()} bytes", param=self._name
             )
         self._data += data[start:end]
 
     def _part_limit(self) -> int:
-        if self._name in _IMAGE_PARTS:
+        if self._name in self.files.names:
             return self.limits.max_input_image_bytes
         return self._max_field_bytes
 
     def _part_end(self) -> None:
-        if self._name in _IMAGE_PARTS:
+        if self._name in self.files.names:
             self.images.append(bytes(self._data))
             return
         try:

@@ -83,12 +83,13 @@ class StageDiffusionFrontend(StageFrontend):
             await self.client.abort_requests_async(running)
 
     def _convert(self, output: StageDiffusionCoreOutput) -> StageServerOutput:
-        if output.partial_index is not None:
-            # A partial image: the request goes on.
+        if not output.final:
+            # A partial image, or progress: the request goes on.
             return StageServerOutput(
                 request_id=output.request_id,
                 images=output.images,
                 partial_index=output.partial_index,
+                progress=output.progress,
             )
         spans, inputs = self._in_flight.pop(output.request_id, (None, {}))
         result = StageServerOutput(

@@ -15,6 +15,8 @@ are random. Under one root:
   are, scaled down. Their text encoders (Qwen2.5-VL, Qwen3) load in vLLM from the
   ``text_encoder/`` folders.
 - ``bagel/``: a BAGEL checkpoint in the real one's files and names (``tiny_models.bagel``).
+- ``wan2.2/``: a WanPipeline checkpoint shaped as Wan2.2-TI2V-5B's (``tiny_models.wan``):
+  text-to-video, and image-to-video through WanImageToVideoPipeline on the same weights.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from .bagel import build_bagel
 from .chat_llm import build_chat_llm
 from .qwen_image import MAX_POSITIONS, build_qwen_image
 from .stable_diffusion import build_stable_diffusion
+from .wan import build_wan
 from .z_image import build_z_image
 
 __all__ = [
@@ -43,6 +46,7 @@ __all__ = [
     "QWEN_IMAGE_SUBDIR",
     "SUBDIRS",
     "VOCAB_SIZE",
+    "WAN_SUBDIR",
     "Z_IMAGE_SUBDIR",
     "ensure_tiny_models",
 ]
@@ -54,6 +58,7 @@ QWEN_IMAGE_EDIT_SUBDIR = "qwen-image-edit"
 QWEN_IMAGE_EDIT_PLUS_SUBDIR = "qwen-image-edit-plus"
 Z_IMAGE_SUBDIR = "z-image"
 BAGEL_SUBDIR = "bagel"
+WAN_SUBDIR = "wan2.2"
 SUBDIRS = (
     LLM_SUBDIR,
     DIFFUSION_SUBDIR,
@@ -62,10 +67,11 @@ SUBDIRS = (
     QWEN_IMAGE_EDIT_PLUS_SUBDIR,
     Z_IMAGE_SUBDIR,
     BAGEL_SUBDIR,
+    WAN_SUBDIR,
 )
 _MARKER = "omni-tiny-models.json"
 # Bump when what is built changes, so that old directories are rebuilt.
-_RECIPE_VERSION = 9
+_RECIPE_VERSION = 10
 
 
 def _readable_by_all(tree: Path) -> None:
@@ -98,6 +104,7 @@ def ensure_tiny_models(root: str | Path) -> Path:
         )
         build_z_image(staging / Z_IMAGE_SUBDIR, qwen_tokenizer)
         build_bagel(staging / BAGEL_SUBDIR, qwen_tokenizer)
+        build_wan(staging / WAN_SUBDIR)
         for sub in SUBDIRS:
             _readable_by_all(staging / sub)
             shutil.rmtree(root / sub, ignore_errors=True)

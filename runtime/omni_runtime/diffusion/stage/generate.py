@@ -33,6 +33,6 @@ async def generate(
             outputs = await client.get_outputs_async()
             assert isinstance(outputs, StageDiffusionCoreOutputs)
             for output in outputs.outputs:
-                if output.partial_index is None:  # a partial image: the request goes on
+                if output.final:  # not a partial image or progress: the request goes on
                     results[output.request_id] = output
     return results

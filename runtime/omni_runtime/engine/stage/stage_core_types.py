@@ -151,11 +151,12 @@ MAX_PARTIAL_IMAGES = 3
 
 
 class StageDiffusionCoreOutput(StageCoreOutput):
-    """A finished diffusion request: images, or why there are none; or, with
-    ``partial_index``, one of its partial images on the way."""
+    """A finished diffusion request: images (or a video's frames), or why there are none;
+    or, on the way, one of its partial images (``partial_index``) or how far it is
+    (``progress``)."""
 
     request_id: str
-    # uint8 RGB, [num_images, height, width, 3].
+    # uint8 RGB, [num_images, height, width, 3]; a video's frames, [frames, height, width, 3].
     images: np.ndarray | None = None
     # Why there are no images: a refused request, or one that broke.
     error: StageError | None = None
@@ -167,6 +168,14 @@ class StageDiffusionCoreOutput(StageCoreOutput):
     fetch_time: float = 0.0
     # A partial image (the request goes on; its final output follows): which, from 0.
     partial_index: int | None = None
+    # The share of its denoising steps done, in percent (the request goes on), for a
+    # request that asked for it (``report_progress``).
+    progress: int | None = None
+
+    @property
+    def final(self) -> bool:
+        """Whether this is the request's last output (neither a partial image nor progress)."""
+        return self.partial_index is None and self.progress is None
 
 
 class StageUtilityOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
@@ -250,7 +259,8 @@ class StageServerOutput(StageCoreOutput):
     finish_reason: str | None = None
     # Why the request was refused, or failed (finished, finish_reason "error").
     error: StageError | None = None
-    # Diffusion stages: uint8 RGB, [num_images, height, width, 3].
+    # Diffusion stages: uint8 RGB, [num_images, height, width, 3]; a video's frames,
+    # [frames, height, width, 3].
     images: np.ndarray | None = None
     # What the request's stage handed off for the next one, by name ("prompt_embeds", a
     # context's "context_kv"): where the next stage's core fetches each.
@@ -262,6 +272,9 @@ class StageServerOutput(StageCoreOutput):
     # Diffusion stages: a partial image of a request that goes on (not finished): which,
     # from 0.
     partial_index: int | None = None
+    # Diffusion stages: how far a request that goes on is (percent of its steps), where it
+    # asked for it.
+    progress: int | None = None
 
 
 class StageLoad(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

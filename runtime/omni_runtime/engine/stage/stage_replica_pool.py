@@ -102,9 +102,12 @@ def is_final_output(output: object) -> bool:
 
     Stage servers' outputs and vLLM's say so in ``finished`` (vLLM's is a property of
     ``finish_reason``); a diffusion core's output has neither: it is the request's last
-    unless it is a partial image.
+    unless it is a partial image or progress.
     """
-    if getattr(output, "partial_index", None) is not None and not hasattr(output, "finished"):
+    if not hasattr(output, "finished") and (
+        getattr(output, "partial_index", None) is not None
+        or getattr(output, "progress", None) is not None
+    ):
         return False
     if hasattr(output, "finished"):
         return bool(output.finished)

@@ -46,7 +46,8 @@ from omni_runtime.router.protocol import (
 REPO = Path(__file__).resolve().parents[4]
 LIMITS = RouterLimits()
 # None: a pipeline of no family (an LLM, then a diffusers pipeline such as Stable Diffusion).
-KINDS: list[str | None] = [*FAMILIES, None]
+# The image families: a video family's requests are the Videos API's (test_video_jobs.py).
+KINDS: list[str | None] = [name for name, f in FAMILIES.items() if f.dit.video is None] + [None]
 # Every family's fields, by name: what some deployment takes.
 ALL_FIELDS = {field.name for family in FAMILIES.values() for field in family.request_fields}
 # A valid value of each (within every family's bounds) and, by JSON, how it arrives.
@@ -428,8 +429,10 @@ def test_a_pipeline_of_no_family_takes_what_its_diffusers_dit_takes() -> None:
     }
     generic = {f.name for f in familyless_fields()}
     # step_cache: only where the DiT stage declares tiers (the next test); partial_images:
-    # a stream's, which every image body takes.
-    taken = generic | {STRENGTH.name, STEP_CACHE_FIELD, "partial_images"}
+    # a stream's, which every image body takes; a video's frames and progress: the Videos
+    # API's.
+    videos = {"num_frames", "report_progress"}
+    taken = generic | {STRENGTH.name, STEP_CACHE_FIELD, "partial_images"} | videos
     assert taken == set(DiffusionParams.__struct_fields__) - common
     shared = request_models(None)
     assert set(shared.images.model_fields) - set(ImageGenerationRequest.model_fields) == generic
