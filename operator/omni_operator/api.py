@@ -300,6 +300,18 @@ class SecretKeyRef(_ApiModel):
     )
 
 
+class PasswordSecretRef(SecretKeyRef):
+    """One key of a Secret in the pipeline's namespace, holding a password."""
+
+    key: str = Field(
+        default="password",
+        min_length=1,
+        max_length=253,
+        pattern=r"^[-._a-zA-Z0-9]+$",
+        description="The key in the Secret's data; its value is the password.",
+    )
+
+
 class RouterSpec(RouterConfig):
     """The OpenAI-compatible HTTP router: the pipeline's endpoint."""
 
@@ -318,6 +330,12 @@ class RouterSpec(RouterConfig):
         "line) as 'Authorization: Bearer <key>'. Mounted as a file that the router re-reads, "
         "so a key removed from the Secret is refused once the kubelet has updated the file "
         "(about a minute), without a restart. Unset: no key is needed.",
+    )
+    video_store_password_secret_ref: PasswordSecretRef | None = Field(
+        default=None,
+        description="The password of the Redis that videos.storeUrl names, from this "
+        "Secret's key (given to the routers as an environment variable, never written in "
+        "the pipeline's ConfigMap). Unset: the Redis asks for none.",
     )
     allowed_from: list[dict[str, Any]] | None = Field(
         default=None,

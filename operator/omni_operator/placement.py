@@ -173,6 +173,7 @@ def check_spec(spec: OmniPipelineSpec) -> list[tuple[str, str]]:
             )
         issues.extend(_reserved(stage.placement, f"stages[{i}].placement"))
     issues.extend(_planner_needs_open_metrics(spec))
+    issues.extend(_video_jobs_need_a_shared_store(spec))
     issues.extend(_reserved(spec.router.placement, "router.placement"))
     issues.extend(_unknown_router_mounts(spec.router.placement))
     return issues
@@ -245,6 +246,23 @@ def _planner_needs_open_metrics(spec: OmniPipelineSpec) -> list[tuple[str, str]]
             "router.metricsNeedApiKey",
             "the autoscaling planner reads the routers' /metrics without an API key; unset "
             "metricsNeedApiKey, or scale with mode external",
+        )
+    ]
+
+
+def _video_jobs_need_a_shared_store(spec: OmniPipelineSpec) -> list[tuple[str, str]]:
+    # Without a Redis each router replica keeps its own jobs: a client polling through the
+    # Service would reach replicas that never heard of its job.
+    router = spec.router
+    shared = router.videos is not None and router.videos.store_url is not None
+    if spec.video_recipe is None or router.replicas <= 1 or shared:
+        return []
+    return [
+        (
+            "router.videos.storeUrl",
+            f"the {router.replicas} router replicas of a video pipeline answer for each "
+            "other's jobs only through a shared store: set storeUrl to a Redis, or run one "
+            "router replica",
         )
     ]
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from omni_runtime.config import VIDEO_STORE_PASSWORD_ENV
 from omni_runtime.config.credentials import CLIENT_FILES, KEYS_DIR_ENV
 from omni_runtime.pod_contract import NAMESPACE_ENV
 
@@ -92,11 +93,19 @@ def router_deployment(ctx: RenderContext, groups: Sequence[PlacementGroup]) -> d
         "name": NAMESPACE_ENV,
         "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}},
     }
+    env = [namespace_env, *home_env(), {"name": KEYS_DIR_ENV, "value": STAGE_KEYS_DIR}]
+    if (password := router.video_store_password_secret_ref) is not None:
+        env.append(
+            {
+                "name": VIDEO_STORE_PASSWORD_ENV,
+                "valueFrom": {"secretKeyRef": {"name": password.name, "key": password.key}},
+            }
+        )
     container = runtime_container(
         ROUTER_CONTAINER,
         placement,
         args=args,
-        env=[namespace_env, *home_env(), {"name": KEYS_DIR_ENV, "value": STAGE_KEYS_DIR}],
+        env=env,
         ports=[{"name": "http", "containerPort": router.port, "protocol": "TCP"}],
         probes={
             # /health answers 503 until every stage has a live replica: not ready, alive.

@@ -27,7 +27,14 @@ _RESOURCE_FIELDS = ("apiVersion", "kind", "metadata", "spec", "status")
 KUBERNETES_ONLY_FIELDS = {
     "spec": ("image", "imagePullPolicy"),
     "stage": ("placement", "autoscaling"),
-    "router": ("replicas", "serviceType", "placement", "apiKeySecretRef", "allowedFrom"),
+    "router": (
+        "replicas",
+        "serviceType",
+        "placement",
+        "apiKeySecretRef",
+        "videoStorePasswordSecretRef",
+        "allowedFrom",
+    ),
 }
 _STAGE_TYPE = re.compile(r"stages\[[0-9]+\]\.type")
 

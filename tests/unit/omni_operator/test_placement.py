@@ -291,3 +291,18 @@ def test_a_drain_timeout_from_elsewhere_is_refused_and_a_number_is_not() -> None
     assert "must be a plain value" in messages["stages[0].placement.env[0].valueFrom"]
     plain = {"name": DRAIN_TIMEOUT_ENV, "value": "120"}
     assert _messages(spec_of([stage_of(0, placement={"env": [plain]})])) == {}
+
+
+def _video(**router: object) -> OmniPipelineSpec:
+    return spec_of(
+        [{"stageId": 0, "name": "dit", "type": "diffusion"}], family="wan2.2", router=router
+    )
+
+
+def test_a_video_pipelines_router_replicas_need_a_shared_store() -> None:
+    messages = _messages(_video(replicas=2))
+    assert "router replicas of a video pipeline" in messages["router.videos.storeUrl"]
+    assert _messages(_video(replicas=2, videos={"storeUrl": "redis://redis:6379/0"})) == {}
+    assert _messages(_video(replicas=1)) == {}
+    # An image pipeline's routers keep no jobs.
+    assert "router.videos.storeUrl" not in _messages(spec_of([stage_of(0)], router={"replicas": 2}))

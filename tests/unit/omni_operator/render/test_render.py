@@ -804,3 +804,24 @@ def test_each_config_has_a_configmap_of_its_own_and_the_one_in_use_outlives_it_o
     # Once the Deployments mount the new one, the old goes.
     live = [o for o in old if o["kind"] == "ConfigMap"] + new
     assert [o["metadata"]["name"] for o in prune_set(new, live)] == sorted(config_maps(old))
+
+
+def test_the_video_stores_password_reaches_the_router_from_its_secret() -> None:
+    spec = spec_of(
+        [{"stageId": 0, "name": "dit", "type": "diffusion"}],
+        family="wan2.2",
+        router={
+            "videos": {"storeUrl": "redis://redis.demo.svc:6379/0"},
+            "videoStorePasswordSecretRef": {"name": "redis-auth"},
+        },
+    )
+    objects = _by_key(_render(spec))
+    container = _container(objects[("Deployment", "p-router")])
+    assert _env(container)["OMNI_VIDEO_STORE_PASSWORD"] == {
+        "secretKeyRef": {"name": "redis-auth", "key": "password"}
+    }
+    # The ConfigMap's pipeline has the store's URL and no word of the Secret.
+    config = next(o for (kind, _), o in objects.items() if kind == "ConfigMap")
+    pipeline = next(iter(config["data"].values()))
+    assert "redis://redis.demo.svc:6379/0" in pipeline
+    assert "redis-auth" not in pipeline
