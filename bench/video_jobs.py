@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import shutil
-import socket
 import statistics
 import subprocess
 import tempfile
@@ -25,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from _load import markdown_table
+from _load import free_port, markdown_table
 from omni_runtime.router.job_store import JobStore, RedisJobStore, SqliteJobStore, VideoJob
 from omni_runtime.router.video_jobs import new_job_id
 from omni_runtime.videos import encode_mp4
@@ -85,12 +84,6 @@ async def store_rows(name: str, store: JobStore, jobs: int, video: bytes) -> lis
     await store.close()
     median, most = statistics.median(times), max(times)
     return [name, f"{len(video) / 2**20:.1f}", f"{median:.1f}", f"{most:.1f}"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 async def store_table(jobs: int) -> str:

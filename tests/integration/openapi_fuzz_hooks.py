@@ -37,6 +37,10 @@ MAX_IMAGES = int(os.environ.get("FUZZ_MAX_IMAGES", "0"))
 PIPELINE = os.environ.get("FUZZ_PIPELINE", "")
 _TEXT_PATHS = ("/v1/chat/completions", "/v1/completions", "/tokenize", "/detokenize")
 _IMAGE_PATHS = ("/v1/chat/completions", "/v1/images/generations", "/v1/images/edits")
+# A video pipeline's clip: frames of 1 + 4k (its VAE's) up to this many (the fuzz's limit),
+# at the family's 24 fps unless a request gives another.
+MAX_VIDEO_FRAMES = int(os.environ.get("FUZZ_MAX_VIDEO_FRAMES", "0"))
+VIDEO_FPS = 24
 
 
 @schemathesis.hook
@@ -53,6 +57,8 @@ def filter_case(context: schemathesis.HookContext, case: schemathesis.Case) -> b
         return False
     if PIPELINE == "bagel" and _positive(case) and not _bagel_valid(case.body):
         return False
+    if case.operation.path == "/v1/videos" and _positive(case) and case.method == "POST":
+        return _sizes_valid(case.body) and _clip_valid(case.body)
     if case.operation.path not in _TEXT_PATHS:
         return True
     body = case.body
@@ -121,6 +127,8 @@ def map_case(context: schemathesis.HookContext, case: schemathesis.Case) -> sche
     if not _positive(case) or not isinstance(case.body, dict):
         return case
     body = case.body
+    if case.operation.path == "/v1/videos" and "input_reference" in body:
+        body["input_reference"] = _png(2)
     if case.operation.path == "/v1/images/edits":
         if isinstance(body.get("image"), bytes | str):
             body["image"] = _png(1)
@@ -147,6 +155,25 @@ def _sizes_valid(body: dict[str, Any]) -> bool:
     if isinstance(size, str) and "x" in size:
         sides += size.split("x")
     return all(side is None or side % SIZE_MULTIPLE == 0 for side in map(_side, sides))
+
+
+def _clip_valid(body: dict[str, Any]) -> bool:
+    """The clip's frames (``num_frames``, else ``seconds`` at ``fps``) are 1 + 4k and
+    within the limit: rules of the video VAE and of the router's limit on the frames that
+    ``seconds`` asks for, which the schema cannot state (seconds is OpenAI's string)."""
+    try:
+        seconds = float(body.get("seconds", "4"))
+    except (TypeError, ValueError):
+        return False
+    if not 0 < seconds < 1e6:
+        return False
+    frames = body.get("num_frames")
+    if frames is None:
+        fps = body.get("fps", VIDEO_FPS)
+        if not isinstance(fps, int):
+            return False
+        frames = 1 + 4 * max(1, round((seconds * fps - 1) / 4))
+    return isinstance(frames, int) and (frames - 1) % 4 == 0 and frames <= MAX_VIDEO_FRAMES
 
 
 def _side(value: Any) -> int | None:

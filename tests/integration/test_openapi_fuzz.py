@@ -40,6 +40,7 @@ from omni_runtime.tiny_models import (
     LLM_SUBDIR,
     QWEN_IMAGE_EDIT_PLUS_SUBDIR,
     QWEN_IMAGE_SUBDIR,
+    WAN_SUBDIR,
     Z_IMAGE_SUBDIR,
 )
 from omni_runtime.tiny_models._common import VOCAB_SIZE
@@ -146,8 +147,24 @@ EDIT_PLUS = Fuzzed(
     # Not the coverage phase: its ~110 valid chat completions take 7 minutes here.
     phases="examples,fuzzing",
 )
-FUZZED = {fuzzed.name: fuzzed for fuzzed in (TEXT, Z_IMAGE, QWEN_IMAGE, BAGEL, EDIT_PLUS)}
+# Wan2.2 (one DiT stage making videos): the Videos API, jobs of at most 9 frames of 64x64
+# in 2 steps (a fraction of a second each), 4 active at once: past them a 429, and what
+# the run queued drains within seconds of its end.
+WAN = Fuzzed(
+    name="wan",
+    limits=RouterLimits(
+        max_prompt_chars=64, max_tokens=16, max_n=1, max_steps=2, max_image_side=64,
+        max_video_frames=9,
+    ),
+    max_examples=30,
+    run_timeout=300,
+    answered=("POST /v1/videos",),
+    size_multiple=32,
+    max_images=1,
+)  # fmt: skip
+FUZZED = {fuzzed.name: fuzzed for fuzzed in (TEXT, Z_IMAGE, QWEN_IMAGE, BAGEL, EDIT_PLUS, WAN)}
 SUBDIRS = {
+    WAN.name: WAN_SUBDIR,
     Z_IMAGE.name: Z_IMAGE_SUBDIR,
     QWEN_IMAGE.name: QWEN_IMAGE_SUBDIR,
     BAGEL.name: BAGEL_SUBDIR,
@@ -180,6 +197,8 @@ def _example_pipeline(name: str, tiny_models: Path, subdir: str, steps: int) -> 
     data = yaml.safe_load((REPO / "examples" / f"tiny-{name}.yaml").read_text())
     data["model"] = str(tiny_models / subdir)
     data["stages"][-1]["defaultSamplingParams"]["num_inference_steps"] = steps
+    if "videos" in data.get("router", {}):
+        data["router"]["videos"]["maxActiveJobs"] = 4
     return pipeline_from(data)
 
 
@@ -205,7 +224,9 @@ def router(
     stages = start_stage_processes(config, stage_ids, workdir)
     try:
         addresses = {stage.stage_id: [stage.address] for stage in stages}
-        with running_router(pipeline, addresses, limits=fuzzed.limits) as running:
+        with running_router(
+            pipeline, addresses, limits=fuzzed.limits, state_dir=workdir / "videos"
+        ) as running:
             yield fuzzed, running
     finally:
         for stage in stages:
@@ -250,6 +271,7 @@ def test_schemathesis_finds_nothing(
         "FUZZ_SIZE_MULTIPLE": str(fuzzed.size_multiple),
         "FUZZ_MAX_IMAGES": str(fuzzed.max_images),
         "FUZZ_PIPELINE": fuzzed.name,
+        "FUZZ_MAX_VIDEO_FRAMES": str(limits.max_video_frames),
     }
     start = time.monotonic()
     run = subprocess.run(

@@ -231,7 +231,6 @@ def create_app(
         body, images = (await read_form(request, serving.limits, bodies.edits)).finish()
         return await serving.image_edits(body, images, request)
 
-    @app.post("/v1/videos")
     async def videos_create(request: Request) -> Response:
         jobs = _videos()
         content_type = request.headers.get("content-type", "")
@@ -243,14 +242,27 @@ def create_app(
             body, files = form.finish()
         return JSONBody(video_object(await jobs.create(body, files)))
 
-    @app.get("/v1/videos")
-    async def videos_list(
-        after: str | None = None, limit: int | None = None, order: str | None = None
-    ) -> Response:
-        return JSONBody(await _videos().page(after, limit, order))
+    async def videos_list(request: Request) -> Response:
+        query = request.query_params
+        limit = query.get("limit")
+        if limit is not None and not limit.isdigit():
+            raise RequestError(400, f"limit: an integer, 1 to 100 (got {limit!r})", "limit")
+        page = await _videos().page(
+            query.get("after"), None if limit is None else int(limit), query.get("order")
+        )
+        return JSONBody(page)
 
-    @app.get("/v1/videos/{video_id}")
-    async def videos_get(video_id: str) -> Response:
+    # One route per path with all its methods, so that a 405 lists them all in Allow.
+    @app.api_route("/v1/videos", methods=["GET", "POST"])
+    async def videos_route(request: Request) -> Response:
+        if request.method == "GET":
+            return await videos_list(request)
+        return await videos_create(request)
+
+    @app.api_route("/v1/videos/{video_id}", methods=["GET", "DELETE"])
+    async def video_route(video_id: str, request: Request) -> Response:
+        if request.method == "DELETE":
+            return JSONBody(await _videos().delete(video_id))
         return JSONBody(video_object(await _videos().get(video_id)))
 
     @app.get("/v1/videos/{video_id}/content")
@@ -261,10 +273,6 @@ def create_app(
             )
         data = await _videos().content(video_id)
         return Response(data, media_type="video/mp4")
-
-    @app.delete("/v1/videos/{video_id}")
-    async def videos_delete(video_id: str) -> Response:
-        return JSONBody(await _videos().delete(video_id))
 
     @app.get("/v1/models")
     async def models() -> Response:

@@ -438,6 +438,12 @@ def _video_form(fields: dict[str, Any]) -> dict[str, Any]:
         },
         **{name: _form_field(schema) for name, schema in fields["properties"].items()},
     }
+    # A form field is text: seconds' "4" reads the same whichever JSON type it came from.
+    seconds = properties["seconds"]
+    properties["seconds"] = {
+        "anyOf": [{k: v for k, v in seconds.items() if k != "description"}, {"type": "number"}],
+        "description": seconds.get("description", "The clip's length in seconds."),
+    }
     return {
         "type": "object",
         "properties": properties,
@@ -449,6 +455,12 @@ def _video_form(fields: dict[str, Any]) -> dict[str, Any]:
 def _narrow_video(schema: dict[str, Any], model_name: str, limits: RouterLimits) -> None:
     properties = schema["properties"]
     _set(properties["model"], enum=[model_name])
+    _set(properties["size"], pattern=_size_pattern(limits.max_image_side))
+    # A positive decimal: a nonzero digit before the point, or after it.
+    _set(
+        properties["seconds"],
+        pattern=r"^([0-9]*[1-9][0-9]*(\.[0-9]+)?|[0-9]+\.[0-9]*[1-9][0-9]*)$",
+    )
     _set(properties["prompt"], maxLength=limits.max_prompt_chars)
     _set(properties["num_inference_steps"], maximum=limits.max_steps)
     _set(properties["num_frames"], maximum=limits.max_video_frames)

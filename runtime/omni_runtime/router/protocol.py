@@ -571,9 +571,10 @@ class VideoCreateRequest(_Body):
         check_common(limits, len(self.prompt), 1, self.num_inference_steps, "prompt")
         height, width = parse_size(self.size, limits)
         fps = self.fps or recipe.fps
+        # Checked even where num_frames wins over it: a bad field is refused, not ignored.
+        seconds = _seconds(self.seconds)
         frames = self.num_frames
         if frames is None:
-            seconds = _seconds(self.seconds)
             frames = frames_for(seconds, fps, recipe.frame_step)
         if frames > limits.max_video_frames:
             field = "num_frames" if self.num_frames is not None else "seconds"
