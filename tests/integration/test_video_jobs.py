@@ -11,6 +11,8 @@ the DiT; a router that stops mid-job gives it back and another replica of the ro
 from __future__ import annotations
 
 import io
+import signal
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,6 +26,7 @@ import torch
 import yaml
 from PIL import Image
 from serving import (
+    CLI,
     RunningRouter,
     StageProcess,
     pipeline_from,
@@ -37,6 +40,7 @@ from omni_runtime.engine.stage.stage_core_types import StageDiffusionCoreOutput
 from omni_runtime.engine.stage.stage_core_types import StageDiffusionCoreRequest as Request
 from omni_runtime.images import encode_png, to_uint8
 from omni_runtime.tiny_models import WAN_SUBDIR
+from port_leases import lease_port
 
 pytestmark = pytest.mark.integration
 
@@ -305,6 +309,70 @@ def test_a_router_that_stops_hands_its_job_to_another(
         assert done["status"] == "completed", done["error"]
         frames, _ = decoded(http.get(f"/videos/{created['id']}/content").content)
         assert len(frames) == 33
+
+
+def test_a_killed_routers_job_is_run_again_by_another(
+    config: tuple[dict[str, Any], Path], stage: StageProcess, tmp_path: Path
+) -> None:
+    """A router process killed outright (SIGKILL: no time to give its job back): once its
+    lease lapses, another router on the same store runs the job again, from the first
+    stage, and finishes it."""
+    data, path = config
+    state = tmp_path / "jobs"
+    port = lease_port()
+    log = tmp_path / "router.log"
+    with open(log, "wb") as out:
+        killed = subprocess.Popen(
+            [
+                *CLI, "router", "-f", str(path),
+                "--replicas", f"{DIT}={stage.address}",
+                "--host", "127.0.0.1", "--port", str(port),
+                "--state-dir", str(state),
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    try:
+        http = httpx.Client(base_url=f"http://127.0.0.1:{port}/v1", timeout=30)
+
+        def serving() -> bool:
+            assert killed.poll() is None, log.read_text()[-3000:]
+            try:
+                return http.get("/models").status_code == 200 and _health_ok(port)
+            except httpx.TransportError:
+                return False
+
+        wait_until(serving, 120, "the router process serving", interval=0.2)
+        created = http.post(
+            "/videos", json={"prompt": "killed", **LONG, "num_inference_steps": 40}
+        ).json()
+        wait_until(
+            lambda: http.get(f"/videos/{created['id']}").json()["progress"] > 0,
+            60,
+            "the job under way on the router process",
+        )
+    finally:
+        killed.send_signal(signal.SIGKILL)
+        killed.wait()
+    with running_router(pipeline_from(data), {DIT: [stage.address]}, state_dir=state) as other:
+        http = httpx.Client(base_url=other.base_url, timeout=30)
+        # Its lease (15 s) lapses, the other router takes it: its second attempt.
+        done = wait_until(
+            lambda: (
+                (job := http.get(f"/videos/{created['id']}").json())["status"]
+                in ("completed", "failed")
+                and job
+            ),
+            120,
+            "the job finished on the other router",
+        )
+        assert done["status"] == "completed", done["error"]
+        frames, _ = decoded(http.get(f"/videos/{created['id']}/content").content)
+        assert len(frames) == 33
+
+
+def _health_ok(port: int) -> bool:
+    return httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200
 
 
 @pytest.mark.parametrize(

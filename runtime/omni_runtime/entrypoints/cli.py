@@ -74,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--port", type=int, default=None, help="default: the pipeline's router.port")
     serve.add_argument("--log-dir", type=Path, help="keep stage logs here (default: a temp dir)")
     serve.add_argument("--startup-timeout", type=float, default=600.0)
+    _add_state_dir_argument(serve)
     _add_api_key_argument(serve)
     serve.set_defaults(run=_serve)
 
@@ -127,6 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     router.add_argument(
         "--port", type=int, default=None, help="default: the pipeline's router.port"
     )
+    _add_state_dir_argument(router)
     _add_api_key_argument(router)
     router.set_defaults(run=_router)
 
@@ -199,6 +201,7 @@ def _serve(args: argparse.Namespace) -> int:
         startup_timeout=args.startup_timeout,
         log_dir=args.log_dir,
         api_keys=_api_keys(args),
+        state_dir=args.state_dir,
     )
 
 
@@ -243,6 +246,15 @@ def _stage(args: argparse.Namespace) -> int:
             startup_timeout=args.startup_timeout,
             keys=keys,
         ),
+    )
+
+
+def _add_state_dir_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--state-dir",
+        type=Path,
+        help="where a video pipeline's router keeps its jobs when router.videos.storeUrl "
+        "names no Redis (default: ~/.cache/omni-runtime/videos/<model>)",
     )
 
 
@@ -316,6 +328,7 @@ def _router(args: argparse.Namespace) -> int:
             stage_service_args=args.stage_service,
             stage_keys=stage_keys,
             api_keys=_api_keys(args),
+            state_dir=args.state_dir,
         )
     except ReplicaAddressError as e:
         raise UsageError(str(e)) from None

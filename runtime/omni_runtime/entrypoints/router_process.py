@@ -277,6 +277,7 @@ def run_router(
     stage_service_args: Sequence[str] = (),
     stage_keys: StageClientKeys | None = None,
     api_keys: ApiKeys | None = None,
+    state_dir: Path | None = None,
 ) -> int:
     """Serve until stopped. ReplicaAddressError, DiscoveryConfigError, DrainTimeoutError
     (omni_runtime.pod_contract) or KubeConfigError (omni_runtime.kube) before serving when
@@ -312,6 +313,7 @@ def run_router(
         discovery=discovery,
         stage_keys=stage_keys,
         api_keys=api_keys,
+        state_dir=state_dir,
     )
     config = router_server_config(app, host, port, drain_timeout=drain_timeout)
     logger.info(

@@ -90,8 +90,10 @@ def run_serve(
     log_dir: Path | None = None,
     on_ready: Callable[[str], None] | None = None,
     api_keys: ApiKeys | None = None,
+    state_dir: Path | None = None,
 ) -> int:
-    """Serve ``pipeline`` until interrupted; the exit code."""
+    """Serve ``pipeline`` until interrupted; the exit code. A video pipeline's jobs live
+    in ``state_dir`` (None: the router's default) unless its router names a Redis."""
     from omni_runtime.connectors.shared_memory import sweep_orphaned_segments
 
     # The router runs in this process; each stage process sets up its own.
@@ -124,6 +126,7 @@ def run_serve(
             limits=limits,
             stage_keys=load_client_keys(keys_dir),
             api_keys=api_keys,
+            state_dir=state_dir,
         )
         url = f"http://{host}:{port}/v1"
         name = app.state.router.served_model_name
