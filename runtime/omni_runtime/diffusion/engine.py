@@ -31,7 +31,7 @@ import re
 import shutil
 import threading
 import time
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from typing import Annotated, Any, TypeVar
 
 import msgspec
@@ -440,6 +440,26 @@ class DiffusionEngine(DiffusionEngineBase):
         # What the pipeline's __call__ takes, so a parameter it would ignore or choke on
         # is refused by name instead.
         self._call_params = frozenset(inspect.signature(self.pipeline.__call__).parameters)
+        # A pipeline whose guidance is its guider's (HunyuanVideo-1.5's): a request's
+        # guidance_scale is set on the guider for its call instead of passed to __call__.
+        self._guider_scale = "guidance_scale" not in self._call_params and hasattr(
+            getattr(self.pipeline, "guider", None), "guidance_scale"
+        )
+        # A pipeline with no step callback (HunyuanVideo-1.5's): its scheduler's steps are
+        # watched instead, for aborts and progress.
+        self._step_callback = "callback_on_step_end" in self._call_params
+        # A pipeline that encodes the prompt's quoted text itself beside the upstream
+        # embeddings (HunyuanVideo-1.5's ByT5, text_encoder_2): it takes the prompt's text
+        # too, and the embeddings zero-padded to its tokenizer's length, as its own
+        # encode_prompt pads them.
+        rows = getattr(self.pipeline, "tokenizer_max_length", None)
+        self._glyph_rows: int | None = None
+        if (
+            "prompt_embeds_2" in self._call_params
+            and getattr(self.pipeline, "text_encoder_2", None) is not None
+            and isinstance(rows, int)
+        ):
+            self._glyph_rows = rows
         self.takes_image = self._img2img is not None or (
             self.family is not None and self.family.dit.takes_image
         )
@@ -504,6 +524,12 @@ class DiffusionEngine(DiffusionEngineBase):
             raise InvalidRequestError(
                 "prompt: required (or prompt_embeds from an upstream stage)", "prompt"
             )
+        if "prompt_embeds" in shapes and self._glyph_rows is not None and request.prompt is None:
+            raise InvalidRequestError(
+                "prompt: required beside prompt_embeds: this pipeline encodes the prompt's "
+                "quoted text itself",
+                "prompt",
+            )
         if "prompt_embeds" not in shapes and self.family and self.config.text_from_upstream:
             raise InvalidRequestError(
                 "prompt_embeds: this stage's text encoder is the encoder stage; its "
@@ -525,6 +551,11 @@ class DiffusionEngine(DiffusionEngineBase):
                 raise InvalidRequestError(
                     f"{name}: expected shape [tokens, {self.conditioning_width}], "
                     f"got {list(shape)}",
+                    name,
+                )
+            if self._glyph_rows is not None and shape[0] > self._glyph_rows:
+                raise InvalidRequestError(
+                    f"{name}: at most {self._glyph_rows} tokens for this pipeline (got {shape[0]})",
                     name,
                 )
         if request.images:
@@ -611,6 +642,8 @@ class DiffusionEngine(DiffusionEngineBase):
             if getattr(params, name) is not None and name not in self._call_params:
                 if name == "strength" and self._img2img is not None:
                     continue  # taken by the image-to-image variant
+                if name == "guidance_scale" and self._guider_scale:
+                    continue  # set on the pipeline's guider
                 raise InvalidRequestError(
                     f"{name}: not a parameter of this pipeline ({pipeline})", name
                 )
@@ -644,6 +677,8 @@ class DiffusionEngine(DiffusionEngineBase):
             kwargs["generator"] = torch.Generator("cpu").manual_seed(params.seed)
         if _upstream(request):
             kwargs.update(self._embeds_kwargs([request]))
+            if self._glyph_rows is not None:
+                kwargs.update(self._glyph_kwargs(request, params, kwargs))
         else:
             kwargs["prompt"] = request.prompt
             kwargs["negative_prompt"] = params.negative_prompt
@@ -749,7 +784,14 @@ class DiffusionEngine(DiffusionEngineBase):
         from PIL import Image
 
         image = pictures[0] if pictures else None
-        with torch.inference_mode(), self._step_cache(params):
+        guidance = kwargs.pop("guidance_scale", None) if self._guider_scale else None
+        watched = None if self._step_callback else kwargs.pop("callback_on_step_end")
+        with (
+            torch.inference_mode(),
+            self._step_cache(params),
+            self._guided(guidance),
+            self._watched_steps(watched),
+        ):
             if len(pictures) > 1:
                 # A pipeline of several input images (Qwen-Image-Edit-Plus) takes them as a list.
                 result = self.pipeline(image=pictures, **kwargs)
@@ -814,6 +856,78 @@ class DiffusionEngine(DiffusionEngineBase):
             self._torch_dtype,
         )
 
+    @contextlib.contextmanager
+    def _guided(self, scale: float | None) -> Iterator[None]:
+        """The pipeline's guider at the request's guidance scale while it runs (as it is,
+        for a request that sets none, or a pipeline whose guidance is no guider's)."""
+        if scale is None:
+            yield
+            return
+        guider = self.pipeline.guider
+        before = guider.guidance_scale
+        guider.guidance_scale = scale
+        try:
+            yield
+        finally:
+            guider.guidance_scale = before
+
+    @contextlib.contextmanager
+    def _watched_steps(self, on_step_end: Callable[..., Any] | None) -> Iterator[None]:
+        """``on_step_end`` called as each denoising step ends, as a step callback would be,
+        for a pipeline that takes none (None: nothing watched). Told by the transformer's
+        calls (a forward pre-hook, PyTorch's own): a call with a new timestep means the step
+        before it ended. It cannot change the latents: it aborts and reports progress (the
+        last step's end is told once the pipeline returns)."""
+        if on_step_end is None:
+            yield
+            return
+        timesteps: list[float] = []
+
+        def before_forward(_module: Any, _args: Any, kwargs: dict[str, Any]) -> None:
+            timestep = kwargs.get("timestep")
+            if timestep is None:
+                return
+            now = float(timestep.flatten()[0])
+            if timesteps and now == timesteps[-1]:
+                return  # another guidance branch of the same step
+            if timesteps:
+                on_step_end(self.pipeline, len(timesteps) - 1, timesteps[-1], {"latents": None})
+            timesteps.append(now)
+
+        hook = self.pipeline.transformer.register_forward_pre_hook(before_forward, with_kwargs=True)
+        try:
+            yield
+        finally:
+            hook.remove()
+        if timesteps:  # the last step, which no later call tells of
+            on_step_end(self.pipeline, len(timesteps) - 1, timesteps[-1], {"latents": None})
+
+    def _glyph_kwargs(
+        self, request: StageDiffusionCoreRequest, params: DiffusionParams, embeds: dict[str, Any]
+    ) -> dict[str, Any]:
+        """The second text encoder's embeddings of the prompt's quoted text (and, where the
+        request runs guidance, the negative prompt's), as the pipeline's own encode_prompt
+        computes them beside the upstream embeddings ``embeds`` (HunyuanVideo-1.5's ByT5)."""
+        import torch
+
+        texts = {"prompt_embeds": request.prompt}
+        if embeds.get("negative_prompt_embeds") is not None:
+            texts["negative_prompt_embeds"] = params.negative_prompt
+        result: dict[str, Any] = {}
+        # Without autograd, as the pipeline's __call__ runs it: ByT5's output differs in
+        # the last bits with it on.
+        with torch.inference_mode():
+            for name, text in texts.items():
+                _, _, glyph, glyph_mask = self.pipeline.encode_prompt(
+                    text,
+                    device=self.device,
+                    dtype=self._torch_dtype,
+                    prompt_embeds=embeds[name],
+                    prompt_embeds_mask=embeds[f"{name}_mask"],
+                )
+                result[f"{name}_2"], result[f"{name}_mask_2"] = glyph, glyph_mask
+        return result
+
     def _embeds_kwargs(self, requests: list[StageDiffusionCoreRequest]) -> dict[str, Any]:
         """The pipeline arguments that carry the requests' upstream embeddings (one
         request's, or a batch's: a family's), as the family's pipeline takes them."""
@@ -843,10 +957,13 @@ class DiffusionEngine(DiffusionEngineBase):
                 "prompt_embeds": positives,
                 "negative_prompt_embeds": negatives if negative is not None else None,
             }
-        result = dict(zip(("prompt_embeds", "prompt_embeds_mask"), _padded(positives), strict=True))
+        rows = self._glyph_rows
+        result = dict(
+            zip(("prompt_embeds", "prompt_embeds_mask"), _padded(positives, rows), strict=True)
+        )
         if negative is not None:
             names = ("negative_prompt_embeds", "negative_prompt_embeds_mask")
-            result.update(zip(names, _padded(negatives), strict=True))
+            result.update(zip(names, _padded(negatives, rows), strict=True))
         return result
 
 
@@ -877,13 +994,14 @@ def _call_default(pipeline: Any, name: str) -> Any:
     return parameter.default
 
 
-def _padded(rows: list[Any]) -> tuple[Any, Any]:
+def _padded(rows: list[Any], length: int | None = None) -> tuple[Any, Any]:
     """Prompts' embeddings ([tokens, width] each) as one [prompts, most tokens, width]
-    batch, padded at the end as the family's own tokenizer pads, and its mask (1: a token;
-    one prompt alone has no padding)."""
+    batch (or [prompts, length, width], where the family's tokenizer pads to a length),
+    padded at the end with zeros as the family's own tokenizer pads, and its mask (1: a
+    token; one prompt alone has no padding unless to a length)."""
     import torch
 
-    longest = max(row.shape[0] for row in rows)
+    longest = max(row.shape[0] for row in rows) if length is None else length
     batch = rows[0].new_zeros((len(rows), longest, rows[0].shape[1]))
     mask = torch.zeros((len(rows), longest), dtype=torch.long, device=rows[0].device)
     for index, row in enumerate(rows):
@@ -1099,8 +1217,9 @@ def _conditioning_width(pipeline: Any) -> int:
         return int(unet.config.cross_attention_dim)
     transformer = getattr(pipeline, "transformer", None)
     config = getattr(transformer, "config", None)
-    # MMDiTs (Qwen-Image) call it joint_attention_dim, Z-Image's DiT cap_feat_dim.
-    for name in ("joint_attention_dim", "cap_feat_dim"):
+    # MMDiTs (Qwen-Image) call it joint_attention_dim, Z-Image's DiT cap_feat_dim,
+    # HunyuanVideo-1.5's text_embed_dim (its first text encoder's).
+    for name in ("joint_attention_dim", "cap_feat_dim", "text_embed_dim"):
         width = getattr(config, name, None)
         if width:
             return int(width)

@@ -27,6 +27,7 @@ from .base import (
     model_basename,
     prompt_image_size,
 )
+from .hunyuan_video import HUNYUAN_VIDEO
 from .qwen_image import QWEN_IMAGE, QWEN_IMAGE_EDIT, QWEN_IMAGE_EDIT_PLUS
 from .wan import WAN
 from .z_image import Z_IMAGE
@@ -53,13 +54,27 @@ __all__ = [
 
 # The pipeline schema's enum (and so the CRD's); a unit test keeps it equal to FAMILIES.
 FamilyName = Literal[
-    "qwen-image", "qwen-image-edit", "qwen-image-edit-plus", "z-image", "bagel", "wan2.2"
+    "qwen-image",
+    "qwen-image-edit",
+    "qwen-image-edit-plus",
+    "z-image",
+    "bagel",
+    "wan2.2",
+    "hunyuanvideo-1.5",
 ]
 FAMILY_NAMES: tuple[str, ...] = get_args(FamilyName)
 FAMILIES: Mapping[str, Family] = MappingProxyType(
     {
         family.name: family
-        for family in (QWEN_IMAGE, QWEN_IMAGE_EDIT, QWEN_IMAGE_EDIT_PLUS, Z_IMAGE, BAGEL, WAN)
+        for family in (
+            QWEN_IMAGE,
+            QWEN_IMAGE_EDIT,
+            QWEN_IMAGE_EDIT_PLUS,
+            Z_IMAGE,
+            BAGEL,
+            WAN,
+            HUNYUAN_VIDEO,
+        )
     }
 )
 MODEL_INDEX = "model_index.json"

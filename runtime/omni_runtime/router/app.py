@@ -110,6 +110,7 @@ def create_app(
     bodies = request_models(pipeline.family_recipe, pipeline.step_cache_tiers)
 
     recipe = pipeline.video_recipe
+    family = pipeline.family_recipe
     videos_config = pipeline.router.videos or VideoJobsConfig()
     videos: VideoJobs | None = None
 
@@ -131,6 +132,7 @@ def create_app(
                 recipe,
                 model_name=name,
                 limits=serving.limits,
+                takes_image=family.dit.takes_image if family is not None else True,
             )
             videos.start()
             app.state.videos = videos

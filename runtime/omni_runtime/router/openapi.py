@@ -347,6 +347,9 @@ def openapi_document(
         paths["/v1/chat/completions"] = {"post": _chat_operation(output_kind)}
     if output_kind == "video":
         schemas["VideoCreateForm"] = _video_form(schemas["VideoCreateRequest"])
+        if family is not None and not family.dit.takes_image:
+            # Text to video alone: an input_reference is refused (400).
+            del schemas["VideoCreateForm"]["properties"]["input_reference"]
         _narrow_video(schemas["VideoCreateRequest"], model_name, limits)
         _narrow_video(schemas["VideoCreateForm"], model_name, limits)
         paths.update(_video_paths())

@@ -4,7 +4,8 @@ Stage 0 gets the caller's prompt (or chat messages); each later stage gets its u
 output: text as its prompt, or what it handed off (hidden states, a context's KV cache) as
 named inputs, by connector handles that the orchestrator passes on without ever holding the
 arrays. In a model family's pipeline (``omni_runtime.families``) the encoder stage gets the
-prompt text (and, for an edit, the input image, which the DiT gets too), and the family
+prompt text (and, for an edit, the input image, which the DiT gets too, as it gets the
+prompt text beside its handed-off inputs), and the family
 says which companion requests of the same stage the DiT needs beside it (the negative
 prompt's embeddings where the DiT will run guidance, BAGEL's image-dropped context) and
 which of the DiT's inputs each one's hand-off becomes. The last stage's outputs are what
@@ -493,6 +494,10 @@ class PipelineOrchestrator:
             result.prompt = _prompt_text(request)
         elif upstream.hand_offs:
             result.inputs = {**upstream.hand_offs, **companion_inputs}
+            # The caller's prompt too, for what the DiT's pipeline encodes of it itself
+            # (HunyuanVideo-1.5's ByT5 reads its quoted text); the others read none of it
+            # beside handed-off embeddings.
+            result.prompt = _prompt_text(request)
         else:
             result.prompt = upstream_text
         return result

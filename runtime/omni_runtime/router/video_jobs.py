@@ -105,6 +105,7 @@ class VideoJobs:
         *,
         model_name: str,
         limits: RouterLimits,
+        takes_image: bool = True,
         owner: str | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
@@ -114,6 +115,8 @@ class VideoJobs:
         self.recipe = recipe
         self.model_name = model_name
         self.limits = limits
+        # Whether the family's DiT starts a clip from an image (image-to-video).
+        self.takes_image = takes_image
         self.owner = owner or new_owner()
         self.clock = clock
         # The jobs this replica runs, by id.
@@ -159,6 +162,13 @@ class VideoJobs:
             )
         params = body.job_params(self.recipe, self.limits)
         reference = input_bytes[0] if input_bytes else None
+        if reference is not None and not self.takes_image:
+            raise RequestError(
+                400,
+                "input_reference: this pipeline makes videos from text alone (its model "
+                "family's checkpoint has no image-to-video); send no input_reference",
+                param=INPUT_REFERENCE.field,
+            )
         if reference is not None:
             # Refused now, not when the job runs: decoding takes milliseconds, off the loop.
             await asyncio.to_thread(

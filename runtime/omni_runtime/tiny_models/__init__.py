@@ -17,6 +17,9 @@ are random. Under one root:
 - ``bagel/``: a BAGEL checkpoint in the real one's files and names (``tiny_models.bagel``).
 - ``wan2.2/``: a WanPipeline checkpoint shaped as Wan2.2-TI2V-5B's (``tiny_models.wan``):
   text-to-video, and image-to-video through WanImageToVideoPipeline on the same weights.
+- ``hunyuan-video-1.5/``: a HunyuanVideo15Pipeline checkpoint laid out as
+  HunyuanVideo-1.5-Diffusers-480p_t2v is (``tiny_models.hunyuan_video``); its Qwen2.5-VL
+  text encoder loads in vLLM from ``text_encoder/``.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from ._common import HIDDEN_SIZE, SEED, VOCAB_SIZE
 from ._tokenizer import CHATML_TEMPLATE, build_qwen_tokenizer
 from .bagel import build_bagel
 from .chat_llm import build_chat_llm
+from .hunyuan_video import build_hunyuan_video
 from .qwen_image import MAX_POSITIONS, build_qwen_image
 from .stable_diffusion import build_stable_diffusion
 from .wan import build_wan
@@ -40,6 +44,7 @@ __all__ = [
     "CHATML_TEMPLATE",
     "DIFFUSION_SUBDIR",
     "HIDDEN_SIZE",
+    "HUNYUAN_VIDEO_SUBDIR",
     "LLM_SUBDIR",
     "QWEN_IMAGE_EDIT_PLUS_SUBDIR",
     "QWEN_IMAGE_EDIT_SUBDIR",
@@ -59,6 +64,7 @@ QWEN_IMAGE_EDIT_PLUS_SUBDIR = "qwen-image-edit-plus"
 Z_IMAGE_SUBDIR = "z-image"
 BAGEL_SUBDIR = "bagel"
 WAN_SUBDIR = "wan2.2"
+HUNYUAN_VIDEO_SUBDIR = "hunyuan-video-1.5"
 SUBDIRS = (
     LLM_SUBDIR,
     DIFFUSION_SUBDIR,
@@ -68,10 +74,11 @@ SUBDIRS = (
     Z_IMAGE_SUBDIR,
     BAGEL_SUBDIR,
     WAN_SUBDIR,
+    HUNYUAN_VIDEO_SUBDIR,
 )
 _MARKER = "omni-tiny-models.json"
 # Bump when what is built changes, so that old directories are rebuilt.
-_RECIPE_VERSION = 10
+_RECIPE_VERSION = 11
 
 
 def _readable_by_all(tree: Path) -> None:
@@ -105,6 +112,7 @@ def ensure_tiny_models(root: str | Path) -> Path:
         build_z_image(staging / Z_IMAGE_SUBDIR, qwen_tokenizer)
         build_bagel(staging / BAGEL_SUBDIR, qwen_tokenizer)
         build_wan(staging / WAN_SUBDIR)
+        build_hunyuan_video(staging / HUNYUAN_VIDEO_SUBDIR, qwen_tokenizer)
         for sub in SUBDIRS:
             _readable_by_all(staging / sub)
             shutil.rmtree(root / sub, ignore_errors=True)

@@ -6,7 +6,10 @@ the pipeline conditions on its ``hidden_states[-3]``), Glyph-SDXL-v2's ByT5 enco
 ``text_encoder_2`` (glyph text quoted in the prompt), an MMDiT taking 65 channels (noisy
 latents, condition latents, condition mask), a 32-channel causal-3D VAE with 16x spatial
 and 4x temporal compression, a shift-5 flow-matching schedule and classifier-free guidance
-of 6. This one keeps every interface width the components share and scales the rest down.
+of 6. This one keeps the text encoders' layout and scales the rest down, the VAE's latent
+channels too (8 for 32: the VAE holds most of its weights in widths that are multiples
+of them); the transformer's ByT5 projection keeps its fixed 2048-wide hidden layer, most
+of the checkpoint's ~24 MB.
 
 The image-to-video checkpoints (``..._i2v``) add a SigLIP vision model (``image_encoder``,
 FLUX.1-Redux's so400m-patch14-384: 729 tokens of 1152) and its ``feature_extractor``; this
@@ -28,8 +31,9 @@ if TYPE_CHECKING:
 # The pipeline reads hidden_states[-3] (two layers skipped): with four layers that is the
 # residual stream after two, so the encoder stage has layers to run and layers to skip.
 TEXT_LAYERS = 4
-# Kept from the real VAE: the transformer takes 2 * 32 + 1 channels and returns 32.
-LATENT_CHANNELS = 32
+# The real VAE's 32 latent channels scaled down to 8: the transformer takes 2 * 8 + 1
+# channels (noisy latents, condition latents, condition mask) and returns 8.
+LATENT_CHANNELS = 8
 SPATIAL_COMPRESSION = 16
 TEMPORAL_COMPRESSION = 4
 # ByT5's width (real: byt5-small's 1472) and SigLIP's (real: 1152), which the transformer's
@@ -175,14 +179,16 @@ def _vae() -> Any:
     from diffusers import AutoencoderKLHunyuanVideo15
 
     torch.manual_seed(SEED + 54)
-    # Real: block_out_channels (128, 256, 512, 1024, 1024), 2 layers per block. The same
-    # five blocks at a sixteenth of the width keep 16x spatial (four downsamplings) and 4x
-    # temporal (the last two) compression, and the real scaling factor.
+    # Real: block_out_channels (128, 256, 512, 1024, 1024), 2 layers per block. Five
+    # blocks keep 16x spatial (four downsamplings) and 4x temporal (the last two)
+    # compression, and the real scaling factor; the last block's width must be a multiple
+    # of twice the latent channels (the encoder's shortcut averages groups of it into the
+    # latent's mean and log-variance), as 1024 is of 64.
     return AutoencoderKLHunyuanVideo15(
         in_channels=3,
         out_channels=3,
         latent_channels=LATENT_CHANNELS,
-        block_out_channels=(8, 16, 32, 64, 64),
+        block_out_channels=(8, 8, 16, 16, 16),
         layers_per_block=1,
         spatial_compression_ratio=SPATIAL_COMPRESSION,
         temporal_compression_ratio=TEMPORAL_COMPRESSION,

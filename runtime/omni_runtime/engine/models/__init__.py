@@ -3,12 +3,15 @@
 vLLM runs the ``vllm.general_plugins`` entry points (pyproject.toml) in every process it
 starts: the caller's, the engine core's and each worker's. A registration made at import
 time in the caller would reach none of the processes vLLM spawns. An engine picks one of
-these with ``hf_overrides={"architectures": [name]}``.
+these with ``hf_overrides={"architectures": [name]}`` (``hf_overrides`` below: with the
+config fix an architecture needs, where it has one).
 """
 
 from __future__ import annotations
 
 import importlib
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 # Architecture name -> "module:class": vLLM imports the class only when an engine uses it,
@@ -18,6 +21,19 @@ ARCHITECTURES = {
         "omni_runtime.engine.models.qwen3_penultimate:OmniQwen3PenultimateModel"
     ),
     "OmniBagelThinker": "omni_runtime.engine.models.bagel_thinker:OmniBagelThinker",
+    "OmniQwen2AntepenultimateModel": (
+        "omni_runtime.engine.models.hidden_layers:OmniQwen2AntepenultimateModel"
+    ),
+}
+
+# Architecture name -> "module:function" that turns the checkpoint's HF config into the one
+# the architecture reads, where a fixed override cannot say it (it depends on the
+# checkpoint): HunyuanVideo-1.5's text encoder is Qwen2.5-VL's language model alone, whose
+# M-RoPE declaration vLLM's Qwen2 must not see.
+CONFIG_FIXES = {
+    "OmniQwen2AntepenultimateModel": (
+        "omni_runtime.engine.models.hidden_layers:text_only_qwen2_5_vl"
+    ),
 }
 
 
@@ -51,3 +67,34 @@ def register_models() -> None:
     for name, target in ARCHITECTURES.items():
         if name not in known:
             ModelRegistry.register_model(name, target)
+
+
+@dataclass(frozen=True)
+class FixedConfig:
+    """vLLM's ``hf_overrides`` as a function of the checkpoint's config: the overrides, set
+    as vLLM sets a dict's, then the architecture's config fix (``CONFIG_FIXES``). Plain
+    data, so that it pickles into the engine core's process with the rest of the config."""
+
+    overrides: tuple[tuple[str, Any], ...]
+    fix: str
+
+    def __call__(self, config: Any) -> Any:
+        for key, value in self.overrides:
+            nested = getattr(config, key, None)
+            if isinstance(value, Mapping) and hasattr(nested, "to_dict"):
+                for name, item in value.items():
+                    setattr(nested, name, item)
+            else:
+                setattr(config, key, value)
+        module_name, _, function = self.fix.partition(":")
+        return getattr(importlib.import_module(module_name), function)(config)
+
+
+def hf_overrides(architecture: str, overrides: Mapping[str, Any]) -> Any:
+    """vLLM's ``hf_overrides`` for an engine of ``architecture`` given the stage's own
+    ``overrides``: those with the architecture named, and its config fix if it has one."""
+    named = {**overrides, "architectures": [architecture]}
+    fix = CONFIG_FIXES.get(architecture)
+    if fix is None:
+        return named
+    return FixedConfig(tuple(named.items()), fix)

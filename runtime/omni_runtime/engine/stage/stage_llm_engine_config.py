@@ -25,6 +25,7 @@ from vllm.usage.usage_lib import UsageContext
 
 from omni_runtime.config import StageConfig
 from omni_runtime.config.models import ENGINE_ARG_FIELDS
+from omni_runtime.engine.models import hf_overrides
 from omni_runtime.families import MODEL_INDEX, EncoderRecipe
 
 _ENGINE_ARG_NAMES = frozenset(field.name for field in dataclasses.fields(EngineArgs))
@@ -65,9 +66,11 @@ def make_stage_llm_engine_args(
     extra = dict(stage.engine_args)
     if encoder is not None:
         if encoder.architecture is not None:
-            overrides = dict(extra.get("hf_overrides") or {})
-            overrides["architectures"] = [encoder.architecture]
-            extra["hf_overrides"] = overrides
+            # The architecture named, and the checkpoint's config fixed for it where it
+            # needs that (omni_runtime.engine.models.CONFIG_FIXES).
+            extra["hf_overrides"] = hf_overrides(
+                encoder.architecture, dict(extra.get("hf_overrides") or {})
+            )
         if encoder.vision_language and not encoder.takes_image:
             # A vision-language text encoder that reads text only: no vision tower, and no
             # image processor to find.

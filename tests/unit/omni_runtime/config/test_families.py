@@ -42,6 +42,10 @@ def two_stages(model: str, **more: Any) -> dict[str, Any]:
         ("Qwen/Qwen-Image-Edit-2511", "qwen-image-edit-plus"),
         ("/models/qwen-image-edit-plus", "qwen-image-edit-plus"),
         ("Tongyi-MAI/Z-Image-Turbo", "z-image"),
+        ("hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v", "hunyuanvideo-1.5"),
+        ("/models/hunyuan-video-1.5", "hunyuanvideo-1.5"),
+        # HunyuanVideo (1.0) is another pipeline.
+        ("hunyuanvideo-community/HunyuanVideo", None),
         ("Qwen/Qwen2.5-VL-7B-Instruct", None),
         ("/models/qwen-image/sdxl", None),
     ],
@@ -123,12 +127,31 @@ def test_a_dit_on_its_own_engine_takes_no_torch_compile() -> None:
         ("z-image", {"guidance_scale": 0.0, "negative_prompt": "dark"}, None),
         # Wrong types are the DiT's to refuse; the router decides as if they were absent.
         ("z-image", {"guidance_scale": "high", "negative_prompt": 3}, ""),
+        # HunyuanVideo-1.5: its guider's guidance, on unless the scale is 1 (default 6).
+        ("hunyuanvideo-1.5", {}, ""),
+        ("hunyuanvideo-1.5", {"negative_prompt": "dark"}, "dark"),
+        ("hunyuanvideo-1.5", {"guidance_scale": 1, "negative_prompt": "dark"}, None),
+        ("hunyuanvideo-1.5", {"guidance_scale": 0.0}, ""),
     ],
 )
 def test_when_the_dit_needs_negative_embeddings(
     family: str, params: dict[str, Any], negative: str | None
 ) -> None:
     assert FAMILIES[family].negative_prompt(params) == negative
+
+
+@pytest.mark.parametrize(("negative", "encoded"), [(None, " "), ("", " "), ("dark", "dark")])
+def test_hunyuan_videos_negative_prompt_is_templated_as_its_pipeline_does(
+    negative: str | None, encoded: str
+) -> None:
+    """The encoder's companion request for the negative prompt: an empty one is one space
+    (the pipeline's format_text_input), and its hand-off is the DiT's negative."""
+    family = FAMILIES["hunyuanvideo-1.5"]
+    params = {"negative_prompt": negative} if negative is not None else {}
+    (companion,) = family.companions("a cat", False, params, False)
+    assert companion.prompt == encoded
+    assert companion.inputs == {"prompt_embeds": "negative_prompt_embeds"}
+    assert family.companions("a cat", False, {"guidance_scale": 1.0}, False) == ()
 
 
 @pytest.mark.parametrize(
