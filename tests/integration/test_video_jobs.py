@@ -297,18 +297,7 @@ def test_a_router_that_stops_hands_its_job_to_another(
     # The first router is gone; a second one, on the same store, takes the job back up.
     with running_router(pipeline, {DIT: [stage.address]}, state_dir=state_dir) as second:
         http = httpx.Client(base_url=second.base_url, timeout=30)
-        done = wait_until(
-            lambda: (
-                (job := http.get(f"/videos/{created['id']}").json())["status"]
-                in ("completed", "failed")
-                and job
-            ),
-            120,
-            "the job finished on the second router",
-        )
-        assert done["status"] == "completed", done["error"]
-        frames, _ = decoded(http.get(f"/videos/{created['id']}/content").content)
-        assert len(frames) == 33
+        assert_finished_with_33_frames(http, created["id"], "the second router")
 
 
 def test_a_killed_routers_job_is_run_again_by_another(
@@ -357,18 +346,23 @@ def test_a_killed_routers_job_is_run_again_by_another(
     with running_router(pipeline_from(data), {DIT: [stage.address]}, state_dir=state) as other:
         http = httpx.Client(base_url=other.base_url, timeout=30)
         # Its lease (15 s) lapses, the other router takes it: its second attempt.
-        done = wait_until(
-            lambda: (
-                (job := http.get(f"/videos/{created['id']}").json())["status"]
-                in ("completed", "failed")
-                and job
-            ),
-            120,
-            "the job finished on the other router",
-        )
-        assert done["status"] == "completed", done["error"]
-        frames, _ = decoded(http.get(f"/videos/{created['id']}/content").content)
-        assert len(frames) == 33
+        assert_finished_with_33_frames(http, created["id"], "the other router")
+
+
+def assert_finished_with_33_frames(http: httpx.Client, job_id: str, where: str) -> None:
+    """The job (a LONG clip of 40 steps) completes on ``where``, and its MP4 holds its
+    frames."""
+    done = wait_until(
+        lambda: (
+            (job := http.get(f"/videos/{job_id}").json())["status"] in ("completed", "failed")
+            and job
+        ),
+        120,
+        f"the job finished on {where}",
+    )
+    assert done["status"] == "completed", done["error"]
+    frames, _ = decoded(http.get(f"/videos/{job_id}/content").content)
+    assert len(frames) == 33
 
 
 def _health_ok(port: int) -> bool:

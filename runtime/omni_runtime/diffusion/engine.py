@@ -445,8 +445,8 @@ class DiffusionEngine(DiffusionEngineBase):
         self._guider_scale = "guidance_scale" not in self._call_params and hasattr(
             getattr(self.pipeline, "guider", None), "guidance_scale"
         )
-        # A pipeline with no step callback (HunyuanVideo-1.5's): its scheduler's steps are
-        # watched instead, for aborts and progress.
+        # A pipeline with no step callback (HunyuanVideo-1.5's): its steps are told by its
+        # transformer's calls instead (_watched_steps), for aborts and progress.
         self._step_callback = "callback_on_step_end" in self._call_params
         # A pipeline that encodes the prompt's quoted text itself beside the upstream
         # embeddings (HunyuanVideo-1.5's ByT5, text_encoder_2): it takes the prompt's text
