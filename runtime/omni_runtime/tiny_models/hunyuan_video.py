@@ -70,8 +70,17 @@ def build_hunyuan_video(target: Path, qwen_tokenizer: PreTrainedTokenizerBase) -
     """Write the checkpoint to ``target``, with ``build_qwen_tokenizer``'s tokenizer."""
     from diffusers import FlowMatchEulerDiscreteScheduler, HunyuanVideo15Pipeline
     from diffusers.guiders import ClassifierFreeGuidance
+    from diffusers.utils import logging as diffusers_logging
     from transformers import ByT5Tokenizer
 
+    # A guider's constructor warns that guiders are experimental: news to nobody building
+    # test models, and alarming in the main job's first run, which builds them.
+    verbosity = diffusers_logging.get_verbosity()
+    diffusers_logging.set_verbosity_error()
+    try:
+        guider = ClassifierFreeGuidance(guidance_scale=_GUIDANCE_SCALE)
+    finally:
+        diffusers_logging.set_verbosity(verbosity)
     HunyuanVideo15Pipeline(
         text_encoder=_text_encoder(qwen_tokenizer),
         tokenizer=qwen_tokenizer,
@@ -81,7 +90,7 @@ def build_hunyuan_video(target: Path, qwen_tokenizer: PreTrainedTokenizerBase) -
         text_encoder_2=_byt5_encoder(),
         # ByT5 reads UTF-8 bytes: 3 specials, 256 bytes, 125 sentinels; no vocabulary file.
         tokenizer_2=ByT5Tokenizer(),
-        guider=ClassifierFreeGuidance(guidance_scale=_GUIDANCE_SCALE),
+        guider=guider,
     ).save_pretrained(target)
     _image_encoder().save_pretrained(target / "image_encoder")
     folder = target / "feature_extractor"
