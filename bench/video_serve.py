@@ -1,0 +1,118 @@
+"""A video job served (the tiny Wan2.2 behind `omni-runtime serve`, OpenAI's client:
+videos.create_and_poll, then download_content) against diffusers' own WanPipeline
+in-process on the same weights, prompt, seed, steps, size and frames, in one run.
+
+The served figure is a job's whole life: the POST, the claim, the DiT stage process, the
+MP4, the store, and the client's polling (every 50 ms); the reference is the pipeline call
+alone. Their difference is what serving a clip as a job costs.
+
+    .venv/bin/python bench/video_serve.py [--jobs 5] [--steps 8] [--frames 17] [--size 128x128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import openai
+import torch
+import yaml
+
+from _load import ManagedProcess, free_port, markdown_table, running, wait_http_ok
+from omni_runtime.entrypoints.cli import DEFAULT_MODELS_DIR
+from omni_runtime.tiny_models import WAN_SUBDIR, ensure_tiny_models
+
+REPO = Path(__file__).resolve().parents[1]
+PROMPT = "a red fox running through snow"
+
+
+def reference_s(model: Path, args: argparse.Namespace, height: int, width: int) -> list[float]:
+    from diffusers import WanPipeline
+
+    pipe = WanPipeline.from_pretrained(str(model))
+    pipe.set_progress_bar_config(disable=True)
+    times = []
+    for run in range(args.jobs + 1):  # the first warms up
+        start = time.perf_counter()
+        with torch.inference_mode():
+            pipe(
+                prompt=PROMPT,
+                height=height,
+                width=width,
+                num_frames=args.frames,
+                num_inference_steps=args.steps,
+                generator=torch.Generator("cpu").manual_seed(7),
+                output_type="np",
+            )
+        if run:
+            times.append(time.perf_counter() - start)
+    return times
+
+
+def served_s(model: Path, args: argparse.Namespace, workdir: Path) -> list[float]:
+    data = yaml.safe_load((REPO / "examples" / "tiny-wan.yaml").read_text())
+    data["model"] = str(model)
+    config = workdir / "pipeline.yaml"
+    config.write_text(yaml.safe_dump(data))
+    port = free_port()
+    command = [
+        sys.executable, "-m", "omni_runtime.entrypoints.cli", "serve", "-f", str(config),
+        "--port", str(port), "--state-dir", str(workdir / "jobs"),
+    ]  # fmt: skip
+    serve = ManagedProcess("serve", command, workdir / "serve.log")
+    with running([serve]):
+        wait_http_ok(f"http://127.0.0.1:{port}/health", 600, [serve])
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused")
+        times = []
+        for run in range(args.jobs + 1):
+            start = time.perf_counter()
+            video = client.videos.create_and_poll(
+                prompt=PROMPT,
+                size=args.size,
+                extra_body={
+                    "num_frames": args.frames,
+                    "num_inference_steps": args.steps,
+                    "seed": 7,
+                },
+                poll_interval_ms=50,
+            )
+            assert video.status == "completed", video.error
+            client.videos.download_content(video.id).read()
+            if run:
+                times.append(time.perf_counter() - start)
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--jobs", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--frames", type=int, default=17)
+    parser.add_argument("--size", default="128x128", help="WIDTHxHEIGHT")
+    args = parser.parse_args()
+    width, height = (int(side) for side in args.size.split("x"))
+    model = ensure_tiny_models(DEFAULT_MODELS_DIR) / WAN_SUBDIR
+    with tempfile.TemporaryDirectory() as tmp:
+        served = served_s(model, args, Path(tmp))
+    reference = reference_s(model, args, height, width)
+    rows = [
+        ["WanPipeline in-process (reference)", f"{statistics.median(reference):.2f}", "1.00x"],
+        [
+            "served job (create_and_poll + download_content)",
+            f"{statistics.median(served):.2f}",
+            f"{statistics.median(served) / statistics.median(reference):.2f}x",
+        ],
+    ]
+    print(
+        f"tiny Wan2.2, {args.size}, {args.frames} frames, {args.steps} steps, "
+        f"median of {args.jobs}:\n"
+    )
+    print(markdown_table(["", "s per clip", "vs reference"], rows))
+
+
+if __name__ == "__main__":
+    main()
