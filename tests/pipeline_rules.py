@@ -426,6 +426,18 @@ INVALID: list[RuleCase] = [
         ],
     ),
     RuleCase(
+        "video-store-beside-a-store-url",
+        _spec(router={"videoStore": {}, "videos": {"storeUrl": "redis://redis:6379/0"}}),
+        cel=["spec.router.videoStore", "set one of videoStore", "not both"],
+        python=["router.videoStore"],
+    ),
+    RuleCase(
+        "video-store-with-a-password-of-the-users",
+        _spec(router={"videoStore": {}, "videoStorePasswordSecretRef": {"name": "auth"}}),
+        cel=["spec.router.videoStorePasswordSecretRef", "the operator makes the password"],
+        python=["router.videoStore"],
+    ),
+    RuleCase(
         "pipeline-name-not-dns-1035",
         lambda m: m["metadata"].update(name="1-bagel"),
         cel=["metadata.name", "'1-bagel' names the pipeline's Service", "starting with a letter"],

@@ -312,6 +312,49 @@ class PasswordSecretRef(SecretKeyRef):
     )
 
 
+# The Redis image a managed video store runs unless the pipeline names another: Redis 7.2,
+# the last release under the BSD licence; any Redis from 6.2 (or Valkey) whose image has
+# redis-server on its PATH serves.
+DEFAULT_VIDEO_STORE_IMAGE = "redis:7.2-bookworm"
+
+
+class VideoStoreSpec(_ApiModel):
+    """A Redis the operator runs for the pipeline's video jobs: one pod, a Service only the
+    router pods may reach, and a password it makes once and keeps in a Secret of its own."""
+
+    image: str = Field(
+        default=DEFAULT_VIDEO_STORE_IMAGE,
+        min_length=1,
+        description="The Redis image; it must have redis-server on its PATH.",
+    )
+    image_pull_policy: PullPolicy | None = Field(
+        default=None, description="Always, IfNotPresent or Never; defaults to spec's."
+    )
+    memory: Quantity = Field(
+        default="1Gi",
+        description="The pod's memory (request and limit). Redis holds at most three "
+        "quarters of it (maxmemory; the rest is its own overhead) and then refuses new jobs "
+        "(503) until finished ones expire: size it for the videos kept for "
+        "contentTtlSeconds.",
+    )
+    cpu: Quantity = Field(default="250m", description="The pod's CPU request.")
+    persistent_volume_claim: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=253,
+        pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
+        description="A PersistentVolumeClaim in the pipeline's namespace where Redis keeps "
+        "its append-only file, so that jobs and videos outlive its pod. Unset: an emptyDir, "
+        "and the jobs go with the pod (the routers keep serving new ones).",
+    )
+    node_selector: dict[str, str] = Field(
+        default_factory=dict, description="Node labels the pod must match."
+    )
+    tolerations: list[Toleration] = Field(
+        default_factory=list, description="Taints the pod tolerates."
+    )
+
+
 class RouterSpec(RouterConfig):
     """The OpenAI-compatible HTTP router: the pipeline's endpoint."""
 
@@ -330,6 +373,12 @@ class RouterSpec(RouterConfig):
         "line) as 'Authorization: Bearer <key>'. Mounted as a file that the router re-reads, "
         "so a key removed from the Secret is refused once the kubelet has updated the file "
         "(about a minute), without a restart. Unset: no key is needed.",
+    )
+    video_store: VideoStoreSpec | None = Field(
+        default=None,
+        description="A Redis the operator runs for the pipeline's video jobs, which every "
+        "router replica shares (the Service P-video-store); set it, or name your own Redis "
+        "in videos.storeUrl, to run several router replicas of a video pipeline.",
     )
     video_store_password_secret_ref: PasswordSecretRef | None = Field(
         default=None,
@@ -366,10 +415,14 @@ class OmniPipelineSpec(PipelineConfig):
     )
 
 
-def runtime_config(spec: OmniPipelineSpec) -> PipelineConfig:
-    """The runtime's pipeline for ``spec``: the same stages, without the placement."""
-    dumped = spec.model_dump(mode="json", by_alias=True, exclude_none=True)
-    return PipelineConfig.model_validate(strip_kubernetes_fields(dumped))
+def runtime_config(spec: OmniPipelineSpec, video_store_url: str | None = None) -> PipelineConfig:
+    """The runtime's pipeline for ``spec``: the same stages, without the placement; with
+    ``video_store_url`` (where a managed video store's Service is) as the routers'
+    ``videos.storeUrl`` when the spec asks for one."""
+    dumped = strip_kubernetes_fields(spec.model_dump(mode="json", by_alias=True, exclude_none=True))
+    if spec.router.video_store is not None and video_store_url is not None:
+        dumped["router"].setdefault("videos", {})["storeUrl"] = video_store_url
+    return PipelineConfig.model_validate(dumped)
 
 
 class Condition(_ApiModel):

@@ -402,6 +402,22 @@ def _add_spec_rules(spec: dict[str, Any]) -> None:
     )
     _add_stage_rules(_at(stages, "[]"))
     _add_placement_rules(_at(spec, "router", "placement"))
+    _validations(
+        _at(spec, "router"),
+        # One Redis for the jobs: the operator's or the user's (placement.py says the rest).
+        _rule(
+            "!has(self.videoStore) || !has(self.videos) || !has(self.videos.storeUrl)",
+            message="set one of videoStore (a Redis the operator runs) or videos.storeUrl "
+            "(your own), not both",
+            field_path=".videoStore",
+        ),
+        _rule(
+            "!has(self.videoStore) || !has(self.videoStorePasswordSecretRef)",
+            message="the operator makes the password of the Redis that videoStore runs; "
+            "videoStorePasswordSecretRef is for a Redis that videos.storeUrl names",
+            field_path=".videoStorePasswordSecretRef",
+        ),
+    )
 
     # Each key k of a stage s's inputConnectors names an existing stage...
     unknown_stage = f"k.matches('{_FROM_STAGE_KEY}') && !self.stages.exists(u, {_key('u')} == k)"

@@ -58,7 +58,8 @@ RESERVED_ENV = (
 )
 RESERVED_ENV_PREFIXES = (STAGE_CUDA_DEVICES_ENV_PREFIX,)
 # Object names a placement group must not take: the router's are P-router.
-RESERVED_GROUP_NAMES = ("router",)
+# The router's objects and a managed video store's are named P-router and P-video-store.
+RESERVED_GROUP_NAMES = ("router", "video-store")
 
 
 @dataclass(frozen=True)
@@ -173,7 +174,7 @@ def check_spec(spec: OmniPipelineSpec) -> list[tuple[str, str]]:
             )
         issues.extend(_reserved(stage.placement, f"stages[{i}].placement"))
     issues.extend(_planner_needs_open_metrics(spec))
-    issues.extend(_video_jobs_need_a_shared_store(spec))
+    issues.extend(_video_store(spec))
     issues.extend(_reserved(spec.router.placement, "router.placement"))
     issues.extend(_unknown_router_mounts(spec.router.placement))
     return issues
@@ -250,19 +251,46 @@ def _planner_needs_open_metrics(spec: OmniPipelineSpec) -> list[tuple[str, str]]
     ]
 
 
-def _video_jobs_need_a_shared_store(spec: OmniPipelineSpec) -> list[tuple[str, str]]:
-    # Without a Redis each router replica keeps its own jobs: a client polling through the
-    # Service would reach replicas that never heard of its job.
+def _video_store(spec: OmniPipelineSpec) -> list[tuple[str, str]]:
+    # One store for the jobs, and one where several routers serve them: without a Redis
+    # each router replica keeps its own jobs, and a client polling through the Service
+    # would reach replicas that never heard of its job.
     router = spec.router
-    shared = router.videos is not None and router.videos.store_url is not None
-    if spec.video_recipe is None or router.replicas <= 1 or shared:
+    store_url = router.videos is not None and router.videos.store_url is not None
+    if router.video_store is not None:
+        if spec.video_recipe is None:
+            return [
+                (
+                    "router.videoStore",
+                    "the pipeline makes no videos (its family has no video recipe): a video "
+                    "store would hold nothing; remove videoStore",
+                )
+            ]
+        if store_url:
+            return [
+                (
+                    "router.videoStore",
+                    "videos.storeUrl already names a Redis: set one of videoStore (a Redis "
+                    "the operator runs) or videos.storeUrl (your own), not both",
+                )
+            ]
+        if router.video_store_password_secret_ref is not None:
+            return [
+                (
+                    "router.videoStorePasswordSecretRef",
+                    "the operator makes the password of the Redis that videoStore runs; "
+                    "videoStorePasswordSecretRef is for a Redis that videos.storeUrl names",
+                )
+            ]
+        return []
+    if spec.video_recipe is None or router.replicas <= 1 or store_url:
         return []
     return [
         (
             "router.videos.storeUrl",
             f"the {router.replicas} router replicas of a video pipeline answer for each "
-            "other's jobs only through a shared store: set storeUrl to a Redis, or run one "
-            "router replica",
+            "other's jobs only through a shared store: set videoStore (a Redis the operator "
+            "runs), or storeUrl (your own Redis), or run one router replica",
         )
     ]
 

@@ -41,6 +41,7 @@ from .render.names import (
     object_key,
 )
 from .render.secrets import stage_keys_secret
+from .render.video_store import generate_video_store_password, video_store_secret
 from .revision_gate import StagePod, pods_to_release, released_condition
 from .stage_keys import generate_stage_keys
 from .status import StagePlacement, invalid_status, pipeline_status, status_body
@@ -205,6 +206,8 @@ class Reconciler:
             await self._write_status(ref, invalid_status(str(e), ref.generation, before, _now()))
             return
         await self._ensure_stage_keys(ref, event)
+        if spec.router.video_store is not None:
+            await self._ensure_video_store_secret(ref, event)
         async with self.replicas_lock(ref):
             existing, desired, applied, current_hash = await self._apply_children(
                 ref, spec, previous, event
@@ -243,7 +246,7 @@ class Reconciler:
         """Apply every child ``spec`` renders; returns the children found before, those
         rendered, those applied (as the apiserver returned them) and the config hash."""
         existing = await self._list_children(ref)
-        current_hash = config_hash(config_data(spec))
+        current_hash = config_hash(config_data(spec, ref.name))
         desired = render(
             ref.name,
             ref.namespace,
@@ -320,11 +323,24 @@ class Reconciler:
             raise
 
     async def _ensure_stage_keys(self, ref: PipelineRef, event: EventSink) -> None:
-        """Create the pipeline's stage-keys Secret unless it exists. Create-only: the
-        operator never reads a Secret (its RBAC has no get on them), and keys once made
-        are kept, since every pod of the pipeline runs on them. A Secret deleted by hand is
-        made anew at the next converge (its pods then need a restart to read it)."""
+        """Create the pipeline's stage-keys Secret unless it exists (_create_secret_once)."""
         secret = stage_keys_secret(ref.name, ref.namespace, ref.uid, generate_stage_keys())
+        await self._create_secret_once(secret, "the pipeline's stage keys", event)
+
+    async def _ensure_video_store_secret(self, ref: PipelineRef, event: EventSink) -> None:
+        """Create the managed video store's password Secret unless it exists."""
+        password = generate_video_store_password()
+        secret = video_store_secret(ref.name, ref.namespace, ref.uid, password)
+        await self._create_secret_once(secret, "the video store's password", event)
+
+    async def _create_secret_once(
+        self, secret: dict[str, Any], what: str, event: EventSink
+    ) -> None:
+        """Create-only: the operator never reads a Secret (its RBAC has no get on them),
+        and credentials once made are kept, since every pod of the pipeline runs on them
+        (new stage keys, or a new store password, would lock the running pods out). A
+        Secret deleted by hand is made anew at the next converge (its pods then need a
+        restart to read it)."""
         name = secret["metadata"]["name"]
         try:
             created = await self.kube.create(secret)
@@ -333,7 +349,7 @@ class Reconciler:
             event("Warning", "ApplyFailed", f"Secret {name}: {e}")
             raise
         if created:
-            event("Normal", "Created", f"created Secret {name} (the pipeline's stage keys)")
+            event("Normal", "Created", f"created Secret {name} ({what})")
 
     async def report(
         self,

@@ -22,13 +22,17 @@ For a pipeline P in namespace N (all children in N, owned by P, labelled with it
   (``http://P.N.svc:<port>``).
 - PodDisruptionBudget ``P-G`` / ``P-router`` (maxUnavailable 1) where a Deployment has more
   than one replica, so that a node drain leaves the others serving.
+- With ``router.videoStore``: Deployment, Service and NetworkPolicy ``P-video-store``, a
+  Redis that the routers share their video jobs through (video_store.py), and the
+  password Secret of that name, which the reconciler makes once.
 
 The renderer's rooms: names.py (object names, labels, field managers, the kinds
 created), config.py (the ConfigMap, its hash, the revision), quantities.py (a pod's
 resources), pods.py (what every pod shares: placements merged, the container, the grace
 period, the Deployment and PodDisruptionBudget), stages.py (a placement group's Service
 and Deployment), router.py (the router's RBAC, Deployment and Service), network.py (the
-NetworkPolicies), secrets.py (the stage-keys Secret and the Secret volumes). What the
+NetworkPolicies), secrets.py (the stage-keys Secret and the Secret volumes),
+video_store.py (a managed video store). What the
 pods and the runtime agree on (variable names, the drain timeout, the health port, the
 config hash annotation) is omni_runtime.pod_contract's. The prune policy, what to delete
 of what exists, is the reconciler's.
@@ -82,6 +86,7 @@ from .network import network_policies
 from .pods import disruption_budget
 from .router import router_deployment, router_rbac, router_service
 from .stages import group_deployment, group_service
+from .video_store import video_store_objects
 
 __all__ = ["render"]
 
@@ -113,7 +118,7 @@ def render(
     ``operator_namespace``, where the operator runs in the cluster, lets its pods through
     the router's NetworkPolicy to read /metrics when a stage uses the planner.
     """
-    data = config_data(spec)
+    data = config_data(spec, name)
     ctx = RenderContext(
         name,
         namespace,
@@ -138,6 +143,8 @@ def render(
             objects.append(
                 disruption_budget(ctx, group_object_name(name, group), ctx.group_labels(group))
             )
+    # The store before the routers that use it.
+    objects.extend(video_store_objects(ctx))
     objects.append(router_service(ctx))
     objects.append(router_deployment(ctx, groups))
     if spec.router.replicas > 1:

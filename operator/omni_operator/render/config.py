@@ -13,20 +13,21 @@ from omni_runtime.config import dump_pipeline
 from ..api import OmniPipelineSpec, runtime_config
 from ..placement import CONFIG_DIR
 from .context import RenderContext
-from .names import COMPONENT_CONFIG, config_map_name
+from .names import COMPONENT_CONFIG, config_map_name, video_store_url
 
 CONFIG_KEY = "pipeline.json"
 CONFIG_FILE = f"{CONFIG_DIR}/{CONFIG_KEY}"
 
 
-def config_data(spec: OmniPipelineSpec) -> dict[str, str]:
-    """The ConfigMap's data: the runtime pipeline, as the stage and router processes load it.
+def config_data(spec: OmniPipelineSpec, name: str) -> dict[str, str]:
+    """The ConfigMap's data: the runtime pipeline of pipeline ``name``, as the stage and
+    router processes load it (a managed video store's address is named after the pipeline).
 
     Replica counts are left out: in a cluster they live in the Deployments (a pod runs one
     replica; the router discovers them all), and with them in the config, scaling a stage
     would change the config hash and roll every pod of the pipeline.
     """
-    pipeline = dump_pipeline(runtime_config(spec))
+    pipeline = dump_pipeline(runtime_config(spec, video_store_url(name)))
     for stage in pipeline["stages"]:
         stage.pop("replicas", None)
     text = json.dumps(pipeline, indent=2, sort_keys=True)

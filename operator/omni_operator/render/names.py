@@ -32,6 +32,9 @@ COMPONENT_CONFIG = "config"
 COMPONENT_STAGES = "stages"
 COMPONENT_ROUTER = "router"
 COMPONENT_STAGE_KEYS = "stage-keys"
+COMPONENT_VIDEO_STORE = "video-store"
+# Redis's own port: a managed video store's Service and pod listen on it.
+VIDEO_STORE_PORT = 6379
 _MAX_NAME = 63
 _HASH_CHARS = 8
 _DNS_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
@@ -107,6 +110,17 @@ def router_service_name(pipeline: str) -> str:
 
 def stage_keys_secret_name(pipeline: str) -> str:
     return object_name(pipeline, "stage-keys")
+
+
+def video_store_name(pipeline: str) -> str:
+    """A managed video store's Deployment, Service, NetworkPolicy and password Secret."""
+    return object_name(pipeline, "video-store")
+
+
+def video_store_url(pipeline: str) -> str:
+    """Where the routers reach a managed video store: its Service's short name, which the
+    pods' DNS search path resolves within the namespace (the ConfigMap need not name it)."""
+    return f"redis://{video_store_name(pipeline)}:{VIDEO_STORE_PORT}/0"
 
 
 def endpoint_url(name: str, namespace: str, port: int) -> str:

@@ -14,7 +14,13 @@ from omni_runtime.pod_contract import NAMESPACE_ENV
 from ..placement import PlacementGroup
 from .config import CONFIG_FILE
 from .context import RenderContext
-from .names import group_object_name, router_object_name, router_service_name, selector
+from .names import (
+    group_object_name,
+    router_object_name,
+    router_service_name,
+    selector,
+    video_store_name,
+)
 from .pods import (
     READINESS_PROBE_PERIOD_S,
     deployment_of,
@@ -26,6 +32,7 @@ from .pods import (
     runtime_container,
 )
 from .secrets import API_KEYS_DIR, API_KEYS_FILE, STAGE_KEYS_DIR, api_keys_volume, stage_keys_volume
+from .video_store import VIDEO_STORE_PASSWORD_KEY
 
 ROUTER_CONTAINER = "router"
 
@@ -94,11 +101,17 @@ def router_deployment(ctx: RenderContext, groups: Sequence[PlacementGroup]) -> d
         "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}},
     }
     env = [namespace_env, *home_env(), {"name": KEYS_DIR_ENV, "value": STAGE_KEYS_DIR}]
-    if (password := router.video_store_password_secret_ref) is not None:
+    password: tuple[str, str] | None = None
+    if router.video_store is not None:
+        password = (video_store_name(ctx.name), VIDEO_STORE_PASSWORD_KEY)
+    elif (ref := router.video_store_password_secret_ref) is not None:
+        password = (ref.name, ref.key)
+    if password is not None:
+        secret, key = password
         env.append(
             {
                 "name": VIDEO_STORE_PASSWORD_ENV,
-                "valueFrom": {"secretKeyRef": {"name": password.name, "key": password.key}},
+                "valueFrom": {"secretKeyRef": {"name": secret, "key": key}},
             }
         )
     container = runtime_container(

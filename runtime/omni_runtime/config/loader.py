@@ -33,6 +33,7 @@ KUBERNETES_ONLY_FIELDS = {
         "placement",
         "apiKeySecretRef",
         "videoStorePasswordSecretRef",
+        "videoStore",
         "allowedFrom",
     ),
 }

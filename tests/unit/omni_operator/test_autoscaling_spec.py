@@ -38,7 +38,7 @@ def test_an_autoscaled_group_has_no_replicas_in_its_deployment_the_others_keep_t
 def test_autoscaling_changes_no_pod_it_is_not_in_the_runtime_config() -> None:
     plain = spec_of([stage_of(0)])
     scaled = spec_of([stage_of(0, autoscaling=PLANNER)])
-    assert config_data(plain) == config_data(scaled)
+    assert config_data(plain, "p") == config_data(scaled, "p")
     assert "autoscaling" not in runtime_config(scaled).model_dump(by_alias=True)["stages"][0]
 
 

@@ -306,3 +306,17 @@ def test_a_video_pipelines_router_replicas_need_a_shared_store() -> None:
     assert _messages(_video(replicas=1)) == {}
     # An image pipeline's routers keep no jobs.
     assert "router.videos.storeUrl" not in _messages(spec_of([stage_of(0)], router={"replicas": 2}))
+
+
+def test_a_managed_video_store_is_a_shared_store_and_stands_alone() -> None:
+    assert _messages(_video(replicas=3, videoStore={})) == {}
+    both = _messages(_video(videoStore={}, videos={"storeUrl": "redis://redis:6379/0"}))
+    assert "not both" in both["router.videoStore"]
+    password = _messages(_video(videoStore={}, videoStorePasswordSecretRef={"name": "auth"}))
+    assert "the operator makes the password" in password["router.videoStorePasswordSecretRef"]
+    # An image pipeline has no jobs to keep.
+    image = _messages(spec_of([stage_of(0)], router={"videoStore": {}}))
+    assert "makes no videos" in image["router.videoStore"]
+    # Its objects are P-video-store: a placement group of that name would be one of them.
+    group = _messages(spec_of([stage_of(0, name="video-store")]))
+    assert "video-store" in group["stages[0].name"]

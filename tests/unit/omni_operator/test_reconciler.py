@@ -144,6 +144,25 @@ async def test_the_stage_keys_secret_is_made_once_and_kept() -> None:
     assert not any(value in rendered for value in keys.values())
 
 
+async def test_a_managed_video_stores_password_is_made_once_and_kept() -> None:
+    kube = FakeKube()
+    spec = {
+        "model": "Wan-AI/Wan2.2-TI2V-5B-Diffusers",
+        "stages": [{"stageId": 0, "name": "dit", "type": "diffusion"}],
+        "router": {"replicas": 2, "videoStore": {}},
+    }
+    await _converge(kube, spec, generation=1)
+    first = dict(kube.objects[("Secret", "tiny-video-store")]["stringData"])
+    assert first["redis.conf"] == f"requirepass {first['password']}\n"
+    assert len(first["password"]) == 64
+    await _converge(kube, spec, generation=2)
+    assert kube.objects[("Secret", "tiny-video-store")]["stringData"] == first
+    assert ("Deployment", "tiny-video-store") in kube.objects
+    # In no object the renderer applies.
+    rendered = json.dumps([o for (kind, _), o in kube.objects.items() if kind != "Secret"])
+    assert first["password"] not in rendered
+
+
 def _revisions(kube: FakeKube) -> dict[str, str]:
     """Deployment name -> its pods' OMNI_PIPELINE_REVISION (stage pods only carry one)."""
     found = {}
@@ -151,7 +170,7 @@ def _revisions(kube: FakeKube) -> dict[str, str]:
         if kind != "Deployment":
             continue
         (container,) = obj["spec"]["template"]["spec"]["containers"]
-        for var in container["env"]:
+        for var in container.get("env", []):
             if var["name"] == REVISION_ENV:
                 found[name] = var["value"]
     return found

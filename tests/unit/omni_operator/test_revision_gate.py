@@ -171,7 +171,7 @@ async def test_nothing_is_released_for_a_pipeline_whose_spec_was_not_applied() -
         if obj["kind"] == "Deployment"
     ]
     assert pods
-    current = config_hash(config_data(spec))
+    current = config_hash(config_data(spec, "tiny"))
     assert all(p["metadata"]["annotations"][ANNOTATION_CONFIG_HASH] == current for p in pods)
     await reconciler.release_revision(PipelineRef("tiny", "demo", "uid-1", 1), pods, print)
     assert kube.patched == []

@@ -164,7 +164,7 @@ def test_bagel_renders_one_gpu_pod_for_both_stages() -> None:
     name, spec = _example("bagel-pipeline.yaml")
     objects = _by_key(_render(spec, name))
     config_map = next(key for key in objects if key[0] == "ConfigMap")
-    assert config_map[1] == f"bagel-config-{config_hash(config_data(spec))}"
+    assert config_map[1] == f"bagel-config-{config_hash(config_data(spec, name))}"
     assert sorted(objects) == [
         config_map,
         ("Deployment", "bagel-router"),
@@ -404,7 +404,7 @@ def test_pods_run_unprivileged_on_a_read_only_root() -> None:
         volumes = {v["name"]: v for v in pod["volumes"]}
         assert volumes["omni-config"] == {
             "name": "omni-config",
-            "configMap": {"name": f"p-config-{config_hash(config_data(spec))}"},
+            "configMap": {"name": f"p-config-{config_hash(config_data(spec, 'p'))}"},
         }
         if deployment["metadata"]["name"] != "p-router":
             assert pod["automountServiceAccountToken"] is False
@@ -413,7 +413,9 @@ def test_pods_run_unprivileged_on_a_read_only_root() -> None:
 
 def test_config_map_holds_the_runtime_pipeline() -> None:
     spec = spec_of([stage_of(0, placement={"image": "x:1"})], router={"replicas": 2})
-    config = _by_key(_render(spec))[("ConfigMap", f"p-config-{config_hash(config_data(spec))}")]
+    config = _by_key(_render(spec))[
+        ("ConfigMap", f"p-config-{config_hash(config_data(spec, 'p'))}")
+    ]
     assert config["immutable"] is True
     loaded = load_pipeline(json.loads(config["data"]["pipeline.json"]))
     assert dump_pipeline(loaded) == dump_pipeline(runtime_config(spec))
@@ -793,7 +795,7 @@ def test_each_config_has_a_configmap_of_its_own_and_the_one_in_use_outlives_it_o
 
     assert config_maps(old) != config_maps(new)
     for objects, spec in ((old, old_spec), (new, new_spec)):
-        wanted = f"p-config-{config_hash(config_data(spec))}"
+        wanted = f"p-config-{config_hash(config_data(spec, 'p'))}"
         for deployment in (o for o in objects if o["kind"] == "Deployment"):
             volumes = deployment["spec"]["template"]["spec"]["volumes"]
             assert {"name": "omni-config", "configMap": {"name": wanted}} in volumes

@@ -85,7 +85,9 @@ def test_the_api_key_secret_is_mounted_whole_for_rotation() -> None:
     assert args[args.index("--api-key-file") + 1] == f"{API_KEYS_DIR}/api-keys"
     # The Secret's name is no part of the runtime's config: changing it rolls the router
     # alone (its pod template), not the stages.
-    assert config_hash(config_data(spec)) == config_hash(config_data(spec_of([stage_of(0)])))
+    assert config_hash(config_data(spec, "p")) == config_hash(
+        config_data(spec_of([stage_of(0)]), "p")
+    )
 
 
 def test_without_an_api_key_secret_the_router_asks_for_none() -> None:
