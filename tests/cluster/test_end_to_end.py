@@ -14,6 +14,7 @@ Skipped, saying why, where the real node cannot run (the `real_node` fixture).
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import copy
 import io
@@ -1041,3 +1042,199 @@ def test_the_planner_adds_a_dit_pod_for_a_load_step_and_removes_it_after(
 def revision_order(revision: str) -> int:
     order, _, _ = revision.partition("-")
     return int(order)
+
+
+# --- 5. video jobs through the operator's pods and its Redis ---------------------------------
+
+VIDEO_MODEL = "tiny-wan"
+# Debian's redis-server on the same locally made base as the project's images: no registry
+# is reachable here for the official image the operator defaults to. The pod runs it the
+# way it runs that one (redis-server on the PATH, a config file, arguments).
+REDIS_IMAGE = "omni-operator.test/redis-server:bookworm"
+REDIS_CONTAINERFILE = """\
+FROM docker.io/library/python:3.11-slim-bookworm
+RUN apt-get update \\
+    && apt-get install -y --no-install-recommends redis-server \\
+    && rm -rf /var/lib/apt/lists/*
+"""
+# A clip that keeps the tiny DiT busy for tens of seconds in its one-thread pod, long
+# enough to delete the router that runs it mid-way.
+LONG_CLIP = {"num_frames": 33, "num_inference_steps": 120, "seed": 5}
+
+
+@pytest.fixture
+def redis_image(real_node: RealNode, tmp_path: Path) -> str:
+    podman = shutil.which("podman")
+    assert podman is not None, "podman is not on PATH"
+    conf = subprocess.run(
+        ["bash", str(REPO / "scripts" / "images.sh"), "--containers-conf"],
+        check=True, capture_output=True, text=True, timeout=60,
+    ).stdout.strip()  # fmt: skip
+    (tmp_path / "Containerfile").write_text(REDIS_CONTAINERFILE)
+    # podman's layer cache makes a warm build a check.
+    subprocess.run(
+        [podman, "build", "--pull=never", "--format", "docker", "-t", REDIS_IMAGE, str(tmp_path)],
+        check=True, capture_output=True, text=True, timeout=600,
+        env={**os.environ, "CONTAINERS_CONF": conf},
+    )  # fmt: skip
+    real_node.load_image(REDIS_IMAGE)
+    return REDIS_IMAGE
+
+
+def tiny_video_pipeline(node: RealNode, redis: str) -> dict[str, Any]:
+    """The tiny Wan2.2 (one diffusion stage) behind two routers that share their jobs
+    through the Redis the operator runs, every pod on the real node."""
+
+    def placement(cpu: str, memory: str) -> dict[str, Any]:
+        return {
+            "nodeSelector": dict(node.node_selector),
+            "tolerations": [dict(node.toleration)],
+            "resources": {"requests": {"cpu": cpu, "memory": memory}},
+            "env": [dict(var) for var in SINGLE_THREADED_VLLM],
+        }
+
+    return {
+        "apiVersion": "omni.dev/v1alpha1",
+        "kind": "OmniPipeline",
+        "metadata": {"name": PIPELINE},
+        "spec": {
+            "model": "$OMNI_TINY_MODELS/wan2.2",
+            "family": "wan2.2",
+            "stages": [
+                {
+                    "stageId": 0,
+                    "name": "dit",
+                    "type": "diffusion",
+                    "devices": "cpu",
+                    "placement": placement("300m", "1Gi"),
+                }
+            ],
+            "router": {
+                "replicas": 2,
+                "servedModelName": VIDEO_MODEL,
+                "placement": placement("100m", "256Mi"),
+                "videos": {"maxActiveJobs": 4, "jobsPerRouter": 1},
+                "videoStore": {
+                    "image": redis,
+                    "imagePullPolicy": "Never",
+                    "memory": "256Mi",
+                    "cpu": "50m",
+                    "nodeSelector": dict(node.node_selector),
+                    "tolerations": [dict(node.toleration)],
+                },
+            },
+        },
+    }
+
+
+@pytest.mark.timeout(1500)  # a cold load of the runtime image, then a clip run twice
+def test_a_video_job_outlives_the_router_pod_that_runs_it(
+    kube: Kube,
+    real_node: RealNode,
+    operator_installed: InstalledOperator,
+    namespace: str,
+    port_forwards: PortForwards,
+    redis_image: str,
+    eventually: Eventually,
+) -> None:
+    """A video job through the operator's pods: two routers, the Redis the operator runs
+    for them (its password made by the operator, in a Secret), the DiT. The router pod
+    that runs the job is deleted mid-clip; the job completes on the other one and its MP4
+    is fetched through the pipeline's Service."""
+    import av
+
+    from omni_runtime.router.job_store import RedisJobStore
+
+    figures = Figures()
+    real_node.load_image(RUNTIME_IMAGE)
+    kube.apply(tiny_video_pipeline(real_node, redis_image), namespace=namespace)
+    eventually(pipeline_ready(kube, namespace), timeout=300, interval=1, what="tiny Ready")
+    requests_fit_the_node(kube, real_node, namespace)
+    store = kube.get_json("deployment", f"{PIPELINE}-video-store", namespace=namespace)
+    assert store["status"].get("readyReplicas") == 1, store["status"]
+    figures.mark("pipeline and its Redis Ready (s)")
+
+    # The operator made the password; the routers have it from the Secret, not the config.
+    secret = kube.get_json("secret", f"{PIPELINE}-video-store", namespace=namespace)
+    password = base64.b64decode(secret["data"]["password"]).decode()
+    config_maps = kube.get_json("configmaps", namespace=namespace)["items"]
+    assert not [c for c in config_maps if password in json.dumps(c)]
+    redis_port = port_forwards.start(namespace, f"svc/{PIPELINE}-video-store", 6379)
+
+    cluster_ip = kube.get_json("service", PIPELINE, namespace=namespace)["spec"]["clusterIP"]
+    kube.apply(relay_pod(real_node, cluster_ip), namespace=namespace)
+    kube.kubectl(
+        "wait", "--for=condition=Ready", "pod/endpoint-relay", "--timeout=60s",
+        namespace=namespace, timeout=90,
+    )  # fmt: skip
+    relay_ip = kube.get_json("pod", "endpoint-relay", namespace=namespace)["status"]["podIP"]
+
+    async def holder(job_id: str) -> tuple[str, str | None, int]:
+        jobs = RedisJobStore(
+            f"redis://127.0.0.1:{redis_port}/0",
+            prefix=f"omni-videos:{VIDEO_MODEL}",
+            password=password,
+        )
+        try:
+            job = await jobs.get(job_id)
+        finally:
+            await jobs.close()
+        assert job is not None, job_id
+        return job.status, job.owner, job.progress
+
+    with real_node.unix_socket_to(relay_ip, 8000) as relay:
+        http = openai.DefaultHttpxClient(transport=httpx2.HTTPTransport(uds=relay), timeout=60)
+        client = openai.OpenAI(base_url="http://endpoint-relay/v1", api_key="-", http_client=http)
+        video = client.videos.create(
+            model=VIDEO_MODEL,
+            prompt="a paper boat on a pond",
+            size="256x256",  # type: ignore[arg-type]
+            extra_body=LONG_CLIP,
+        )
+
+        def running() -> str:
+            status, owner, progress = asyncio.run(holder(video.id))
+            assert status == "in_progress", status
+            assert owner is not None
+            assert progress > 0, progress
+            return owner
+
+        owner = eventually(running, timeout=180, interval=0.5, what="the job under way")
+        figures.mark("job under way (s)")
+        # The owner is <pod>-<pid>-<random>: the router pod that runs it.
+        pod = owner.rsplit("-", 2)[0]
+        routers = [
+            p["metadata"]["name"]
+            for p in pipeline_pods(kube, namespace)
+            if p["metadata"]["labels"][COMPONENT_LABEL] == "router"
+        ]
+        assert pod in routers, (owner, routers)
+        kube.kubectl("delete", "pod", pod, "--wait=false", namespace=namespace)
+
+        def finished() -> Any:
+            job = client.videos.retrieve(video.id)
+            assert job.status in ("completed", "failed"), (job.status, job.progress)
+            return job
+
+        done = eventually(finished, timeout=600, interval=1, what="the job finished")
+        figures.mark("job completed (s)")
+        assert done.status == "completed", done.error
+        status, last_owner, progress = asyncio.run(holder(video.id))
+        assert (status, progress) == ("completed", 100)
+        # Finished by another router than the one deleted.
+        assert last_owner is not None
+        assert not last_owner.startswith(f"{pod}-"), last_owner
+        mp4 = client.videos.download_content(video.id).read()
+        http.close()
+    with av.open(io.BytesIO(mp4)) as container:
+        frames = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
+    assert len(frames) == LONG_CLIP["num_frames"]
+    assert frames[0].shape == (256, 256, 3)
+    figures.values["clip (bytes)"] = len(mp4)
+
+    kube.kubectl("delete", "omnipipeline", PIPELINE, "--wait=true", namespace=namespace)
+    eventually(
+        lambda: owned(kube, namespace) == [] and pipeline_pods(kube, namespace) == [],
+        timeout=120, interval=1, what="the pipeline's objects, its Redis included, gone",
+    )  # fmt: skip
+    figures.show("a video job across a router pod's deletion")

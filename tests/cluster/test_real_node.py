@@ -203,6 +203,20 @@ def test_a_service_clusterip_reaches_both_backends_on_the_node(
         return seen == {"backend-a", "backend-b"}
 
     eventually(both_answered, timeout=90, interval=0.1, what=f"answers from both via {cluster_ip}")
+    # And by name, as pods find Services in any cluster: the cluster's DNS (CoreDNS on the
+    # node) answers the full name and, through the pod's search path, the short one.
+    for host in (f"echo.{namespace}.svc.cluster.local", "echo"):
+        res = kube.kubectl(
+            "exec", "client", "--", "/omni-probe", "get", f"{host}:80", namespace=namespace
+        )  # fmt: skip
+        assert re.search(r"hello from backend-[ab]", res.stdout), res.stdout
+    # A Service that does not exist is no such host, at once.
+    missing = kube.kubectl(
+        "exec", "client", "--", "/omni-probe", "get",
+        f"nothing-here.{namespace}.svc.cluster.local:80", namespace=namespace, check=False,
+    )  # fmt: skip
+    assert missing.returncode != 0
+    assert "no such host" in missing.stdout + missing.stderr
     # The client's own traffic went through kube-proxy's rules: the backends saw it
     # coming from the node's bridge (masqueraded), not from the client's address.
     client_ip = kube.get_json("pod", "client", namespace=namespace)["status"]["podIP"]
@@ -438,7 +452,9 @@ def test_stop_leaves_nothing_of_the_node_running_or_mounted(
         # unshare itself entered the node's network and mount namespaces.
         unshare = next(p["pid"] for p in state["node_procs"] if p["name"] == "node-unshare")
         supervisor = psutil.Process(node["supervisor_pid"])
-        wanted = {"containerd", "kubelet", "kube-proxy", "socat", "pause", "omni-probe"}
+        wanted = {
+            "containerd", "kubelet", "kube-proxy", "cluster-dns", "socat", "pause", "omni-probe"
+        }  # fmt: skip
 
         def all_there() -> list[psutil.Process]:
             procs = [psutil.Process(unshare), supervisor, *supervisor.children(recursive=True)]

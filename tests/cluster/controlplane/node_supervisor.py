@@ -9,7 +9,8 @@ Made by realnode.write_configs. Inside the fresh namespaces it puts tmpfs over /
 kubelet's root dir and log links: nothing lands on the machine's disk), shows the kubelet
 the kernel settings it wants by bind-mounting files over those /proc/sys entries (nothing
 machine-wide changes), brings up lo with the node's address, and runs in order: the
-node-side socat forwarders, containerd, the kubelet and kube-proxy. SIGTERM stops them in
+node-side socat forwarders, containerd, the kubelet, kube-proxy and the cluster's DNS
+(CoreDNS on the node's address). SIGTERM stops them in
 reverse, removes the pods (their shims and containers) and the node's cgroups; whatever
 is left is killed, and the namespaces die with this process.
 
@@ -245,6 +246,7 @@ class Supervisor:
         self.wait_for("kubelet forward socket", kubelet_sock.exists, timeout_s=10)
         self.spawn("kubelet", [self.bin["kubelet"], *cfg["kubelet_args"]])
         self.spawn("kube-proxy", [self.bin["kube-proxy"], *cfg["kube_proxy_args"]])
+        self.spawn("cluster-dns", [self.bin["cluster-dns"], *cfg["cluster_dns_args"]])
         (Path(cfg["node_dir"]) / "supervisor.ready").write_text(f"{os.getpid()}\n")
         log("node components started")
 
@@ -286,6 +288,7 @@ class Supervisor:
         # The kubelet first, so it does not restart what is being removed.
         self.terminate("kubelet")
         self.terminate("kube-proxy")
+        self.terminate("cluster-dns")
         if "containerd" in self.children and self.children["containerd"] not in self.exited:
             with contextlib.suppress(subprocess.TimeoutExpired, Fatal):
                 self.remove_pods()

@@ -53,7 +53,20 @@ APISERVER_NODE_PORT = 6443
 PAUSE_IMAGE = "registry.k8s.io/pause:3.10.2"
 PROBE_IMAGE_NAME = "omni-operator.test/omni-probe"
 
-NODE_BINARIES = ("containerd", "containerd-shim-runc-v2", "ctr", "crictl", "omni-probe", "pause")
+NODE_BINARIES = (
+    "containerd",
+    "containerd-shim-runc-v2",
+    "ctr",
+    "crictl",
+    "omni-probe",
+    "pause",
+    "cluster-dns",
+)
+# The cluster's DNS answers on the node's address, as kube-dns's Service IP would: pods
+# resolve <service>.<namespace>.svc.cluster.local (and a Service's short name within its
+# namespace) as in any cluster.
+CLUSTER_DOMAIN = "cluster.local"
+DNS_PORT = 53
 CONTROLPLANE_NODE_BINARIES = ("kubelet", "kube-proxy")
 HOST_TOOLS = ("unshare", "socat", "runc", "ip", "iptables", "iptables-save", "iptables-restore")
 CNI_PLUGINS = ("bridge", "host-local", "loopback")
@@ -464,8 +477,8 @@ disabled_plugins = {json.dumps(disabled)}
         "protectKernelDefaults": True,
         "oomScoreAdj": 0,
         "enforceNodeAllocatable": [],
-        "clusterDNS": [],
-        "clusterDomain": "cluster.local",
+        "clusterDNS": [NODE_ADDRESS],
+        "clusterDomain": CLUSTER_DOMAIN,
         "resolvConf": str(nd / "resolv.conf"),
         "podLogsDir": str(nd / "pod-logs"),
         "failSwapOn": False,
@@ -490,6 +503,20 @@ disabled_plugins = {json.dumps(disabled)}
     server = f"https://{NODE_ADDRESS}:{APISERVER_NODE_PORT}"
     write_client_kubeconfig(nd / "kubelet.kubeconfig", pki, server, "kubelet-client")
     write_client_kubeconfig(nd / "kube-proxy.kubeconfig", pki, server, "kube-proxy")
+    # The tests' admin certificate: CoreDNS lists and watches Services, EndpointSlices and
+    # Namespaces cluster-wide, and this is test infrastructure, as the suite's kubectl is.
+    write_client_kubeconfig(nd / "cluster-dns.kubeconfig", pki, server, "admin")
+    # Only the cluster's zone: any other name fails at once (no upstream to forward to:
+    # nothing outside this machine is reachable, nor should a test try).
+    (nd / "Corefile").write_text(
+        f"{CLUSTER_DOMAIN}:{DNS_PORT} {{\n"
+        f"    bind {NODE_ADDRESS}\n"
+        "    errors\n"
+        f"    kubernetes {CLUSTER_DOMAIN} {{\n"
+        f"        kubeconfig {nd / 'cluster-dns.kubeconfig'}\n"
+        "    }\n"
+        "}\n"
+    )
     proxy_config = {
         "apiVersion": "kubeproxy.config.k8s.io/v1alpha1",
         "kind": "KubeProxyConfiguration",
@@ -551,6 +578,7 @@ disabled_plugins = {json.dumps(disabled)}
             "--v=1",
         ],
         "kube_proxy_args": [f"--config={nd / 'kube-proxy.json'}", "--v=1"],
+        "cluster_dns_args": ["-conf", str(nd / "Corefile")],
     }
     path = nd / "supervisor.json"
     path.write_text(json.dumps(sup, indent=2))

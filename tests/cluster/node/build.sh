@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Build what the cluster tests' real node runs besides the kubelet and
 # kube-proxy (those come from ../controlplane/build.sh): containerd, its runc
-# shim, ctr and crictl from this Go module, omni-probe (probe/, the whole of
+# shim, ctr and crictl from this Go module, cluster-dns (CoreDNS, ../dns),
+# omni-probe (probe/, the whole of
 # the tests' tiny image) and the pause binary compiled with gcc -static from
 # the kubernetes module the control plane pins, into a cache outside the
 # checkout keyed by the pins.
@@ -22,7 +23,7 @@ source "$here/../go_build.sh"
 find_go node/build.sh
 cc="${CC:-gcc}"
 
-binaries=(containerd containerd-shim-runc-v2 ctr crictl omni-probe pause)
+binaries=(containerd containerd-shim-runc-v2 ctr crictl omni-probe pause cluster-dns)
 
 # btrfs needs cgo headers this machine lacks; the CLI docs are dead weight.
 go_tags="no_btrfs urfave_cli_no_docs"
@@ -34,6 +35,7 @@ cc_version="$("$cc" --version | head -1)"
 # Everything that changes the artifacts is in the key: the pins, the sources
 # of omni-probe, the compilers and the flags below.
 key="$(cat "$here/go.mod" "$here/go.sum" "$here"/probe/*.go \
+  "$here/../dns/go.mod" "$here/../dns/go.sum" "$here/../dns/main.go" \
   <(echo "$go_version|$cc_version|$go_tags|$k8s_mod") | sha256sum | cut -c1-16)"
 bin_dir="$cache_root/node/$key/bin"
 
@@ -60,6 +62,12 @@ go_step containerd-shim-runc-v2 github.com/containerd/containerd/v2/cmd/containe
 go_step ctr github.com/containerd/containerd/v2/cmd/ctr "$cd_ldflags"
 go_step crictl sigs.k8s.io/cri-tools/cmd/crictl "-X sigs.k8s.io/cri-tools/pkg/version.Version=$crictl_version"
 go_step omni-probe ./probe ""
+# The cluster's DNS: a module of its own (../dns), so that CoreDNS's pins never move
+# containerd's.
+t0=$SECONDS
+(cd "$here/../dns" && CGO_ENABLED=0 "${nice_cmd[@]}" "$go_bin" build -buildvcs=false -trimpath \
+  -ldflags "-s -w" -o "$tmp_dir/cluster-dns" .)
+echo "node/build.sh: cluster-dns built in $((SECONDS - t0))s" >&2
 
 # pause.c ships inside the kubernetes module; take it from the module cache
 # of the control plane's pins rather than from a copy in this tree.
