@@ -39,6 +39,7 @@ from .render.names import (
     group_object_name,
     label_value,
     object_key,
+    video_store_name,
 )
 from .render.secrets import stage_keys_secret
 from .render.video_store import generate_video_store_password, video_store_secret
@@ -398,6 +399,9 @@ class Reconciler:
                 scaling=memory.scaling,
                 scaled_up_from=memory.scaled_up_from,
                 scaled_generations=memory.scaled_generations,
+                video_store_deployment=(
+                    video_store_name(ref.name) if spec.router.video_store is not None else None
+                ),
             )
             if before is None or before.phase != status.phase:
                 kind = "Warning" if status.phase in ("Degraded", "Failed") else "Normal"

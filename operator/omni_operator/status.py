@@ -114,6 +114,7 @@ def pipeline_status(
     scaling: Mapping[str, StageScalingStatus] | None = None,
     scaled_up_from: Mapping[str, int] | None = None,
     scaled_generations: Mapping[str, int] | None = None,
+    video_store_deployment: str | None = None,
 ) -> OmniPipelineStatus:
     """The status of a valid pipeline whose Deployments (by name) are ``deployments``;
     a Deployment not there yet counts as wanted but with nothing ready.
@@ -123,7 +124,9 @@ def pipeline_status(
     pods come up, with at least as many ready as before, they are scaling (Progressing),
     not missing replicas (Degraded). ``scaled_generations`` are the generations the
     planner's last scales gave its Deployments: one not yet observed is scaling, not rolling
-    out (a scale-down would otherwise flap the phase to Progressing and back)."""
+    out (a scale-down would otherwise flap the phase to Progressing and back).
+    ``video_store_deployment`` names a managed video store's Deployment: without it ready
+    the routers can take no video job, so it counts as the router does."""
     scaling = scaling or {}
     scaled_up_from = scaled_up_from or {}
     scaled_generations = scaled_generations or {}
@@ -152,7 +155,8 @@ def pipeline_status(
             continue
         if not state.all_ready:
             not_ready.append(f"stage {stage.name}: {state.ready_replicas}/{state.replicas} ready")
-    for name in sorted({s.deployment for s in stages} | {router_deployment}):
+    others = {router_deployment} | ({video_store_deployment} if video_store_deployment else set())
+    for name in sorted({s.deployment for s in stages} | others):
         state = states.get(name, missing)
         if name not in states:
             rolling.append(f"{name}: not created yet")
@@ -166,6 +170,10 @@ def pipeline_status(
     router = states.get(router_deployment, missing)
     if not router.all_ready:
         not_ready.append(f"router: {router.ready_replicas}/{router.replicas} ready")
+    if video_store_deployment is not None:
+        store = states.get(video_store_deployment, missing)
+        if not store.all_ready:
+            not_ready.append(f"video store: {store.ready_replicas}/{store.replicas} ready")
     ready_stages = sum(
         1 for s in stage_statuses if s.replicas > 0 and s.ready_replicas >= s.replicas
     )

@@ -216,3 +216,19 @@ def test_a_planner_scale_down_not_yet_observed_is_not_a_rollout() -> None:
     # Anyone else's change of generation 2 (a template, say) is a rollout until observed.
     assert status({}).phase == "Progressing"
     assert status({"p-vae": 3}).phase == "Progressing"
+
+
+def test_a_managed_video_store_counts_as_the_router_does() -> None:
+    # Without its Redis the routers take no video job: the pipeline is not Ready.
+    store = {"video_store_deployment": "p-video-store"}
+    deployments = all_ready()
+    assert status_of(deployments, **store).phase == "Progressing"  # not created yet
+    deployments["p-video-store"] = deployment(ready=1, component="video-store")
+    ready = status_of(deployments, **store)
+    assert ready.phase == "Ready"
+    deployments["p-video-store"] = deployment(ready=0, component="video-store")
+    lost = status_of(deployments, previous=ready, **store)
+    assert lost.phase == "Degraded"
+    assert "video store: 0/1 ready" in next(c for c in lost.conditions if c.type == "Ready").message
+    # Its stage counts are the stages' alone.
+    assert lost.ready == "3/3"
