@@ -2,8 +2,10 @@
 against a router serving real stage processes: the tiny chat LLM (a text pipeline), the
 tiny Z-Image and Qwen-Image split across a vLLM encoder and a diffusers DiT (image
 pipelines, whose documents list their families' own fields), the tiny BAGEL (its thinker
-and its own DiT: text to image and edits) and the tiny Qwen-Image-Edit-Plus (an edit
-pipeline: up to three input images by chat and by /v1/images/edits' form, no generations).
+and its own DiT: text to image and edits), the tiny Qwen-Image-Edit-Plus (an edit
+pipeline: up to three input images by chat and by /v1/images/edits' form, no generations),
+the tiny Wan2.2 and HunyuanVideo-1.5 image-to-video (the Videos API; the latter's every job
+from an input image).
 
 Besides schemathesis' own checks (no 5xx, every status and content type documented,
 responses valid by their schemas, valid requests accepted and invalid ones refused,
@@ -37,6 +39,7 @@ from omni_runtime.config import PipelineConfig, dump_pipeline
 from omni_runtime.router.protocol import RouterLimits
 from omni_runtime.tiny_models import (
     BAGEL_SUBDIR,
+    HUNYUAN_VIDEO_I2V_SUBDIR,
     LLM_SUBDIR,
     QWEN_IMAGE_EDIT_PLUS_SUBDIR,
     QWEN_IMAGE_SUBDIR,
@@ -162,9 +165,28 @@ WAN = Fuzzed(
     size_multiple=32,
     max_images=1,
 )  # fmt: skip
-FUZZED = {fuzzed.name: fuzzed for fuzzed in (TEXT, Z_IMAGE, QWEN_IMAGE, BAGEL, EDIT_PLUS, WAN)}
+# HunyuanVideo-1.5's image-to-video (its encoder on vLLM, its DiT on diffusers): every job
+# needs its input_reference (a multipart form alone) and takes no size; at most 9 frames of
+# the image's bucket around the tiny transformer's 32 px, in 2 steps.
+HUNYUAN_VIDEO_I2V = Fuzzed(
+    name="hunyuan-video-i2v",
+    limits=RouterLimits(
+        max_prompt_chars=64, max_tokens=16, max_n=1, max_steps=2, max_image_side=64,
+        max_video_frames=9,
+    ),
+    max_examples=20,
+    run_timeout=300,
+    answered=("POST /v1/videos",),
+    size_multiple=16,
+    max_images=1,
+)  # fmt: skip
+FUZZED = {
+    fuzzed.name: fuzzed
+    for fuzzed in (TEXT, Z_IMAGE, QWEN_IMAGE, BAGEL, EDIT_PLUS, WAN, HUNYUAN_VIDEO_I2V)
+}
 SUBDIRS = {
     WAN.name: WAN_SUBDIR,
+    HUNYUAN_VIDEO_I2V.name: HUNYUAN_VIDEO_I2V_SUBDIR,
     Z_IMAGE.name: Z_IMAGE_SUBDIR,
     QWEN_IMAGE.name: QWEN_IMAGE_SUBDIR,
     BAGEL.name: BAGEL_SUBDIR,

@@ -20,6 +20,7 @@ from omni_runtime.tiny_models.hunyuan_video import (
     TEMPORAL_COMPRESSION,
     TEXT_LAYERS,
     build_hunyuan_video,
+    build_hunyuan_video_i2v,
 )
 from omni_runtime.tiny_models.qwen_image import MAX_POSITIONS
 
@@ -220,6 +221,35 @@ def test_image_to_video(checkpoint: Path) -> None:
     assert first.tobytes() == _frames(pipe, 0, image=images[0], prompt=PROMPT).tobytes()
     second = _frames(pipe, 0, image=images[1], prompt=PROMPT)
     assert np.abs(first - second).max() > 1e-3
+
+
+def test_the_image_to_video_layout_shares_the_weights(checkpoint: Path, tmp_path: Path) -> None:
+    """The i2v checkpoint is the 480p_i2v one's layout over the same files: its index names
+    the image-to-video pipeline and its SigLIP components, which load without being given,
+    and the one file that differs (the transformer's config) is its own."""
+    pytest.importorskip("torchvision", reason="SiglipImageProcessor needs torchvision")
+    from diffusers import DiffusionPipeline
+
+    target = tmp_path / "hunyuan-video-1.5-i2v"
+    build_hunyuan_video_i2v(target, checkpoint)
+    pipe = DiffusionPipeline.from_pretrained(target, local_files_only=True)
+    assert type(pipe).__name__ == "HunyuanVideo15ImageToVideoPipeline"
+    assert pipe.image_encoder is not None
+    assert pipe.feature_extractor is not None
+    assert pipe.transformer.config.task_type == "i2v"
+    assert _config(checkpoint, "transformer")["task_type"] == "t2v"
+    for weights in (
+        "transformer/diffusion_pytorch_model.safetensors",
+        "image_encoder/model.safetensors",
+        "text_encoder/model.safetensors",
+    ):
+        assert (target / weights).samefile(checkpoint / weights), weights
+    assert not (target / "transformer" / "config.json").samefile(
+        checkpoint / "transformer" / "config.json"
+    )
+    image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (40, 80, 3), np.uint8))
+    frames = _frames(pipe, 0, image=image, prompt=PROMPT)
+    assert frames.shape == (1, NUM_FRAMES, 16, 32, 3)
 
 
 def test_dit_without_qwen_encoder_matches_the_whole_pipeline(

@@ -585,8 +585,9 @@ class DiffusionEngine(DiffusionEngineBase):
                 if params.width is None:
                     params.width = int(image.shape[1])
         elif self.family is not None and self.family.dit.requires_image:
+            does = "starts its clip from" if self.makes_video else "edits"
             raise InvalidRequestError(
-                f"image: required: a {self.family.name} pipeline edits an input image", "image"
+                f"image: required: a {self.family.name} pipeline {does} an input image", "image"
             )
         if self.family is None:
             # A family's pipeline sizes its output itself (an edit: from its input image).
@@ -638,6 +639,14 @@ class DiffusionEngine(DiffusionEngineBase):
 
     def _check_call_params(self, params: DiffusionParams) -> None:
         pipeline = type(self.pipeline).__name__
+        if self.family is not None and self.family.dit.sized_by_image:
+            for name in ("height", "width"):
+                if getattr(params, name) is not None:
+                    raise InvalidRequestError(
+                        f"{name}: not a parameter of this pipeline ({pipeline}): it sizes its "
+                        "output from the input image's aspect ratio",
+                        name,
+                    )
         for name in _CALL_PARAMS:
             if getattr(params, name) is not None and name not in self._call_params:
                 if name == "strength" and self._img2img is not None:

@@ -27,7 +27,7 @@ from .base import (
     model_basename,
     prompt_image_size,
 )
-from .hunyuan_video import HUNYUAN_VIDEO
+from .hunyuan_video import HUNYUAN_VIDEO, HUNYUAN_VIDEO_I2V
 from .qwen_image import QWEN_IMAGE, QWEN_IMAGE_EDIT, QWEN_IMAGE_EDIT_PLUS
 from .wan import WAN
 from .z_image import Z_IMAGE
@@ -61,6 +61,7 @@ FamilyName = Literal[
     "bagel",
     "wan2.2",
     "hunyuanvideo-1.5",
+    "hunyuanvideo-1.5-i2v",
 ]
 FAMILY_NAMES: tuple[str, ...] = get_args(FamilyName)
 FAMILIES: Mapping[str, Family] = MappingProxyType(
@@ -74,6 +75,7 @@ FAMILIES: Mapping[str, Family] = MappingProxyType(
             BAGEL,
             WAN,
             HUNYUAN_VIDEO,
+            HUNYUAN_VIDEO_I2V,
         )
     }
 )

@@ -226,7 +226,8 @@ class DiTRecipe:
     text_components: tuple[str, ...] = ("text_encoder", "tokenizer")
     takes_image: bool = False
     # An edit family's pipeline edits an input image and makes nothing without one: its
-    # pipelines have no text-to-image (no /v1/images/generations).
+    # pipelines have no text-to-image (no /v1/images/generations). An image-to-video
+    # family's starts every clip from one: a video job without an input_reference is refused.
     requires_image: bool = False
     # The common image request fields its DiT does not take (BAGEL has no negative
     # prompt): its pipelines refuse them by name, and their documents leave them out.
@@ -244,6 +245,11 @@ class DiTRecipe:
     # The diffusers pipeline that runs a request with an input image on the same weights
     # (built with from_pipe), where ``pipeline_class`` takes none (Wan's image-to-video).
     image_pipeline_class: str | None = None
+    # The pipeline sizes its output from the input image (the size bucket nearest the
+    # image's aspect ratio at its checkpoint's resolution) and takes no height or width:
+    # a request that asks for a size is refused by name rather than silently not obeyed
+    # (HunyuanVideo-1.5's image-to-video).
+    sized_by_image: bool = False
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,9 @@
-"""HunyuanVideo-1.5 (text-to-video): Qwen2.5-VL's language model reads the prompt in a
-system template, and its residual stream two layers before the end, template rows dropped,
-is the DiT's first text conditioning (diffusers' HunyuanVideo15Pipeline, whose
-_get_mllm_prompt_embeds, encode_prompt and __call__ defaults this recipe follows, diffusers
-0.42.1).
+"""HunyuanVideo-1.5, text-to-video and image-to-video: Qwen2.5-VL's language model reads the
+prompt in a system template, and its residual stream two layers before the end, template
+rows dropped, is the DiT's first text conditioning (diffusers' HunyuanVideo15Pipeline and
+HunyuanVideo15ImageToVideoPipeline, whose _get_mllm_prompt_embeds, encode_prompt and
+__call__ defaults these recipes follow, diffusers 0.42.1; the two pipelines' text encoding
+is one copied method).
 
 Its second text encoder, Glyph-SDXL-v2's ByT5 (``text_encoder_2``), stays in the DiT stage,
 where the pipeline runs it: it reads only the text the prompt quotes (``"OPEN"``), a few
@@ -13,8 +14,26 @@ Guidance is the pipeline's guider (classifier-free, 6 in the released checkpoint
 while its scale is not 1; the negative prompt is "" unless one is given, which the
 pipeline's template writes as one space.
 
-Image-to-video (HunyuanVideo15ImageToVideoPipeline) is not served: it takes a SigLIP image
-encoder and a checkpoint of its own (the ``..._i2v`` ones), not the t2v weights.
+Image-to-video is a family of its own, ``hunyuanvideo-1.5-i2v``, not a variant of the
+text-to-video one as Wan2.2's is: its released checkpoints (``..._i2v``) are other weights
+(a transformer trained on the image's latent and SigLIP tokens, ``task_type: i2v``), with
+their own ``model_index.json`` class (HunyuanVideo15ImageToVideoPipeline) and a SigLIP image
+encoder the t2v ones lack; each pipeline runs well only on its own weights. So a
+deployment's model says which it serves, and what a request must carry follows from it:
+
+- the image is required (the pipeline has no text-only path: it always conditions on the
+  image's latent as the first frame), sent as the Videos API's ``input_reference``; a
+  request without it is refused by name when the job is created;
+- the clip's size is the pipeline's own: the size bucket nearest the image's aspect ratio
+  at the checkpoint's resolution (480p's 640 px, 720p's 960 px); it takes no height or
+  width, so a request's ``size`` is refused rather than ignored;
+- the SigLIP encoder (``image_encoder``, so400m: ~0.4 B parameters, one 384 px pass a clip)
+  stays in the DiT stage with its ``feature_extractor``, as ByT5 does: it is no LLM vLLM
+  serves, its one pass costs milliseconds against the DiT's minutes, and a stage of its own
+  would add a hand-off and a replica set to scale for nothing a DiT replica cannot do. The
+  VAE encodes the image there too, as the DiT stage holds the VAE. The encoder stage reads
+  the prompt alone: the pipeline's Qwen template takes no image (the same recipe as
+  text-to-video's, so the same encoder serves both).
 """
 
 from __future__ import annotations
@@ -77,10 +96,11 @@ class HunyuanVideoFamily(EmbeddingsFamily):
     def companions(
         self, prompt: str, has_image: bool, dit_params: Mapping[str, Any], thinks: bool
     ) -> tuple[Companion, ...]:
-        # format_text_input: `p if p else " "`.
+        # format_text_input: `p if p else " "`. The encoder reads the text alone (an input
+        # image goes to the DiT stage), the negative prompt's too.
         return tuple(
             dataclasses.replace(companion, prompt=companion.prompt or " ")
-            for companion in super().companions(prompt, has_image, dit_params, thinks)
+            for companion in super().companions(prompt, False, dit_params, thinks)
         )
 
 
@@ -115,4 +135,35 @@ HUNYUAN_VIDEO = HunyuanVideoFamily(
     ),
     # The hub ids' own spelling is the name; the tiny checkpoint's folder spells it apart.
     aliases=("hunyuan-video-1.5",),
+)
+
+# Image-to-video: the same encoder stage and guidance, on the ``..._i2v`` checkpoints.
+HUNYUAN_VIDEO_I2V = dataclasses.replace(
+    HUNYUAN_VIDEO,
+    name="hunyuanvideo-1.5-i2v",
+    dit=dataclasses.replace(
+        HUNYUAN_VIDEO.dit,
+        pipeline_class="HunyuanVideo15ImageToVideoPipeline",
+        # SigLIP (image_encoder, feature_extractor) stays with the DiT, as ByT5 does.
+        takes_image=True,
+        requires_image=True,
+        sized_by_image=True,
+    ),
+    hub_ids=(
+        "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_i2v",
+        "hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-720p_i2v",
+    ),
+    # A model's name finds its family by the longest name or alias it contains: these
+    # outrank the text-to-video family's "hunyuanvideo-1.5" in the hub ids (with or
+    # without "Diffusers", and their distilled variants), and its tiny checkpoint's
+    # folder. A local checkpoint is also known by its model_index.json's class.
+    aliases=(
+        "hunyuan-video-1.5-i2v",
+        "hunyuanvideo-1.5-480p-i2v",
+        "hunyuanvideo-1.5-720p-i2v",
+        "hunyuanvideo-1.5-diffusers-480p-i2v",
+        "hunyuanvideo-1.5-diffusers-720p-i2v",
+    ),
+    # The clip's first frame.
+    max_input_images=1,
 )

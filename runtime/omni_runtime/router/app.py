@@ -133,6 +133,8 @@ def create_app(
                 model_name=name,
                 limits=serving.limits,
                 takes_image=family.dit.takes_image if family is not None else True,
+                requires_image=family is not None and family.dit.requires_image,
+                sized_by_image=family is not None and family.dit.sized_by_image,
             )
             videos.start()
             app.state.videos = videos

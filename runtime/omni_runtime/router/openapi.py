@@ -345,14 +345,25 @@ def openapi_document(
     paths: dict[str, Any] = {}
     if output_kind != "video":
         paths["/v1/chat/completions"] = {"post": _chat_operation(output_kind)}
+    # Image to video alone (HunyuanVideo-1.5's i2v): a job without an input_reference is
+    # refused (400), and so is a JSON body, which has no file to carry one.
+    image_to_video = output_kind == "video" and family is not None and family.dit.requires_image
     if output_kind == "video":
-        schemas["VideoCreateForm"] = _video_form(schemas["VideoCreateRequest"])
+        form = schemas["VideoCreateForm"] = _video_form(schemas["VideoCreateRequest"])
         if family is not None and not family.dit.takes_image:
             # Text to video alone: an input_reference is refused (400).
-            del schemas["VideoCreateForm"]["properties"]["input_reference"]
-        _narrow_video(schemas["VideoCreateRequest"], model_name, limits)
-        _narrow_video(schemas["VideoCreateForm"], model_name, limits)
-        paths.update(_video_paths())
+            del form["properties"]["input_reference"]
+        if image_to_video:
+            form["required"] = ["input_reference", *form["required"]]
+            form["properties"]["input_reference"]["description"] = (
+                "The image file the clip starts from (its first frame): required, this "
+                "pipeline makes clips from an image and a prompt."
+            )
+        for name in ("VideoCreateRequest", "VideoCreateForm"):
+            _narrow_video(schemas[name], model_name, limits)
+            if family is not None and family.dit.sized_by_image:
+                _size_from_image(schemas[name]["properties"]["size"])
+        paths.update(_video_paths(json_body=not image_to_video))
     elif output_kind == "image":
         if not requires_image:
             paths["/v1/images/generations"] = {"post": _images_generations()}
@@ -375,6 +386,12 @@ def openapi_document(
             " Only the Videos API (/v1/videos) makes its videos: the chat, completion and "
             "image paths answer 400 here, so they are not listed."
         )
+        if image_to_video:
+            description += (
+                " Each clip starts from an input image: POST /v1/videos takes "
+                "multipart/form-data with an input_reference file (a JSON body, which "
+                "cannot carry one, is a 400)."
+            )
     elif output_kind == "text":
         description += (
             " /v1/images/generations and /v1/images/edits answer 400 here (this pipeline "
@@ -469,7 +486,22 @@ def _narrow_video(schema: dict[str, Any], model_name: str, limits: RouterLimits)
     _set(properties["num_frames"], maximum=limits.max_video_frames)
 
 
-def _video_paths() -> dict[str, Any]:
+def _size_from_image(size: dict[str, Any]) -> None:
+    """A video ``size`` of a pipeline that sizes its clip from its input image: ``auto``
+    alone (any WIDTHxHEIGHT is a 400)."""
+    branches = [b for b in size.get("anyOf", []) if b.get("type") != "null"]
+    branch = branches[0] if branches else size
+    branch.pop("pattern", None)
+    branch["enum"] = ["auto"]
+    size["description"] = (
+        "auto alone: the clip's size is the size bucket nearest the input image's aspect "
+        "ratio, at the checkpoint's resolution."
+    )
+
+
+def _video_paths(*, json_body: bool = True) -> dict[str, Any]:
+    """The Videos API's paths; ``json_body``: POST /v1/videos takes a JSON body beside the
+    form (not where every clip needs an input_reference file)."""
     job = {"name": "video_id", "in": "path", "required": True, "schema": {"type": "string"}}
     return {
         "/v1/videos": {
@@ -480,7 +512,7 @@ def _video_paths() -> dict[str, Any]:
                     "required": True,
                     "content": {
                         "multipart/form-data": {"schema": _ref("VideoCreateForm")},
-                        **_json("VideoCreateRequest"),
+                        **(_json("VideoCreateRequest") if json_body else {}),
                     },
                 },
                 "responses": {

@@ -106,6 +106,8 @@ class VideoJobs:
         model_name: str,
         limits: RouterLimits,
         takes_image: bool = True,
+        requires_image: bool = False,
+        sized_by_image: bool = False,
         owner: str | None = None,
         clock: Callable[[], float] = time.time,
     ) -> None:
@@ -115,8 +117,12 @@ class VideoJobs:
         self.recipe = recipe
         self.model_name = model_name
         self.limits = limits
-        # Whether the family's DiT starts a clip from an image (image-to-video).
+        # Whether the family's DiT starts a clip from an image (image-to-video), whether it
+        # makes none without one, and whether it then takes the clip's size from the image
+        # (its family's DiTRecipe: HunyuanVideo-1.5's image-to-video does both).
         self.takes_image = takes_image
+        self.requires_image = requires_image
+        self.sized_by_image = sized_by_image
         self.owner = owner or new_owner()
         self.clock = clock
         # The jobs this replica runs, by id.
@@ -168,6 +174,22 @@ class VideoJobs:
                 "input_reference: this pipeline makes videos from text alone (its model "
                 "family's checkpoint has no image-to-video); send no input_reference",
                 param=INPUT_REFERENCE.field,
+            )
+        if reference is None and self.requires_image:
+            raise RequestError(
+                400,
+                "input_reference: required: this pipeline makes a clip from an image (its "
+                "first frame) and a prompt; send the image as the input_reference file of a "
+                "multipart/form-data body",
+                param=INPUT_REFERENCE.field,
+            )
+        if self.sized_by_image and "height" in params:
+            raise RequestError(
+                400,
+                f"size: this pipeline sizes its clip from the input image (the size bucket "
+                f"nearest its aspect ratio, at its checkpoint's resolution); send no size, "
+                f"or auto (got {body.size!r})",
+                param="size",
             )
         if reference is not None:
             # Refused now, not when the job runs: decoding takes milliseconds, off the loop.

@@ -20,6 +20,9 @@ are random. Under one root:
 - ``hunyuan-video-1.5/``: a HunyuanVideo15Pipeline checkpoint laid out as
   HunyuanVideo-1.5-Diffusers-480p_t2v is (``tiny_models.hunyuan_video``); its Qwen2.5-VL
   text encoder loads in vLLM from ``text_encoder/``.
+- ``hunyuan-video-1.5-i2v/``: the same weights as a HunyuanVideo15ImageToVideoPipeline
+  checkpoint, laid out as HunyuanVideo-1.5-Diffusers-480p_i2v is (hard links to the
+  files of ``hunyuan-video-1.5/``).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from ._common import HIDDEN_SIZE, SEED, VOCAB_SIZE
 from ._tokenizer import CHATML_TEMPLATE, build_qwen_tokenizer
 from .bagel import build_bagel
 from .chat_llm import build_chat_llm
-from .hunyuan_video import build_hunyuan_video
+from .hunyuan_video import build_hunyuan_video, build_hunyuan_video_i2v
 from .qwen_image import MAX_POSITIONS, build_qwen_image
 from .stable_diffusion import build_stable_diffusion
 from .wan import build_wan
@@ -44,6 +47,7 @@ __all__ = [
     "CHATML_TEMPLATE",
     "DIFFUSION_SUBDIR",
     "HIDDEN_SIZE",
+    "HUNYUAN_VIDEO_I2V_SUBDIR",
     "HUNYUAN_VIDEO_SUBDIR",
     "LLM_SUBDIR",
     "QWEN_IMAGE_EDIT_PLUS_SUBDIR",
@@ -65,6 +69,7 @@ Z_IMAGE_SUBDIR = "z-image"
 BAGEL_SUBDIR = "bagel"
 WAN_SUBDIR = "wan2.2"
 HUNYUAN_VIDEO_SUBDIR = "hunyuan-video-1.5"
+HUNYUAN_VIDEO_I2V_SUBDIR = "hunyuan-video-1.5-i2v"
 SUBDIRS = (
     LLM_SUBDIR,
     DIFFUSION_SUBDIR,
@@ -75,10 +80,11 @@ SUBDIRS = (
     BAGEL_SUBDIR,
     WAN_SUBDIR,
     HUNYUAN_VIDEO_SUBDIR,
+    HUNYUAN_VIDEO_I2V_SUBDIR,
 )
 _MARKER = "omni-tiny-models.json"
 # Bump when what is built changes, so that old directories are rebuilt.
-_RECIPE_VERSION = 11
+_RECIPE_VERSION = 12
 
 
 def _readable_by_all(tree: Path) -> None:
@@ -113,6 +119,7 @@ def ensure_tiny_models(root: str | Path) -> Path:
         build_bagel(staging / BAGEL_SUBDIR, qwen_tokenizer)
         build_wan(staging / WAN_SUBDIR)
         build_hunyuan_video(staging / HUNYUAN_VIDEO_SUBDIR, qwen_tokenizer)
+        build_hunyuan_video_i2v(staging / HUNYUAN_VIDEO_I2V_SUBDIR, staging / HUNYUAN_VIDEO_SUBDIR)
         for sub in SUBDIRS:
             _readable_by_all(staging / sub)
             shutil.rmtree(root / sub, ignore_errors=True)

@@ -15,11 +15,20 @@ The image-to-video checkpoints (``..._i2v``) add a SigLIP vision model (``image_
 FLUX.1-Redux's so400m-patch14-384: 729 tokens of 1152) and its ``feature_extractor``; this
 checkpoint carries tiny ones in those folders too, outside ``model_index.json`` as the t2v
 checkpoint has them, for ``HunyuanVideo15ImageToVideoPipeline`` to be given.
+
+``build_hunyuan_video_i2v`` lays the same weights out as HunyuanVideo-1.5-Diffusers-480p_i2v
+is: a ``model_index.json`` of HunyuanVideo15ImageToVideoPipeline that names the SigLIP
+encoder, and the transformer's ``task_type`` i2v (a label: the model reads it nowhere). The
+real i2v weights differ from the t2v ones; random tiny ones are as good for either
+pipeline, so the files are hard links to the t2v checkpoint's: no second build, no second
+copy on disk.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -99,6 +108,36 @@ def build_hunyuan_video(target: Path, qwen_tokenizer: PreTrainedTokenizerBase) -
     # torchvision, and the build must not need it (loading it does, as the real one's does).
     config = {**_FEATURE_EXTRACTOR_CONFIG, "image_processor_type": "SiglipImageProcessor"}
     (folder / "preprocessor_config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def build_hunyuan_video_i2v(target: Path, t2v: Path) -> None:
+    """Write the image-to-video checkpoint to ``target``, of ``build_hunyuan_video``'s files
+    at ``t2v`` (hard links; the two JSON files that differ are written anew)."""
+    # diffusers' own spelling of an image-to-video index: the SigLIP components listed.
+    index = json.loads((t2v / "model_index.json").read_text())
+    index.update(
+        _class_name="HunyuanVideo15ImageToVideoPipeline",
+        image_encoder=["transformers", "SiglipVisionModel"],
+        feature_extractor=["transformers", "SiglipImageProcessor"],
+    )
+    config = json.loads((t2v / "transformer" / "config.json").read_text())
+    config["task_type"] = "i2v"
+    target.mkdir(parents=True)
+    for component in sorted(path for path in t2v.iterdir() if path.is_dir()):
+        # A hard link shares the file: the transformer's config, which differs, is left out
+        # and written below, never through a link into the t2v checkpoint.
+        shutil.copytree(
+            component,
+            target / component.name,
+            copy_function=os.link,
+            ignore=shutil.ignore_patterns("config.json")
+            if component.name == "transformer"
+            else None,
+        )
+    (target / "transformer" / "config.json").write_text(
+        json.dumps(config, indent=2, sort_keys=True) + "\n"
+    )
+    (target / "model_index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 
 def _text_encoder(tokenizer: Any) -> Any:

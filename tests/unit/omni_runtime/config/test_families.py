@@ -44,6 +44,11 @@ def two_stages(model: str, **more: Any) -> dict[str, Any]:
         ("Tongyi-MAI/Z-Image-Turbo", "z-image"),
         ("hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_t2v", "hunyuanvideo-1.5"),
         ("/models/hunyuan-video-1.5", "hunyuanvideo-1.5"),
+        # Its image-to-video checkpoints are other weights, of a family of their own.
+        ("hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-480p_i2v", "hunyuanvideo-1.5-i2v"),
+        ("hunyuanvideo-community/HunyuanVideo-1.5-Diffusers-720p_i2v", "hunyuanvideo-1.5-i2v"),
+        ("hunyuanvideo-community/HunyuanVideo-1.5-480p_i2v", "hunyuanvideo-1.5-i2v"),
+        ("/models/hunyuan-video-1.5-i2v", "hunyuanvideo-1.5-i2v"),
         # HunyuanVideo (1.0) is another pipeline.
         ("hunyuanvideo-community/HunyuanVideo", None),
         ("Qwen/Qwen2.5-VL-7B-Instruct", None),
@@ -73,6 +78,11 @@ def test_family_from_the_checkpoints_model_index(tmp_path: Path) -> None:
     data["stages"][0].update(type="llm", output="hidden_states")
     data["stages"][1]["type"] = "diffusion"
     assert load_pipeline(data).family == "z-image"
+    # HunyuanVideo-1.5's i2v checkpoints name their own pipeline, and so their family.
+    (checkpoint / "model_index.json").write_text(
+        json.dumps({"_class_name": "HunyuanVideo15ImageToVideoPipeline"})
+    )
+    assert load_pipeline(data).family == "hunyuanvideo-1.5-i2v"
     assert read_checkpoint_family(str(tmp_path / "missing")) is None
     assert family_of_pipeline_class("StableDiffusionPipeline") is None
 
@@ -213,6 +223,10 @@ def test_every_family_declares_a_topology_its_rules_accept() -> None:
         ("bagel", {}, False, True,
          [("no-image", "p", False, {"context_kv": "no_image_context_kv"})]),
         ("bagel", {}, False, False, []),
+        # HunyuanVideo-1.5's image-to-video: its encoder reads the text alone, the negative
+        # prompt's too (the image is the DiT stage's).
+        ("hunyuanvideo-1.5-i2v", {}, True, False,
+         [("negative", " ", False, {"prompt_embeds": "negative_prompt_embeds"})]),
     ],
 )  # fmt: skip
 def test_a_familys_companion_requests(

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import jsonschema
+import numpy as np
 import pytest
 import schemathesis
 from fastapi.routing import APIRoute
@@ -27,12 +28,19 @@ IMAGE = [
 ]
 # A Wan2.2 pipeline: one diffusion stage whose DiT makes videos.
 VIDEO = [{"stageId": 0, "name": "dit", "type": "diffusion"}]
+# A HunyuanVideo-1.5 image-to-video pipeline: its encoder, then its DiT, which makes every
+# clip from an input image.
+I2V = [
+    {"stageId": 0, "name": "encoder", "type": "llm", "output": "hidden_states"},
+    {"stageId": 1, "name": "dit", "type": "diffusion"},
+]
+FAMILY_OF = {id(VIDEO): "wan2.2", id(I2V): "hunyuanvideo-1.5-i2v"}
 LIMITS = RouterLimits(max_prompt_chars=100, max_tokens=50, max_n=3, max_steps=7, max_image_side=640)
 POST_ERRORS = {"400", "401", "404", "413", "415", "429", "500", "503", "504"}
 
 
 def client(stages: list[dict[str, Any]], state_dir: Path | None = None) -> TestClient:
-    family = {"family": "wan2.2"} if stages is VIDEO else {}
+    family = {"family": FAMILY_OF[id(stages)]} if id(stages) in FAMILY_OF else {}
     pipeline = PipelineConfig.model_validate(
         {"model": "m", "stages": stages, "router": {"servedModelName": "tiny"}, **family}
     )
@@ -40,9 +48,9 @@ def client(stages: list[dict[str, Any]], state_dir: Path | None = None) -> TestC
     return TestClient(create_app(pipeline, pools, limits=LIMITS, state_dir=state_dir))
 
 
-@pytest.fixture(params=["text", "image", "video"])
+@pytest.fixture(params=["text", "image", "video", "image-to-video"])
 def http(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[TestClient]:
-    stages = {"text": TEXT, "image": IMAGE, "video": VIDEO}[request.param]
+    stages = {"text": TEXT, "image": IMAGE, "video": VIDEO, "image-to-video": I2V}[request.param]
     with client(stages, tmp_path) as test_client:
         yield test_client
 
@@ -150,6 +158,81 @@ def test_the_request_schemas_carry_the_limits_and_the_model() -> None:
             form = schemas["ImageEditForm"]
             assert form["properties"]["image"]["format"] == "binary"
             assert {"image", "prompt"} <= set(form["required"])
+
+
+def test_an_image_to_video_document_requires_the_image_and_takes_no_size(
+    tmp_path: Path,
+) -> None:
+    """Every clip of HunyuanVideo-1.5's i2v starts from an image and takes its size from
+    it: the form requires input_reference and takes size auto alone, and there is no JSON
+    body (it cannot carry the file); a text-to-video document (Wan's) keeps both."""
+    with client(I2V, tmp_path / "i2v") as http:
+        doc = document(http)
+    form = doc["components"]["schemas"]["VideoCreateForm"]
+    assert set(form["required"]) == {"input_reference", "prompt"}
+    assert form["properties"]["input_reference"]["format"] == "binary"
+    content = doc["paths"]["/v1/videos"]["post"]["requestBody"]["content"]
+    assert set(content) == {"multipart/form-data"}
+    validator = jsonschema.Draft202012Validator(form)
+    image = {"prompt": "a cat", "input_reference": "<bytes>"}
+    assert validator.is_valid(image)
+    assert validator.is_valid({**image, "size": "auto"})
+    assert not validator.is_valid({"prompt": "a cat"})
+    assert not validator.is_valid({**image, "size": "64x64"})
+    json_size = doc["components"]["schemas"]["VideoCreateRequest"]["properties"]["size"]
+    assert json_size["anyOf"][0]["enum"] == ["auto"]
+    with client(VIDEO, tmp_path / "t2v") as http:
+        doc = document(http)
+    form = doc["components"]["schemas"]["VideoCreateForm"]
+    assert "input_reference" not in form["required"]
+    assert jsonschema.Draft202012Validator(form).is_valid({"prompt": "a cat", "size": "64x64"})
+    content = doc["paths"]["/v1/videos"]["post"]["requestBody"]["content"]
+    assert set(content) == {"multipart/form-data", "application/json"}
+
+
+def _png() -> bytes:
+    from omni_runtime.images import encode_png
+
+    return encode_png(np.zeros((16, 32, 3), np.uint8))
+
+
+# multipart/form-data parts as httpx sends them: (None, text) is a field, not a file.
+PROMPT = {"prompt": (None, "a cat")}
+
+
+@pytest.mark.parametrize(
+    ("request_kwargs", "param"),
+    [
+        # No image: a form without the file, and a JSON body (which cannot carry one).
+        ({"files": PROMPT}, "input_reference"),
+        ({"json": {"prompt": "a cat"}}, "input_reference"),
+        # A size, which the pipeline takes from the image instead.
+        ({"files": {**PROMPT, "size": (None, "64x32"), "input_reference": "png"}}, "size"),
+        # Bytes that are no image.
+        ({"files": {**PROMPT, "input_reference": "junk"}}, "input_reference"),
+    ],
+    ids=["form-without-image", "json", "size", "not-an-image"],
+)
+def test_an_image_to_video_job_without_its_image_or_with_a_size_is_refused(
+    tmp_path: Path, request_kwargs: dict[str, Any], param: str
+) -> None:
+    files = request_kwargs.get("files", {})
+    if "input_reference" in files:
+        data = _png() if files["input_reference"] == "png" else b"not an image"
+        files = {**files, "input_reference": ("a.png", data, "image/png")}
+        request_kwargs = {"files": files}
+    with client(I2V, tmp_path) as http:
+        answer = http.post("/v1/videos", **request_kwargs)
+        assert answer.status_code == 400, answer.text
+        error = answer.json()["error"]
+        assert error["param"] == param, error
+        assert error["code"] == 400
+        # With the image, and no size or auto, the job is queued.
+        image = {"input_reference": ("a.png", _png(), "image/png")}
+        for size in ({}, {"size": (None, "auto")}):
+            answer = http.post("/v1/videos", files={**PROMPT, **size, **image})
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["size"] == "auto"
 
 
 @pytest.mark.parametrize(
