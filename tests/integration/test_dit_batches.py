@@ -19,7 +19,12 @@ from omni_runtime.engine.stage.stage_core_types import (
     StageDiffusionCoreOutputs,
 )
 from omni_runtime.engine.stage.stage_core_types import StageDiffusionCoreRequest as Request
-from omni_runtime.tiny_models import QWEN_IMAGE_SUBDIR, Z_IMAGE_SUBDIR
+from omni_runtime.tiny_models import (
+    HUNYUAN_VIDEO_SUBDIR,
+    QWEN_IMAGE_SUBDIR,
+    WAN_SUBDIR,
+    Z_IMAGE_SUBDIR,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -207,3 +212,55 @@ def test_a_batch_sends_each_request_its_own_partial_images(
         assert final.images is not None
         assert solo_final.images is not None
         assert_same_image(final.images, solo_final.images)
+
+
+# Text-to-video clips batch too (Wan2.2: its UMT5 in the DiT stage reads the prompts), each
+# with the progress of its own steps; HunyuanVideo-1.5's do not (each prompt has glyph
+# embeddings of its own, which its pipeline takes for one prompt only).
+CLIP = {"height": 32, "width": 64, "num_frames": 5, "num_inference_steps": 3}
+
+
+def clip_request(index: int, **params: Any) -> Request:
+    return request(index, **{**CLIP, "report_progress": True, **params})
+
+
+@pytest.fixture(scope="module")
+def wan(tiny_models: Path) -> DiffusionEngine:
+    return DiffusionEngine(
+        DiffusionEngineConfig(model=str(tiny_models / WAN_SUBDIR), family="wan2.2")
+    )
+
+
+def test_clips_batch_and_each_gets_its_own_frames_and_progress(
+    wan: DiffusionEngine, tiny_models: Path
+) -> None:
+    requests = [clip_request(i) for i in range(3)]
+    assert len({batched_key(wan, req) for req in requests}) == 1
+    assert batched_key(wan, clip_request(0, num_frames=9)) != batched_key(wan, requests[0])
+    sent: list[StageDiffusionCoreOutput] = []
+    config = DiffusionEngineConfig(
+        model=str(tiny_models / WAN_SUBDIR), family="wan2.2", max_batch=4
+    )
+    dit = DiffusionEngine(config)
+    for req in requests:
+        dit.admit(req.request_id)
+    finals = dit.execute_batch(requests, emit=sent.append)
+    for req, final in zip(requests, finals, strict=True):
+        assert final.error is None, final.error
+        assert final.images is not None
+        assert final.images.shape == (5, 32, 64, 3)
+        assert_same_image(final.images, image_alone(wan, req))
+        progress = [o.progress for o in sent if o.request_id == req.request_id]
+        assert progress == [33, 66, 99], progress
+    assert not np.array_equal(finals[0].images, finals[1].images)
+
+
+def test_hunyuan_video_clips_run_alone(tiny_models: Path) -> None:
+    config = DiffusionEngineConfig(
+        model=str(tiny_models / HUNYUAN_VIDEO_SUBDIR),
+        family="hunyuanvideo-1.5",
+        max_batch=4,
+        text_from_upstream=True,
+    )
+    dit = DiffusionEngine(config)
+    assert dit.batch_key(Request(request_id="r", prompt="a cat", params=dict(CLIP))) is None

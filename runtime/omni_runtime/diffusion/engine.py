@@ -329,7 +329,7 @@ class DiffusionEngineBase(abc.ABC):
         self._fetch_time = 0.0
         try:
             if runnable:
-                images = self._run_batch(
+                outputs = self._run_batch(
                     [request for request, _ in runnable],
                     [params for _, params in runnable],
                     lambda: all(request_id in self._aborted for request_id in ids),
@@ -347,7 +347,7 @@ class DiffusionEngineBase(abc.ABC):
                     if request_id in self._aborted
                     else StageDiffusionCoreOutput(
                         request_id=request_id,
-                        images=images[index : index + 1],
+                        images=outputs[index],
                         execute_time=elapsed,
                         fetch_time=self._fetch_time,
                     )
@@ -360,9 +360,10 @@ class DiffusionEngineBase(abc.ABC):
         params: list[Any],
         all_aborted: Callable[[], bool],
         emit: PartialEmit | None,
-    ) -> np.ndarray:
-        """The requests' images in one pipeline call, one each, in order; partial images
-        (the batch's requests ask for as many) through ``emit``."""
+    ) -> list[np.ndarray]:
+        """The requests' outputs in one pipeline call, in order: each one's image (as an
+        array of one), or its clip's frames; partial images (the batch's requests ask for
+        as many) and progress through ``emit``."""
         raise NotImplementedError(f"{type(self).__name__} runs no batches")
 
     def _execute(
@@ -722,10 +723,14 @@ class DiffusionEngine(DiffusionEngineBase):
         return report
 
     def batch_key(self, request: StageDiffusionCoreRequest) -> Hashable | None:
-        """A family's text-to-image requests batch with those of the same call arguments
-        but seed and prompt (size, steps, guidance on or off and its scales, step-cache
-        tier, partial images), one image each; the stage's maxNumSeqs above 1."""
-        if self.config.max_batch <= 1 or self.family is None or request.images or self.makes_video:
+        """A family's text-to-image (or text-to-video) requests batch with those of the same
+        call arguments but seed and prompt (size, frames, steps, guidance on or off and its
+        scales, step-cache tier, partial images), one image (or clip) each; the stage's
+        maxNumSeqs above 1. Not HunyuanVideo-1.5's: each of its prompts has glyph
+        embeddings of its own (ByT5's), which the pipeline takes for one prompt only."""
+        if self.config.max_batch <= 1 or self.family is None or request.images:
+            return None
+        if self._glyph_rows is not None:
             return None
         try:
             params = self.validate(request)
@@ -750,11 +755,16 @@ class DiffusionEngine(DiffusionEngineBase):
         params: list[Any],
         all_aborted: Callable[[], bool],
         emit: PartialEmit | None,
-    ) -> np.ndarray:
+    ) -> list[np.ndarray]:
         import torch
 
         first: DiffusionParams = params[0]
         partials = self._partials([request.request_id for request in requests], first, emit)
+        progress = [
+            report
+            for request, own in zip(requests, params, strict=True)
+            if (report := self._progress(request.request_id, own, emit)) is not None
+        ]
 
         def on_step_end(
             pipe: Any, step: int, timestep: Any, tensors: dict[str, Any]
@@ -763,9 +773,11 @@ class DiffusionEngine(DiffusionEngineBase):
                 raise RequestAbortedError
             if partials is not None:
                 partials.after_step(step, tensors["latents"])
+            for report in progress:
+                report(step + 1, getattr(pipe, "num_timesteps", None))
             return tensors
 
-        kwargs = _call_kwargs(first, on_step_end, video=False)
+        kwargs = _call_kwargs(first, on_step_end, video=self.makes_video)
         # One generator per request: each draws its own noise, as it would alone.
         kwargs["generator"] = [
             torch.Generator("cpu").manual_seed(p.seed)
@@ -785,7 +797,11 @@ class DiffusionEngine(DiffusionEngineBase):
         finally:
             if watch is not None:
                 watch.remove()
-        return to_uint8(result.images)
+        if self.makes_video:
+            # [videos, frames, height, width, 3]: one clip a request.
+            return list(to_uint8(result.frames))
+        images = to_uint8(result.images)
+        return [images[index : index + 1] for index in range(len(requests))]
 
     def _call(self, params: DiffusionParams, kwargs: dict[str, Any], pictures: list[Any]) -> Any:
         """The pipeline's output for the request's call arguments and input images."""
