@@ -90,6 +90,36 @@ def test_example_serves_the_pipeline_and_writes_a_png(
     assert not [n for n in os.listdir("/dev/shm") if n.startswith("omni-")]
 
 
+def test_the_video_example_writes_an_mp4(tiny_models: Path, tmp_path: Path) -> None:
+    """examples/text_to_video.py as a newcomer runs it: serve the tiny Wan2.2, make a clip
+    through the Videos API with the openai client, write the MP4, stop everything."""
+    import av
+
+    out = tmp_path / "out"
+    env = {k: v for k, v in os.environ.items() if not k.endswith("_VERBOSITY")}
+    env["OMNI_TINY_MODELS"] = str(tiny_models)
+    example = Path(__file__).parents[2] / "examples" / "text_to_video.py"
+    result = subprocess.run(
+        [sys.executable, str(example), "--out", str(out), "--frames", "5", "--steps", "2"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    mp4 = out / "text-to-video.mp4"
+    assert sorted(out.iterdir()) == [mp4]
+    with av.open(str(mp4)) as container:
+        frames = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
+    assert len(frames) == 5
+    assert frames[0].shape == (32, 64, 3)
+    lines = result.stdout.splitlines()
+    assert any(line.startswith(f"wrote {mp4.resolve()} (64x32, ") for line in lines), lines
+    assert lines[-1] == "stopped the pipeline"
+    for noise in ("Traceback", "Loading pipeline components", "it/s]", "Sora"):
+        assert noise not in result.stdout + result.stderr
+
+
 REPO = Path(__file__).resolve().parents[2]
 # What the setup scripts may print: their own one-line steps, and the venv's path last.
 _SETUP_LINE = re.compile(r"\[setup \d\d:\d\d:\d\d\] .+|\[mooncake-libs\] .+|/.+/\.venv")
