@@ -24,9 +24,11 @@ import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
 import openai
 import torch
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from _load import ManagedProcess, free_port, markdown_table, running, wait_http_ok
 from omni_runtime.entrypoints.cli import DEFAULT_MODELS_DIR
@@ -102,7 +104,46 @@ def served_s(model: Path, args: argparse.Namespace, workdir: Path) -> tuple[list
         with ThreadPoolExecutor(args.concurrency) as clients:
             list(clients.map(lambda _: job(), range(args.concurrency * args.jobs)))
         together = time.perf_counter() - start
+        freed, step = delete_s(client, port, args)
+    print(
+        f"DELETE of a running job -> the DiT free: {freed * 1000:.0f} ms (one step: "
+        f"{step * 1000:.0f} ms)\n"
+    )
     return times, together
+
+
+def delete_s(client: openai.OpenAI, port: int, args: argparse.Namespace) -> tuple[float, float]:
+    """From DELETE of a job under way to the DiT stage holding no request (the router's
+    omni_stage_in_flight), and the time of one of the job's steps (from its progress)."""
+    steps = 200  # the router's most (RouterLimits.max_steps)
+    video = client.videos.create(
+        prompt=PROMPT,
+        size=args.size,  # type: ignore[arg-type]
+        extra_body={"num_frames": args.frames, "num_inference_steps": steps, "seed": 7},
+    )
+
+    def progress_at(least: int) -> tuple[float, int]:
+        while (progress := client.videos.retrieve(video.id).progress) < least:
+            time.sleep(0.01)
+        return time.perf_counter(), progress
+
+    t1, p1 = progress_at(5)
+    t2, p2 = progress_at(p1 + 10)
+    step = (t2 - t1) / ((p2 - p1) / 100 * steps)
+    start = time.perf_counter()
+    client.videos.delete(video.id)
+    while dit_in_flight(port) > 0:
+        time.sleep(0.002)
+    return time.perf_counter() - start, step
+
+
+def dit_in_flight(port: int) -> float:
+    metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    for family in text_string_to_metric_families(metrics):
+        for sample in family.samples:
+            if sample.name == "omni_stage_in_flight" and sample.labels.get("stage") == "dit":
+                return sample.value
+    raise AssertionError("no omni_stage_in_flight{stage=dit} in /metrics")
 
 
 def main() -> None:
