@@ -133,6 +133,21 @@ context_key() {
         | sort -z | xargs -0 sha256sum
 }
 
+# While an image is rebuilt, its old build and the new one's layers are both on disk: for
+# the CUDA runtime (10 GB) that is 25 GB at the peak. With less free than that, the old
+# build goes first: its layers would spare a rebuild of the dependencies, but a full disk
+# fails the build outright.
+min_free_gb=30
+make_room() {  # make_room NAME TAG
+    local free_gb
+    free_gb=$(df --output=avail -BG "$(podman info --format '{{.Store.GraphRoot}}')" | tail -1 | tr -dc 0-9)
+    if [[ "$free_gb" -lt "$min_free_gb" ]] && podman image exists "$2"; then
+        say "$1: ${free_gb} GB free, under ${min_free_gb}: removing the old $2 first"
+        podman rmi "$2" >/dev/null
+        podman image prune -f >/dev/null
+    fi
+}
+
 build() {  # build NAME DOCKERFILE TAG [BUILD-ARG...]
     local name=$1 dockerfile=$2 tag=$3
     shift 3
@@ -144,6 +159,7 @@ build() {  # build NAME DOCKERFILE TAG [BUILD-ARG...]
     if [[ "$(label "$tag" omni.dev/build-key)" == "$key" ]]; then
         say "$name: $tag is up to date"
     else
+        make_room "$name" "$tag"
         say "$name: building $tag (log: $cache/logs/$name.log)"
         local t0=$SECONDS
         # --format docker: buildah drops SHELL (and with it pipefail) in the OCI format.
