@@ -139,8 +139,10 @@ context_key() {
 # fails the build outright.
 min_free_gb=30
 make_room() {  # make_room NAME TAG
-    local free_gb
-    free_gb=$(df --output=avail -BG "$(podman info --format '{{.Store.GraphRoot}}')" | tail -1 | tr -dc 0-9)
+    local store free_gb
+    store=$(podman info --format '{{.Store.GraphRoot}}' 2>/dev/null || true)
+    [[ -d "$store" ]] || return 0
+    free_gb=$(df --output=avail -BG "$store" | tail -1 | tr -dc 0-9)
     if [[ "$free_gb" -lt "$min_free_gb" ]] && podman image exists "$2"; then
         say "$1: ${free_gb} GB free, under ${min_free_gb}: removing the old $2 first"
         podman rmi "$2" >/dev/null
