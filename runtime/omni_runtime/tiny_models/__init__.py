@@ -23,6 +23,9 @@ are random. Under one root:
 - ``hunyuan-video-1.5-i2v/``: the same weights as a HunyuanVideo15ImageToVideoPipeline
   checkpoint, laid out as HunyuanVideo-1.5-Diffusers-480p_i2v is (hard links to the
   files of ``hunyuan-video-1.5/``).
+- ``qwen3-omni/``: a Qwen3OmniMoeForConditionalGeneration checkpoint (thinker, talker,
+  code2wav) laid out as Qwen3-Omni-30B-A3B-Instruct is (``tiny_models.qwen3_omni``), with
+  its tokenizer, chat template and processor (audio input); vLLM serves its thinker.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from ._tokenizer import CHATML_TEMPLATE, build_qwen_tokenizer
 from .bagel import build_bagel
 from .chat_llm import build_chat_llm
 from .hunyuan_video import build_hunyuan_video, build_hunyuan_video_i2v
+from .qwen3_omni import build_qwen3_omni
 from .qwen_image import MAX_POSITIONS, build_qwen_image
 from .stable_diffusion import build_stable_diffusion
 from .wan import build_wan
@@ -50,6 +54,7 @@ __all__ = [
     "HUNYUAN_VIDEO_I2V_SUBDIR",
     "HUNYUAN_VIDEO_SUBDIR",
     "LLM_SUBDIR",
+    "QWEN3_OMNI_SUBDIR",
     "QWEN_IMAGE_EDIT_PLUS_SUBDIR",
     "QWEN_IMAGE_EDIT_SUBDIR",
     "QWEN_IMAGE_SUBDIR",
@@ -70,6 +75,7 @@ BAGEL_SUBDIR = "bagel"
 WAN_SUBDIR = "wan2.2"
 HUNYUAN_VIDEO_SUBDIR = "hunyuan-video-1.5"
 HUNYUAN_VIDEO_I2V_SUBDIR = "hunyuan-video-1.5-i2v"
+QWEN3_OMNI_SUBDIR = "qwen3-omni"
 SUBDIRS = (
     LLM_SUBDIR,
     DIFFUSION_SUBDIR,
@@ -81,10 +87,11 @@ SUBDIRS = (
     WAN_SUBDIR,
     HUNYUAN_VIDEO_SUBDIR,
     HUNYUAN_VIDEO_I2V_SUBDIR,
+    QWEN3_OMNI_SUBDIR,
 )
 _MARKER = "omni-tiny-models.json"
 # Bump when what is built changes, so that old directories are rebuilt.
-_RECIPE_VERSION = 12
+_RECIPE_VERSION = 13
 
 
 def _readable_by_all(tree: Path) -> None:
@@ -120,6 +127,7 @@ def ensure_tiny_models(root: str | Path) -> Path:
         build_wan(staging / WAN_SUBDIR)
         build_hunyuan_video(staging / HUNYUAN_VIDEO_SUBDIR, qwen_tokenizer)
         build_hunyuan_video_i2v(staging / HUNYUAN_VIDEO_I2V_SUBDIR, staging / HUNYUAN_VIDEO_SUBDIR)
+        build_qwen3_omni(staging / QWEN3_OMNI_SUBDIR)
         for sub in SUBDIRS:
             _readable_by_all(staging / sub)
             shutil.rmtree(root / sub, ignore_errors=True)

@@ -86,6 +86,25 @@ def build_chatml_tokenizer(path: Path, model_max_length: int) -> None:
 def build_qwen_tokenizer(model_max_length: int) -> Any:
     """A ``Qwen2Tokenizer`` built as Qwen's is (NFC, Qwen's split regex, byte-level BPE),
     with QWEN_BPE_SIZE trained entries followed by Qwen's added tokens."""
+    added = [(token, True) for token in QWEN_SPECIAL_TOKENS]
+    added += [(token, False) for token in QWEN_THINK_TOKENS]
+    return train_qwen_tokenizer(
+        corpus(2000), QWEN_BPE_SIZE, added, model_max_length, QWEN_CHAT_TEMPLATE
+    )
+
+
+def train_qwen_tokenizer(
+    lines: list[str],
+    bpe_size: int,
+    added: list[tuple[str, bool]],
+    model_max_length: int,
+    chat_template: str,
+    named: dict[str, str] | None = None,
+) -> Any:
+    """A ``Qwen2Tokenizer``: a byte-level BPE of at most ``bpe_size`` entries trained on
+    ``lines`` as Qwen's is (NFC, Qwen's split regex), then the ``added`` tokens (each with
+    whether it is special) in their order from id ``bpe_size`` on; ``named``: the
+    tokenizer's model-specific token attributes (``tokenizer.audio_token`` and the like)."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import AddedToken, Qwen2Tokenizer
 
@@ -99,17 +118,17 @@ def build_qwen_tokenizer(model_max_length: int) -> Any:
     )
     bpe.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=QWEN_BPE_SIZE,
+        vocab_size=bpe_size,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    bpe.train_from_iterator(corpus(2000), trainer=trainer)
+    bpe.train_from_iterator(lines, trainer=trainer)
     trained = json.loads(bpe.to_str())["model"]
     vocab: dict[str, int] = dict(trained["vocab"])
-    if len(vocab) > QWEN_BPE_SIZE:
-        raise RuntimeError(f"the BPE has {len(vocab)} entries, more than {QWEN_BPE_SIZE}")
-    for token in QWEN_SPECIAL_TOKENS + QWEN_THINK_TOKENS:
-        vocab[token] = QWEN_BPE_SIZE + len(vocab) - len(trained["vocab"])
+    if len(vocab) > bpe_size:
+        raise RuntimeError(f"the BPE has {len(vocab)} entries, more than {bpe_size}")
+    for offset, (token, _) in enumerate(added):
+        vocab[token] = bpe_size + offset
     tokenizer = Qwen2Tokenizer(
         vocab=vocab,
         merges=[tuple(merge) for merge in trained["merges"]],
@@ -118,16 +137,15 @@ def build_qwen_tokenizer(model_max_length: int) -> Any:
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
         model_max_length=model_max_length,
-        chat_template=QWEN_CHAT_TEMPLATE,
+        chat_template=chat_template,
+        **({"extra_special_tokens": named} if named else {}),
     )
-    tokenizer.add_tokens(
-        [AddedToken(token, special=True, normalized=False) for token in QWEN_SPECIAL_TOKENS],
-        special_tokens=True,
-    )
-    tokenizer.add_tokens(
-        [AddedToken(token, special=False, normalized=False) for token in QWEN_THINK_TOKENS]
-    )
-    for token in QWEN_SPECIAL_TOKENS + QWEN_THINK_TOKENS:
+    # One call per token: whether it is special differs from token to token.
+    for token, special in added:
+        tokenizer.add_tokens(
+            [AddedToken(token, special=special, normalized=False)], special_tokens=special
+        )
+    for token, _ in added:
         if tokenizer.convert_tokens_to_ids(token) != vocab[token]:
             raise RuntimeError(f"{token} did not keep its id {vocab[token]}")
     return tokenizer
