@@ -364,8 +364,11 @@ class VideoJobs:
                 )
             )
         request = PipelineRequest(
-            # An attempt of its own: a retry's stage requests never meet the first's.
-            request_id=f"{job.id}-{job.attempts}",
+            # A run of its own: a retry's stage requests never meet the last run's. Not the
+            # attempt alone: a run given back (its router stopping) keeps its attempt, and
+            # its stage requests may still be aborting when another router starts it again
+            # (the stages refuse a request id in flight).
+            request_id=f"{job.id}-{job.attempts}-{secrets.token_hex(3)}",
             messages=[{"role": "user", "content": job.prompt}],
             diffusion_params={**params, "report_progress": True},
             images=images,

@@ -1,0 +1,73 @@
+"""A video job's runs keep their stage requests apart (VideoJobs over a real SQLite store):
+a run given back by a router that stops keeps its attempt, and its stage requests may
+still be aborting when another router starts it again, so each run's requests have an id
+of their own (the stages refuse an id in flight). The stages are a stand-in that records
+what they are asked; tests/cluster/test_end_to_end.py runs the same hand-over on real
+pods."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from omni_runtime.config.models import VideoJobsConfig
+from omni_runtime.families import FAMILIES
+from omni_runtime.router.job_store import SqliteJobStore
+from omni_runtime.router.protocol import RouterLimits, VideoCreateRequest
+from omni_runtime.router.video_jobs import VideoJobs
+
+
+class _Stages:
+    """What VideoJobs asks of the orchestrator: a revision to serve, and runs that stay
+    under way until cancelled (each run's request id recorded)."""
+
+    def __init__(self) -> None:
+        self.request_ids: list[str] = []
+        self.started = asyncio.Event()
+
+    def choose_revision(self) -> str:
+        return "r1"
+
+    async def run(self, request: Any, timeout: float) -> AsyncIterator[Any]:
+        self.request_ids.append(request.request_id)
+        self.started.set()
+        await asyncio.Event().wait()  # under way until its router stops
+        yield None  # pragma: no cover
+
+
+def _jobs(store: SqliteJobStore, stages: _Stages) -> VideoJobs:
+    recipe = FAMILIES["wan2.2"].dit.video
+    assert recipe is not None
+    return VideoJobs(
+        store,
+        stages,  # type: ignore[arg-type]
+        VideoJobsConfig(),
+        recipe,
+        model_name="tiny-wan",
+        limits=RouterLimits(),
+    )
+
+
+def test_a_run_given_back_and_run_again_asks_the_stages_under_a_new_id(tmp_path: Path) -> None:
+    async def scenario() -> tuple[list[str], list[str], str]:
+        first_stages, second_stages = _Stages(), _Stages()
+        first = _jobs(SqliteJobStore(tmp_path), first_stages)
+        first.start()
+        job = await first.create(VideoCreateRequest(prompt="a fox"), [])
+        await asyncio.wait_for(first_stages.started.wait(), 10)
+        # The first router stops: its run is cancelled and the job given back.
+        await first.close()
+        second = _jobs(SqliteJobStore(tmp_path), second_stages)
+        second.start()
+        await asyncio.wait_for(second_stages.started.wait(), 10)
+        await second.close()
+        return first_stages.request_ids, second_stages.request_ids, job.id
+
+    first, second, job_id = asyncio.run(scenario())
+    assert len(first) == len(second) == 1
+    assert first[0].startswith(f"{job_id}-1-")
+    # The same attempt (a stop costs none), but a request id of its own.
+    assert second[0].startswith(f"{job_id}-1-")
+    assert first != second
