@@ -263,4 +263,14 @@ def test_hunyuan_video_clips_run_alone(tiny_models: Path) -> None:
         text_from_upstream=True,
     )
     dit = DiffusionEngine(config)
-    assert dit.batch_key(Request(request_id="r", prompt="a cat", params=dict(CLIP))) is None
+    width = dit.pipeline.transformer.config.text_embed_dim
+    clip = Request(
+        request_id="r",
+        prompt="a cat",
+        params={**CLIP, "guidance_scale": 1.0},
+        prompt_embeds=np.zeros((4, width), dtype=np.float32),
+    )
+    # A request it runs (its batch key is not None for want of validity)...
+    dit.validate(clip)
+    # ...alone: each prompt's glyph embeddings are its own.
+    assert dit.batch_key(clip) is None

@@ -18,7 +18,6 @@ On the tiny checkpoint (``tiny_models.hunyuan_video``):
 
 from __future__ import annotations
 
-import asyncio
 import io
 import pickle
 from collections.abc import Iterator
@@ -31,29 +30,34 @@ import openai
 import pytest
 import torch
 import yaml
+from hunyuan_video_stages import (
+    DEADLINE_S,
+    DIT,
+    ENCODER,
+    Encoder,
+    encoded,
+    encoder_stage,
+    frames_of,
+    reference_embeds,
+    stage_processes,
+)
 from serving import (
     RunningRouter,
     StageProcess,
     pipeline_from,
     running_router,
-    start_stage_processes,
 )
 
-from omni_runtime.config import PipelineConfig, load_pipeline
-from omni_runtime.connectors import StageConnectors
+from omni_runtime.config import load_pipeline
 from omni_runtime.diffusion.engine import DiffusionEngine, DiffusionEngineConfig
 from omni_runtime.engine.models import FixedConfig
 from omni_runtime.engine.stage.stage_core_types import (
     StageDiffusionCoreOutput,
-    StageServerOutput,
-    StageServerRequest,
 )
 from omni_runtime.engine.stage.stage_core_types import StageDiffusionCoreRequest as Request
-from omni_runtime.engine.stage.stage_llm_core_client import start_stage_llm_client
 from omni_runtime.engine.stage.stage_llm_engine_config import make_stage_llm_engine_args
 from omni_runtime.families import FAMILIES
 from omni_runtime.images import encode_png, to_uint8
-from omni_runtime.stage_server.llm_frontend import StageLLMFrontend
 from omni_runtime.tiny_models import HUNYUAN_VIDEO_SUBDIR
 
 pytestmark = pytest.mark.integration
@@ -68,8 +72,6 @@ LONG = "a red cat on a green hydrant " * 200
 # The tiny clip: 5 frames of 16x32 (the VAE's 16x multiples, not square so a swap shows).
 CLIP = {"num_inference_steps": 3, "height": 16, "width": 32, "num_frames": 5, "seed": 7}
 EMBEDS_TOLERANCE = 1e-5
-DEADLINE_S = 120
-ENCODER, DIT = 0, 1
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -99,16 +101,6 @@ def monolithic(checkpoint: Path) -> Any:
     pipe.set_progress_bar_config(disable=True)
     assert type(pipe).__name__ == FAMILY.dit.pipeline_class
     return pipe
-
-
-def reference_embeds(pipe: Any, prompt: str) -> torch.Tensor:
-    """The pipeline's own Qwen embeddings of ``prompt``, the rows its mask keeps (right
-    padding: a prefix): transformers' hidden_states[-3], template rows cropped."""
-    with torch.no_grad():
-        embeds, mask, _, _ = pipe.encode_prompt(prompt, dtype=torch.float32)
-    kept = int(mask.sum())
-    assert bool(mask[0, :kept].all())
-    return embeds[0, :kept]
 
 
 def reference_frames(pipe: Any, negative: str | None = None, **call: Any) -> np.ndarray:
@@ -155,56 +147,22 @@ def test_the_encoder_config_reads_the_text_only_qwen2_5_vl_as_qwen2(checkpoint: 
 
 
 @pytest.fixture(scope="module")
-def encoder(checkpoint: Path) -> Iterator[tuple[StageLLMFrontend, StageConnectors]]:
-    """The example's encoder stage in this process, as a stage server runs it."""
-    pipeline: PipelineConfig = load_pipeline(example_data(checkpoint))
-    stage = pipeline.stages[ENCODER]
-    assert pipeline.encoder_recipe(stage) is FAMILY.encoder
-    client = start_stage_llm_client(
-        stage, pipeline.model, encoder=FAMILY.encoder, startup_timeout=240
-    )
-    connectors = StageConnectors(pipeline.connectors)
-    frontend = StageLLMFrontend(pipeline, stage, client, connectors)
-    try:
-        yield frontend, connectors
-    finally:
-        client.shutdown()
-        connectors.close()
-
-
-async def encoded(
-    encoder: tuple[StageLLMFrontend, StageConnectors], request_id: str, prompt: str
-) -> torch.Tensor:
-    frontend, connectors = encoder
-    refused = await frontend.add(
-        StageServerRequest(
-            request_id=request_id, prompt=prompt, output_connector="shared_memory_connector"
-        )
-    )
-    assert refused == []
-    outputs: list[StageServerOutput] = []
-    async with asyncio.timeout(DEADLINE_S):
-        while not (outputs and outputs[-1].finished):
-            outputs.extend(await frontend.next_outputs())
-    (final,) = outputs
-    assert final.error is None, final.error
-    assert set(final.hand_offs) == {"prompt_embeds"}
-    handle = final.hand_offs["prompt_embeds"].handle
-    tensor: torch.Tensor = connectors.get(handle.connector).get(handle, "cpu").clone()
-    return tensor
+def encoder(checkpoint: Path) -> Iterator[Encoder]:
+    with encoder_stage(example_data(checkpoint), FAMILY) as stage:
+        yield stage
 
 
 _SERVED: dict[str, torch.Tensor] = {}
 
 
-async def served_embeds(encoder: tuple[StageLLMFrontend, StageConnectors], prompt: str) -> Any:
+async def served_embeds(encoder: Encoder, prompt: str) -> Any:
     if prompt not in _SERVED:
         _SERVED[prompt] = await encoded(encoder, f"encode-{len(_SERVED)}", prompt)
     return _SERVED[prompt]
 
 
 async def test_encoder_stage_hands_over_hidden_states_minus_3_cropped(
-    encoder: tuple[StageLLMFrontend, StageConnectors], monolithic: Any
+    encoder: Encoder, monolithic: Any
 ) -> None:
     # The pipeline's own crop and length are the recipe's.
     recipe = FAMILY.encoder
@@ -267,12 +225,6 @@ def run_dit(
     return dit.execute(request, emit=emit)
 
 
-def frames_of(output: StageDiffusionCoreOutput) -> np.ndarray:
-    assert output.error is None, output.error
-    assert output.images is not None
-    return output.images
-
-
 @pytest.mark.parametrize(
     ("negative", "call"),
     [
@@ -288,7 +240,7 @@ def frames_of(output: StageDiffusionCoreOutput) -> np.ndarray:
 async def test_dit_stage_frames_are_the_whole_pipelines(
     dit: DiffusionEngine,
     monolithic: Any,
-    encoder: tuple[StageLLMFrontend, StageConnectors],
+    encoder: Encoder,
     negative: str | None,
     call: dict[str, Any],
 ) -> None:
@@ -388,16 +340,8 @@ def test_progress_and_abort_without_a_step_callback(dit: DiffusionEngine, monoli
 def stages(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Any]]:
     workdir = tmp_path_factory.mktemp("hunyuan-video-serving")
     data = example_data(checkpoint)
-    path = workdir / "pipeline.yaml"
-    path.write_text(yaml.safe_dump(data))
-    procs = start_stage_processes(path, [ENCODER, DIT], workdir)
-    try:
+    with stage_processes(data, workdir) as procs:
         yield [data, workdir, *procs]
-    finally:
-        for proc in procs:
-            proc.stop()
-    for proc in procs:
-        assert proc.proc.returncode == 0, proc.log.read_text()[-2000:]
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,6 @@ On the tiny i2v checkpoint (``tiny_models.hunyuan_video.build_hunyuan_video_i2v`
 
 from __future__ import annotations
 
-import asyncio
 import io
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,28 +31,33 @@ import openai
 import pytest
 import torch
 import yaml
+from hunyuan_video_stages import (
+    DEADLINE_S,
+    DIT,
+    ENCODER,
+    Encoder,
+    encoded,
+    encoder_stage,
+    frames_of,
+    reference_embeds,
+    stage_processes,
+)
 from PIL import Image
 from serving import (
     RunningRouter,
     StageProcess,
     pipeline_from,
     running_router,
-    start_stage_processes,
 )
 
-from omni_runtime.config import PipelineConfig, load_pipeline
-from omni_runtime.connectors import StageConnectors
+from omni_runtime.config import load_pipeline
 from omni_runtime.diffusion.engine import DiffusionEngine, DiffusionEngineConfig
 from omni_runtime.engine.stage.stage_core_types import (
     StageDiffusionCoreOutput,
-    StageServerOutput,
-    StageServerRequest,
 )
 from omni_runtime.engine.stage.stage_core_types import StageDiffusionCoreRequest as Request
-from omni_runtime.engine.stage.stage_llm_core_client import start_stage_llm_client
 from omni_runtime.families import FAMILIES, read_checkpoint_family
 from omni_runtime.images import encode_png, to_uint8
-from omni_runtime.stage_server.llm_frontend import StageLLMFrontend
 from omni_runtime.tiny_models import HUNYUAN_VIDEO_I2V_SUBDIR
 from omni_runtime.videos import encode_mp4
 
@@ -73,8 +77,6 @@ CLIP = {"num_inference_steps": 3, "num_frames": 5, "seed": 7}
 # 40x80 (1:2) is the 16x32 bucket around the tiny transformer's 32 px target size.
 IMAGE_SHAPE = (40, 80, 3)
 FRAME_SHAPE = (16, 32, 3)
-DEADLINE_S = 120
-ENCODER, DIT = 0, 1
 
 
 def picture(seed: int, shape: tuple[int, int, int] = IMAGE_SHAPE) -> np.ndarray:
@@ -111,15 +113,6 @@ def monolithic(checkpoint: Path) -> Any:
     pipe.set_progress_bar_config(disable=True)
     assert type(pipe).__name__ == FAMILY.dit.pipeline_class
     return pipe
-
-
-def reference_embeds(pipe: Any, prompt: str) -> torch.Tensor:
-    """The pipeline's own Qwen embeddings of ``prompt``, the rows its mask keeps."""
-    with torch.no_grad():
-        embeds, mask, _, _ = pipe.encode_prompt(prompt, dtype=torch.float32)
-    kept = int(mask.sum())
-    assert bool(mask[0, :kept].all())
-    return embeds[0, :kept]
 
 
 def reference_frames(
@@ -160,45 +153,17 @@ def test_the_checkpoint_and_the_example_are_the_image_to_video_familys(checkpoin
 
 
 @pytest.fixture(scope="module")
-def encoder(checkpoint: Path) -> Iterator[tuple[StageLLMFrontend, StageConnectors]]:
-    pipeline: PipelineConfig = load_pipeline(example_data(checkpoint))
-    stage = pipeline.stages[ENCODER]
-    client = start_stage_llm_client(
-        stage, pipeline.model, encoder=FAMILY.encoder, startup_timeout=240
-    )
-    connectors = StageConnectors(pipeline.connectors)
-    frontend = StageLLMFrontend(pipeline, stage, client, connectors)
-    try:
-        yield frontend, connectors
-    finally:
-        client.shutdown()
-        connectors.close()
+def encoder(checkpoint: Path) -> Iterator[Encoder]:
+    with encoder_stage(example_data(checkpoint), FAMILY) as stage:
+        yield stage
 
 
 _SERVED: dict[str, torch.Tensor] = {}
 
 
-async def served_embeds(encoder: tuple[StageLLMFrontend, StageConnectors], prompt: str) -> Any:
-    """The encoder stage's hand-off of ``prompt`` (vLLM's hidden_states[-3], cropped)."""
-    if prompt in _SERVED:
-        return _SERVED[prompt]
-    frontend, connectors = encoder
-    refused = await frontend.add(
-        StageServerRequest(
-            request_id=f"encode-{len(_SERVED)}",
-            prompt=prompt,
-            output_connector="shared_memory_connector",
-        )
-    )
-    assert refused == []
-    outputs: list[StageServerOutput] = []
-    async with asyncio.timeout(DEADLINE_S):
-        while not (outputs and outputs[-1].finished):
-            outputs.extend(await frontend.next_outputs())
-    (final,) = outputs
-    assert final.error is None, final.error
-    handle = final.hand_offs["prompt_embeds"].handle
-    _SERVED[prompt] = connectors.get(handle.connector).get(handle, "cpu").clone()
+async def served_embeds(encoder: Encoder, prompt: str) -> Any:
+    if prompt not in _SERVED:
+        _SERVED[prompt] = await encoded(encoder, f"encode-{len(_SERVED)}", prompt)
     return _SERVED[prompt]
 
 
@@ -243,12 +208,6 @@ def run_dit(
     return dit.execute(request)
 
 
-def frames_of(output: StageDiffusionCoreOutput) -> np.ndarray:
-    assert output.error is None, output.error
-    assert output.images is not None
-    return output.images
-
-
 @pytest.mark.parametrize(
     ("negative", "call"),
     [
@@ -266,7 +225,7 @@ def frames_of(output: StageDiffusionCoreOutput) -> np.ndarray:
 async def test_dit_stage_frames_are_the_whole_pipelines(
     dit: DiffusionEngine,
     monolithic: Any,
-    encoder: tuple[StageLLMFrontend, StageConnectors],
+    encoder: Encoder,
     negative: str | None,
     call: dict[str, Any],
 ) -> None:
@@ -344,16 +303,8 @@ def test_the_dit_stage_refuses_what_its_pipeline_does_not_take(
 def stages(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Any]]:
     workdir = tmp_path_factory.mktemp("hunyuan-video-i2v-serving")
     data = example_data(checkpoint)
-    path = workdir / "pipeline.yaml"
-    path.write_text(yaml.safe_dump(data))
-    procs = start_stage_processes(path, [ENCODER, DIT], workdir)
-    try:
+    with stage_processes(data, workdir) as procs:
         yield [data, workdir, *procs]
-    finally:
-        for proc in procs:
-            proc.stop()
-    for proc in procs:
-        assert proc.proc.returncode == 0, proc.log.read_text()[-2000:]
 
 
 @pytest.fixture(scope="module")

@@ -36,14 +36,29 @@ def stage_keys_secret(
     and never applies it again (a new pair would lock out every pod running on the old
     one). Owned by the pipeline, so it goes with it; immutable, as nothing ever rewrites it.
     """
-    labels = child_labels(name, COMPONENT_STAGE_KEYS)
+    return credentials_secret(
+        name, namespace, uid, stage_keys_secret_name(name), COMPONENT_STAGE_KEYS, keys
+    )
+
+
+def credentials_secret(
+    pipeline: str,
+    namespace: str,
+    uid: str,
+    secret_name: str,
+    component: str,
+    data: Mapping[str, str],
+) -> dict[str, Any]:
+    """A Secret of credentials the reconciler makes once for ``pipeline``: owned by it (so
+    it goes with it) and immutable (nothing ever rewrites it)."""
+    labels = child_labels(pipeline, component)
     return {
         "apiVersion": "v1",
         "kind": "Secret",
-        "metadata": child_metadata(name, namespace, uid, stage_keys_secret_name(name), labels),
+        "metadata": child_metadata(pipeline, namespace, uid, secret_name, labels),
         "type": "Opaque",
         "immutable": True,
-        "stringData": dict(sorted(keys.items())),
+        "stringData": dict(sorted(data.items())),
     }
 
 

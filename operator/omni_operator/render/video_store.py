@@ -34,13 +34,12 @@ from .context import RenderContext
 from .names import (
     COMPONENT_VIDEO_STORE,
     VIDEO_STORE_PORT,
-    child_labels,
-    child_metadata,
     selector,
     video_store_name,
 )
 from .pods import RUNTIME_UID
 from .quantities import read_quantity
+from .secrets import credentials_secret
 
 VIDEO_STORE_CONFIG_KEY = "redis.conf"
 VIDEO_STORE_PASSWORD_KEY = "password"
@@ -63,19 +62,14 @@ def video_store_secret(name: str, namespace: str, uid: str, password: str) -> di
     send, and the redis.conf that sets it. Like the stage keys (secrets.py), not among
     ``render``'s objects: the reconciler creates it once and never applies it again, as a
     new password would lock every router out; immutable and owned by the pipeline."""
-    labels = child_labels(name, COMPONENT_VIDEO_STORE)
-    return {
-        "apiVersion": "v1",
-        "kind": "Secret",
-        "metadata": child_metadata(name, namespace, uid, video_store_name(name), labels),
-        "type": "Opaque",
-        "immutable": True,
-        "stringData": {
-            VIDEO_STORE_PASSWORD_KEY: password,
-            # Only the password; the rest is in the pod's arguments.
-            VIDEO_STORE_CONFIG_KEY: f"requirepass {password}\n",
-        },
+    data = {
+        VIDEO_STORE_PASSWORD_KEY: password,
+        # Only the password; the rest is in the pod's arguments.
+        VIDEO_STORE_CONFIG_KEY: f"requirepass {password}\n",
     }
+    return credentials_secret(
+        name, namespace, uid, video_store_name(name), COMPONENT_VIDEO_STORE, data
+    )
 
 
 def generate_video_store_password() -> str:
