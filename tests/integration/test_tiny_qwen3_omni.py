@@ -386,83 +386,240 @@ def test_audio_input_reaches_the_thinker(
     assert codes.shape[:2] == (1, NUM_CODE_GROUPS)
 
 
-# --- vLLM: the thinker --------------------------------------------------------------------
+# --- vLLM: the thinker and the talker ------------------------------------------------------
 
 
-def _run_thinker(spec_path: str, out_path: str) -> None:
-    """The child: vLLM's LLM on the checkpoint, every prompt of the spec in one batch."""
+def _run_stages(spec_path: str, out_path: str) -> None:
+    """The child: the thinker's engine (vLLM's Qwen3-Omni thinker saying each token's
+    talker rows) on every prompt of the spec at once, then the talker's engine on what the
+    thinker said, all its requests at once too, as a pipeline's two LLM stages run them."""
+    import gc
+
+    import msgspec
+    from transformers import AutoConfig
     from vllm import LLM, SamplingParams
 
+    from omni_runtime.engine.models import STEP_STATE_WORKER, hf_overrides
+    from omni_runtime.engine.models.qwen3_omni import (
+        HIDDEN_ROWS,
+        TALKER_INPUTS,
+        TalkerInputs,
+        talker_prompt_length,
+    )
+
     spec = json.loads(Path(spec_path).read_text())
-    llm = LLM(
+    work = Path(out_path).parent
+    config = AutoConfig.from_pretrained(spec["model"])
+
+    def run(llm: Any, requests: list[tuple[Any, Any]]) -> list[tuple[list[int], np.ndarray]]:
+        engine = llm.llm_engine
+        for index, (prompt, params) in enumerate(requests):
+            engine.add_request(str(index), prompt, params)
+        tokens: dict[str, list[int]] = {str(i): [] for i in range(len(requests))}
+        said: dict[str, list[np.ndarray]] = {str(i): [] for i in range(len(requests))}
+        running = set(tokens)
+        while running:
+            # The engine core's own outputs: a generating request's pooling_output is what
+            # the model said beside its token, which vLLM's output processor would drop.
+            for output in engine.engine_core.get_output().outputs:
+                # vLLM's engine appends a suffix of its own to the caller's id.
+                key = output.request_id.rsplit("-", 1)[0]
+                tokens[key] += list(output.new_token_ids)
+                if output.pooling_output is not None:
+                    said[key].append(output.pooling_output.numpy())
+                if output.finish_reason is not None:
+                    running.discard(key)
+        return [
+            (tokens[key], np.concatenate(said[key]) if said[key] else np.zeros((0, 0)))
+            for key in sorted(tokens, key=int)
+        ]
+
+    thinker = LLM(
         model=spec["model"],
         dtype="float32",
         enforce_eager=True,
         max_model_len=MAX_MODEL_LEN,
         limit_mm_per_prompt={"image": 0, "video": 0, "audio": 1},
+        hf_overrides=hf_overrides("OmniQwen3OmniThinker", {}),
+        worker_cls=STEP_STATE_WORKER,
+        enable_prefix_caching=False,
     )
-    prompts: list[Any] = []
+    thinking = SamplingParams(
+        max_tokens=THINKER_TOKENS,
+        temperature=0.0,
+        stop_token_ids=[config.im_end_token_id],
+        extra_args={HIDDEN_ROWS: True},
+    )
+    prompts: list[tuple[Any, Any]] = []
     for prompt in spec["prompts"]:
         if prompt.get("audio"):
             audio = np.load(prompt["audio"])
             prompts.append(
-                {
-                    "prompt": prompt["text"],
-                    "multi_modal_data": {"audio": (audio, AUDIO_SAMPLE_RATE)},
-                }
+                (
+                    {
+                        "prompt": prompt["text"],
+                        "multi_modal_data": {"audio": (audio, AUDIO_SAMPLE_RATE)},
+                    },
+                    thinking,
+                )
             )
         else:
-            prompts.append({"prompt_token_ids": prompt["token_ids"]})
-    outputs = llm.generate(
-        prompts, SamplingParams(max_tokens=THINKER_TOKENS, temperature=0.0), use_tqdm=False
+            prompts.append(({"prompt_token_ids": prompt["token_ids"]}, thinking))
+    thought = run(thinker, prompts)
+    del thinker
+    gc.collect()
+
+    talker_config = config.talker_config
+    vocab = talker_config.text_config.vocab_size
+    talker = LLM(
+        model=spec["model"],
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=MAX_MODEL_LEN,
+        skip_tokenizer_init=True,
+        hf_overrides=hf_overrides("OmniQwen3OmniTalker", {}),
+        worker_cls=STEP_STATE_WORKER,
+        enable_prefix_caching=False,
     )
-    results = [
-        {
-            "prompt_token_ids": list(out.prompt_token_ids),
-            "token_ids": list(out.outputs[0].token_ids),
-        }
-        for out in outputs
-    ]
+    requests: list[tuple[Any, Any]] = []
+    for prompt, (_, rows) in zip(spec["prompts"], thought, strict=True):
+        inputs = TalkerInputs(
+            rows.astype(np.float32).tobytes(),
+            (rows.shape[0], rows.shape[1]),
+            "float32",
+            prompt["token_ids"],
+            talker_config.speaker_id[prompt["speaker"]],
+        )
+        params = SamplingParams(
+            max_tokens=TALKER_TOKENS,
+            temperature=0.0,
+            repetition_penalty=REPETITION_PENALTY,
+            stop_token_ids=[talker_config.codec_eos_token_id],
+            # What generate suppresses: every id from vocab - 1024 on but the EOS.
+            allowed_token_ids=[*range(vocab - 1024), talker_config.codec_eos_token_id],
+            detokenize=False,
+            extra_args={TALKER_INPUTS: msgspec.msgpack.encode(inputs)},
+        )
+        length = talker_prompt_length(prompt["token_ids"], config)
+        requests.append(({"prompt_token_ids": [talker_config.codec_pad_id] * length}, params))
+    spoken = run(talker, requests)
+
+    results = []
+    for index, ((tokens, rows), (codec_tokens, frames)) in enumerate(
+        zip(thought, spoken, strict=True)
+    ):
+        np.save(work / f"rows{index}.npy", rows)
+        np.save(work / f"frames{index}.npy", frames)
+        results.append(
+            {
+                "token_ids": tokens,
+                "codec_token_ids": codec_tokens,
+                "rows": str(work / f"rows{index}.npy"),
+                "frames": str(work / f"frames{index}.npy"),
+            }
+        )
     Path(out_path).write_text(json.dumps(results))
 
 
 @pytest.fixture(scope="module")
-def vllm_thinker(
+def audio_reference(model: Any, processor: Any) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+    return speak(model, model_inputs(processor, sine(440.0)), "Ethan")
+
+
+def thinker_rows(model: Any, inputs: Any) -> np.ndarray:
+    """What the talker reads of the thinker, per token it read (its prompt and its answer
+    but the last token): the input embedding and layer accept_hidden_layer's output."""
+    with torch.no_grad():
+        result = model.thinker.generate(
+            **inputs,
+            max_new_tokens=THINKER_TOKENS,
+            do_sample=False,
+            eos_token_id=model.config.im_end_token_id,
+            output_hidden_states=True,
+            return_dict_in_generate=True,
+        )
+    accept = model.config.talker_config.accept_hidden_layer
+    embeds = torch.cat([states[0] for states in result.hidden_states], dim=1)[0]
+    accepted = torch.cat([states[accept] for states in result.hidden_states], dim=1)[0]
+    rows: np.ndarray = torch.cat((embeds, accepted), dim=-1).numpy()
+    return rows
+
+
+@pytest.fixture(scope="module")
+def vllm_stages(
     checkpoint: Path, processor: Any, tmp_path_factory: pytest.TempPathFactory
-) -> list[dict[str, list[int]]]:
+) -> list[dict[str, Any]]:
     """vLLM's greedy answers to the text prompt (as token ids) and to the audio one (as text
-    and samples, which vLLM's own processing expands)."""
+    and samples, which vLLM's own processing expands), each with the thinker's rows, and
+    the talker's codec tokens and frames for each."""
     work = tmp_path_factory.mktemp("qwen3-omni-vllm")
     np.save(work / "sine.npy", sine(440.0))
     spec = {
         "model": str(checkpoint),
         "prompts": [
-            {"token_ids": model_inputs(processor)["input_ids"][0].tolist()},
-            {"text": prompt_text(processor, audio=True), "audio": str(work / "sine.npy")},
+            {"token_ids": model_inputs(processor)["input_ids"][0].tolist(), "speaker": "ethan"},
+            {
+                "text": prompt_text(processor, audio=True),
+                "audio": str(work / "sine.npy"),
+                # The talker reads the prompt as the thinker did, placeholders expanded.
+                "token_ids": model_inputs(processor, sine(440.0))["input_ids"][0].tolist(),
+                "speaker": "ethan",
+            },
         ],
     }
     (work / "spec.json").write_text(json.dumps(spec))
-    run_vllm_child(__file__, work / "spec.json", work / "out.json")
-    results: list[dict[str, list[int]]] = json.loads((work / "out.json").read_text())
+    run_vllm_child(__file__, work / "spec.json", work / "out.json", timeout=400)
+    results: list[dict[str, Any]] = json.loads((work / "out.json").read_text())
     return results
 
 
 def test_vllm_thinker_answers_text_as_transformers_does(
-    vllm_thinker: list[dict[str, list[int]]],
+    vllm_stages: list[dict[str, Any]],
     text_reference: tuple[list[int], torch.Tensor, torch.Tensor],
 ) -> None:
     tokens, _, _ = text_reference
-    assert vllm_thinker[0]["token_ids"] == tokens
+    assert vllm_stages[0]["token_ids"] == tokens
 
 
 def test_vllm_thinker_answers_audio_as_transformers_does(
-    vllm_thinker: list[dict[str, list[int]]], model: Any, processor: Any
+    vllm_stages: list[dict[str, Any]], model: Any, processor: Any
 ) -> None:
     inputs = model_inputs(processor, sine(440.0))
-    # vLLM expands the audio placeholder to as many tokens as the processor does.
-    assert vllm_thinker[1]["prompt_token_ids"] == inputs["input_ids"][0].tolist()
-    assert vllm_thinker[1]["token_ids"] == think(model, inputs)
+    assert vllm_stages[1]["token_ids"] == think(model, inputs)
+
+
+def test_vllm_thinker_says_the_rows_the_talker_reads(
+    vllm_stages: list[dict[str, Any]], model: Any, processor: Any
+) -> None:
+    for result, inputs in zip(
+        vllm_stages, (model_inputs(processor), model_inputs(processor, sine(440.0))), strict=True
+    ):
+        expected = thinker_rows(model, inputs)
+        rows = np.load(result["rows"])
+        # Every token it read: the prompt, and the answer but its last token.
+        assert rows.shape == expected.shape
+        assert rows.shape[0] == inputs["input_ids"].shape[1] + len(result["token_ids"]) - 1
+        width = rows.shape[1] // 2
+        # The embeddings are looked up (the audio's features computed): exact or nearly.
+        assert np.abs(rows[:, :width] - expected[:, :width]).max() < 1e-5
+        assert np.abs(rows[:, width:] - expected[:, width:]).max() < 1e-5
+
+
+def test_vllm_talker_speaks_the_codes_transformers_does(
+    vllm_stages: list[dict[str, Any]],
+    text_reference: tuple[list[int], torch.Tensor, torch.Tensor],
+    audio_reference: tuple[list[int], torch.Tensor, torch.Tensor],
+) -> None:
+    """The talker's engine, fed the thinker engine's rows, both requests in one batch: each
+    frame (its codec token and the code predictor's 15) is transformers'."""
+    for result, (_, _, codes) in zip(vllm_stages, (text_reference, audio_reference), strict=True):
+        frames = np.load(result["frames"])
+        assert frames.shape == (codes.shape[-1], NUM_CODE_GROUPS)
+        assert np.array_equal(frames.T, codes[0].numpy())
+        # The frames are of the codec tokens it sampled, all but the last.
+        assert frames[:, 0].tolist() == result["codec_token_ids"][: len(frames)]
+    assert not np.array_equal(np.load(vllm_stages[0]["frames"]), np.load(vllm_stages[1]["frames"]))
 
 
 if __name__ == "__main__":
-    _run_thinker(sys.argv[1], sys.argv[2])
+    _run_stages(sys.argv[1], sys.argv[2])

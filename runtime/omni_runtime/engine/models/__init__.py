@@ -24,7 +24,14 @@ ARCHITECTURES = {
     "OmniQwen2AntepenultimateModel": (
         "omni_runtime.engine.models.hidden_layers:OmniQwen2AntepenultimateModel"
     ),
+    "OmniQwen3OmniThinker": "omni_runtime.engine.models.qwen3_omni:OmniQwen3OmniThinker",
+    "OmniQwen3OmniTalker": "omni_runtime.engine.models.qwen3_omni:OmniQwen3OmniTalker",
 }
+
+# Architectures that keep state per request and say something per request beside their
+# tokens (step_state.StepStateModel): their engines run the worker that tells them.
+STEP_STATE_ARCHITECTURES = frozenset({"OmniQwen3OmniThinker", "OmniQwen3OmniTalker"})
+STEP_STATE_WORKER = "omni_runtime.engine.models.step_state.StepStateCPUWorker"
 
 # Architecture name -> "module:function" that turns the checkpoint's HF config into the one
 # the architecture reads, where a fixed override cannot say it (it depends on the
@@ -34,6 +41,8 @@ CONFIG_FIXES = {
     "OmniQwen2AntepenultimateModel": (
         "omni_runtime.engine.models.hidden_layers:text_only_qwen2_5_vl"
     ),
+    # The talker's engine reads the checkpoint's talker config.
+    "OmniQwen3OmniTalker": "omni_runtime.engine.models.qwen3_omni:talker_config",
 }
 
 
