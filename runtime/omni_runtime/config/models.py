@@ -30,6 +30,7 @@ from omni_runtime.families import (
     EncoderRecipe,
     Family,
     FamilyName,
+    SpeechStage,
     family_of_model_name,
 )
 from omni_runtime.families.base import VideoRecipe
@@ -774,6 +775,12 @@ class PipelineConfig(_Model):
         """How ``stage`` encodes for the DiT after it, if it is its family's encoder."""
         family = self.family_recipe
         return family.encoder if family is not None and family.is_encoder(stage) else None
+
+    def speech_stage(self, stage: StageConfig) -> SpeechStage | None:
+        """The part ``stage`` plays where the pipeline's family speaks (its thinker or its
+        talker); None otherwise."""
+        family = self.family_recipe
+        return family.speech_stage(stage, self.stages) if family is not None else None
 
     def output_connector(self, stage_id: int) -> str | None:
         """The connector stage ``stage_id`` hands its output to the next stage with: what

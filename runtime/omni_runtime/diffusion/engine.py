@@ -184,6 +184,9 @@ class DiffusionEngineBase(abc.ABC):
     # Where the engine computes, and in what dtype: fetched inputs land there as that.
     device: str
     compute_dtype: Any
+    # What _run returns: images (uint8 [n, height, width, 3], a clip's frames), or sound
+    # (float32 mono samples: code2wav's waveform), which outputs carry as their ``audio``.
+    makes_audio: bool = False
 
     def __init__(self, connectors: dict[str, dict[str, Any]]) -> None:
         # Requests admitted and not yet answered, and those of them aborted. Requests
@@ -217,17 +220,25 @@ class DiffusionEngineBase(abc.ABC):
         """The request's images, uint8 [num_images, height, width, 3]; its partial images,
         where it asks for them and the engine makes them, to ``emit`` on the way."""
 
-    def fetch(self, request: StageDiffusionCoreRequest, name: str, private: bool = False) -> Any:
+    def fetch(
+        self,
+        request: StageDiffusionCoreRequest,
+        name: str,
+        private: bool = False,
+        dtype: Any = None,
+    ) -> Any:
         """The input ``name`` handed off for ``request``, as a tensor on the engine's device
         in its compute dtype; UpstreamInputError if it cannot be fetched. ``private``: in
         memory of its own, never a view of the connector's (shared memory is read in place
-        on a CPU)."""
+        on a CPU). ``dtype``: the torch dtype to land in instead of the compute dtype, for
+        an input that is no activation (code2wav's integer codes, which a float would
+        round)."""
         hand_off = request.inputs[name]
         start = time.perf_counter()
         try:
             connector = self._connectors.get(hand_off.handle.connector)
             fetched = connector.get(hand_off.handle, self.device)
-            tensor = fetched.to(self.compute_dtype)
+            tensor = fetched.to(self.compute_dtype if dtype is None else dtype)
             if private and tensor.data_ptr() == fetched.data_ptr():
                 tensor = tensor.clone()
         except (ConnectorError, KeyError) as e:
@@ -345,12 +356,7 @@ class DiffusionEngineBase(abc.ABC):
                 answers[request_id] = (
                     StageDiffusionCoreOutput(request_id=request_id, aborted=True)
                     if request_id in self._aborted
-                    else StageDiffusionCoreOutput(
-                        request_id=request_id,
-                        images=outputs[index],
-                        execute_time=elapsed,
-                        fetch_time=self._fetch_time,
-                    )
+                    else self._made(request_id, outputs[index], elapsed)
                 )
         return [answers[request.request_id] for request in requests]
 
@@ -384,15 +390,21 @@ class DiffusionEngineBase(abc.ABC):
         start = time.perf_counter()
         self._fetch_time = 0.0
         try:
-            images = self._run(request, params, should_abort, emit)
+            made = self._run(request, params, should_abort, emit)
         except Exception as e:  # a request that breaks the pipeline must not kill the stage
             return _failure(request_id, e)
-        return StageDiffusionCoreOutput(
-            request_id=request_id,
-            images=images,
-            execute_time=time.perf_counter() - start,
-            fetch_time=self._fetch_time,
+        return self._made(request_id, made, time.perf_counter() - start)
+
+    def _made(self, request_id: str, made: np.ndarray, elapsed: float) -> StageDiffusionCoreOutput:
+        """The output of a request that ran: its images, or its sound (``makes_audio``)."""
+        output = StageDiffusionCoreOutput(
+            request_id=request_id, execute_time=elapsed, fetch_time=self._fetch_time
         )
+        if self.makes_audio:
+            output.audio = made
+        else:
+            output.images = made
+        return output
 
 
 class DiffusionEngine(DiffusionEngineBase):

@@ -201,6 +201,7 @@ def start_frontend(
                     stage,
                     model,
                     encoder=encoder,
+                    speech=pipeline.speech_stage(stage),
                     # A traced stage's spans need the core's scheduling events.
                     log_stats=tracing.enabled(),
                     startup_timeout=startup_timeout,

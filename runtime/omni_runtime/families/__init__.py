@@ -22,12 +22,16 @@ from .base import (
     EncoderRecipe,
     Family,
     HandOffKind,
+    SpeechRecipe,
+    SpeechRole,
+    SpeechStage,
     StageView,
     TopologyStage,
     model_basename,
     prompt_image_size,
 )
 from .hunyuan_video import HUNYUAN_VIDEO, HUNYUAN_VIDEO_I2V
+from .qwen3_omni import QWEN3_OMNI
 from .qwen_image import QWEN_IMAGE, QWEN_IMAGE_EDIT, QWEN_IMAGE_EDIT_PLUS
 from .wan import WAN
 from .z_image import Z_IMAGE
@@ -43,6 +47,9 @@ __all__ = [
     "Family",
     "FamilyName",
     "HandOffKind",
+    "SpeechRecipe",
+    "SpeechRole",
+    "SpeechStage",
     "StageView",
     "TopologyStage",
     "family_of_model_name",
@@ -62,6 +69,7 @@ FamilyName = Literal[
     "wan2.2",
     "hunyuanvideo-1.5",
     "hunyuanvideo-1.5-i2v",
+    "qwen3-omni",
 ]
 FAMILY_NAMES: tuple[str, ...] = get_args(FamilyName)
 FAMILIES: Mapping[str, Family] = MappingProxyType(
@@ -76,6 +84,7 @@ FAMILIES: Mapping[str, Family] = MappingProxyType(
             WAN,
             HUNYUAN_VIDEO,
             HUNYUAN_VIDEO_I2V,
+            QWEN3_OMNI,
         )
     }
 )

@@ -46,6 +46,9 @@ HandOffKind = Literal["prompt_embeds", "context_kv"]
 # "packed-3d": 2x2-packed, a video VAE normalised per channel (Qwen-Image); "scaled":
 # [batch, channels, height, width] with the VAE's scaling and shift (Z-Image).
 PreviewLayout = Literal["packed-3d", "scaled"]
+# The part an LLM stage of a speaking family plays (SpeechRecipe): the thinker writes the
+# answer and hands the talker what it read; the talker speaks it as codec frames.
+SpeechRole = Literal["thinker", "talker"]
 # One issue with a pipeline: the field at fault (a path such as "stages[1].output") and why.
 Issue = tuple[str, str]
 # A request field's JSON type: a number, an integer, true/false, one of ``values`` (strings),
@@ -253,6 +256,46 @@ class DiTRecipe:
 
 
 @dataclass(frozen=True)
+class SpeechRecipe:
+    """A family that hears and speaks (Qwen3-Omni): its first LLM stage, the thinker, reads
+    text, images and audio and writes the answer; its second, the talker, turns the
+    thinker's rows for the request into codec frames; its diffusion-kind stage (the
+    DiTRecipe's engine) turns the frames into a waveform. A request that asks for text alone
+    ends at the thinker."""
+
+    # The vLLM architectures (omni_runtime.engine.models) each LLM stage runs.
+    thinker_architecture: str
+    talker_architecture: str
+    # The voices the talker knows (its config's speaker_id, lower case), the default first.
+    voices: tuple[str, ...]
+    # The waveform's samples a second.
+    sample_rate: int
+    # What the thinker's audio processor takes: samples a second, and the longest input.
+    input_sample_rate: int
+    max_input_seconds: float
+    # The thinker's hand-off names: its rows (each read token's input embedding and the
+    # talker's layer), and its prompt's token ids (where the talker finds the user's turns).
+    rows: str = "thinker_rows"
+    prompt: str = "thinker_prompt"
+    # The talker's: its frames of codes, code2wav's input.
+    codes: str = "codes"
+
+
+@dataclass(frozen=True)
+class SpeechStage:
+    """An LLM stage of a speaking family: the family's recipe and the part it plays."""
+
+    recipe: SpeechRecipe
+    role: SpeechRole
+
+    @property
+    def architecture(self) -> str:
+        if self.role == "thinker":
+            return self.recipe.thinker_architecture
+        return self.recipe.talker_architecture
+
+
+@dataclass(frozen=True)
 class Companion:
     """A request to the encoder stage that the DiT needs beside the user's own: the same
     stage, another prompt (a negative prompt, the prompt without its image)."""
@@ -288,6 +331,20 @@ class Family:
     # The request fields of the family's own DiT (its guidance knobs), beyond the common
     # image fields: a pipeline of another family refuses them as unknown fields.
     request_fields: tuple[RequestField, ...] = ()
+    # A family that hears and speaks; None: its pipelines make images or videos.
+    speech: SpeechRecipe | None = None
+
+    def speech_stage(self, stage: StageView, stages: Sequence[StageView]) -> SpeechStage | None:
+        """The part ``stage`` of a pipeline of this family (of ``stages``) plays in
+        speech: the first LLM stage thinks, the second talks."""
+        if self.speech is None or stage.type != "llm":
+            return None
+        llms = sorted(s.stage_id for s in stages if s.type == "llm")
+        if stage.stage_id == llms[0]:
+            return SpeechStage(self.speech, "thinker")
+        if len(llms) > 1 and stage.stage_id == llms[1]:
+            return SpeechStage(self.speech, "talker")
+        return None
 
     def is_encoder(self, stage: StageView) -> bool:
         """Whether ``stage`` of a pipeline of this family is its encoder."""

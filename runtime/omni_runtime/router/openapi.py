@@ -23,6 +23,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 from pydantic.json_schema import models_json_schema
 
+from omni_runtime import audio as audio_codec
 from omni_runtime.families import Family
 from omni_runtime.router.orchestrator import OutputKind
 from omni_runtime.router.protocol import (
@@ -78,11 +79,24 @@ class OutputTextPart(BaseModel):
     text: str
 
 
+class OutputAudio(BaseModel):
+    id: str
+    data: str = Field(description="The spoken answer, base64, in the format asked for.")
+    expires_at: int = Field(
+        description="When the id stops being usable (now: a later turn cannot refer to it)."
+    )
+    transcript: str = Field(description="The answer's text.")
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
-    content: str | list[OutputTextPart | OutputImagePart] = Field(
+    content: str | list[OutputTextPart | OutputImagePart] | None = Field(
         description="Text, or (a pipeline that makes images) one image part per image, "
-        "after the text the pipeline wrote first where it wrote one (BAGEL's plan)."
+        "after the text the pipeline wrote first where it wrote one (BAGEL's plan); null "
+        "for a spoken answer, whose text is its audio's transcript."
+    )
+    audio: OutputAudio | None = Field(
+        default=None, description="A spoken answer (modalities text and audio)."
     )
 
 
@@ -101,9 +115,17 @@ class ChatCompletion(BaseModel):
     usage: Usage
 
 
+class ChunkAudio(BaseModel):
+    id: str | None = None
+    transcript: str | None = Field(default=None, description="The next piece of the text.")
+    data: str | None = Field(default=None, description="The next piece of audio, base64 pcm16.")
+    expires_at: int | None = None
+
+
 class ChunkDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    audio: ChunkAudio | None = None
 
 
 class ChunkChoice(BaseModel):
@@ -369,12 +391,17 @@ def openapi_document(
             paths["/v1/images/generations"] = {"post": _images_generations()}
         if takes_image:
             paths["/v1/images/edits"] = {"post": _images_edits()}
-    else:
+    elif output_kind == "text":
         paths["/v1/completions"] = {"post": _completions_operation()}
         paths["/tokenize"] = {"post": _tokenizer_operation("tokenize")}
         paths["/detokenize"] = {"post": _tokenizer_operation("detokenize")}
     paths.update(_get_paths())
-    answers = {"image": "images", "video": "videos (jobs)", "text": "text"}[output_kind]
+    answers = {
+        "image": "images",
+        "video": "videos (jobs)",
+        "text": "text",
+        "speech": "text, spoken too where a chat completion asks for audio",
+    }[output_kind]
     description = (
         f"Serves the model {model_name!r}, a pipeline that answers with "
         f"{answers}. Errors are OpenAI-shaped "
@@ -396,6 +423,12 @@ def openapi_document(
         description += (
             " /v1/images/generations and /v1/images/edits answer 400 here (this pipeline "
             "makes no images), so they are not listed."
+        )
+    elif output_kind == "speech":
+        description += (
+            " Only chat completions reach its thinker (they carry its input_audio parts and "
+            "ask for audio with modalities and audio): /v1/completions, /tokenize, "
+            "/detokenize and the image paths answer 400 here, so they are not listed."
         )
     else:
         description += (
@@ -617,11 +650,46 @@ def _narrow_requests(
         for name in models.chat.image_only_fields():
             del chat[name]
         _set(chat["n"], enum=[1])
-        _set(chat["modalities"], items={"enum": ["text"], "type": "string"})
-    if not takes_image:
-        # A message's parts are text.
-        content = schemas["ChatMessage"]["properties"]["content"]["anyOf"][1]
-        content["items"] = {"$ref": _REF.format(model="TextPart")}
+        spoken = ["text", "audio"] if output_kind == "speech" else ["text"]
+        _set(chat["modalities"], items={"enum": spoken, "type": "string"})
+    content = schemas["ChatMessage"]["properties"]["content"]["anyOf"][1]
+    if output_kind == "speech":
+        # A message's parts are text and audio.
+        content["items"] = {
+            "oneOf": [_ref("TextPart"), _ref("InputAudioPart")],
+            "discriminator": {
+                "propertyName": "type",
+                "mapping": {
+                    "text": _REF.format(model="TextPart"),
+                    "input_audio": _REF.format(model="InputAudioPart"),
+                },
+            },
+        }
+        audio = schemas["AudioOutput"]["properties"]
+        speech = models.chat.speech
+        if speech is not None:
+            _set(audio["voice"], enum=list(speech.voices))
+        _set(audio["format"], enum=list(audio_codec.AUDIO_FORMATS))
+    else:
+        # Only a pipeline that speaks takes audio, in or out.
+        del chat["audio"]
+        schemas.pop("InputAudioPart", None)
+        schemas.pop("InputAudio", None)
+        schemas.pop("AudioOutput", None)
+        if not takes_image:
+            # A message's parts are text.
+            content["items"] = {"$ref": _REF.format(model="TextPart")}
+        else:
+            content["items"] = {
+                "oneOf": [_ref("TextPart"), _ref("ImagePart")],
+                "discriminator": {
+                    "propertyName": "type",
+                    "mapping": {
+                        "text": _REF.format(model="TextPart"),
+                        "image_url": _REF.format(model="ImagePart"),
+                    },
+                },
+            }
     completion = schemas["CompletionRequest"]["properties"]
     _set(completion["model"], enum=[model_name])
     _set(completion["max_tokens"], maximum=limits.max_tokens)
@@ -769,7 +837,7 @@ def _errors(*statuses: int) -> dict[str, Any]:
 
 def _chat_operation(output_kind: OutputKind) -> dict[str, Any]:
     content: dict[str, Any] = _json("ChatCompletion")
-    if output_kind == "text":
+    if output_kind in ("text", "speech"):
         # OpenAPI 3.1 reads an event stream's schema as that of each event.
         content["text/event-stream"] = {
             "schema": {

@@ -30,6 +30,11 @@ status the router answers with. Retries are invisible to the caller and bounded:
   rollout before the hand-off was fetched: a STAGE_FAILED error whose ``param`` names the
   input), restarts the request from the first stage, once (hidden states handed to a dead
   replica are gone with it), on the revision then newest.
+A pipeline of a family that speaks (Qwen3-Omni) runs its thinker alone for a request that
+asks for text; for one that asks for audio too, the thinker's text reaches the caller as it
+is written, and its hand-off feeds the talker, whose frames feed code2wav (each pinned to
+its producer's pod where it reads shared memory); the last output carries the waveform.
+
 Each retry is reported to ``on_retry`` (/metrics). Cancelling the consumer (a client that
 disconnected) aborts the request in the stage running it. An attempt that ends without
 being served releases the hand-offs its stages made at once (an abort of the finished
@@ -75,7 +80,8 @@ from omni_runtime.tracing import SpanScope
 logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
 
-OutputKind = Literal["text", "image", "video"]
+# "speech": text, and audio where the request asks for it (a family that speaks).
+OutputKind = Literal["text", "image", "video", "speech"]
 # One retry: a second lost replica in a row says more about the stage than the request.
 _ATTEMPTS = 2
 # Hand-backs of one stage request: each comes from a replica that has since stopped taking
@@ -162,7 +168,9 @@ class PipelineRequest:
 
     request_id: str
     prompt: str | None = None
-    messages: list[dict[str, str]] | None = None
+    # Content is text, or a list of parts where the stage takes them (a thinker that hears:
+    # text and input_audio, whose samples are in ``audios``).
+    messages: list[dict[str, Any]] | None = None
     # Sampling params for LLM stages that generate text, and for diffusion stages.
     llm_params: dict[str, Any] = field(default_factory=dict)
     diffusion_params: dict[str, Any] = field(default_factory=dict)
@@ -171,6 +179,11 @@ class PipelineRequest:
     sticky_key: str | None = None
     # Whether the caller reads the last stage's text as it is generated.
     stream: bool = False
+    # Input audio (a thinker that hears), float32 mono samples at its processor's rate each,
+    # placed by the messages' input_audio parts.
+    audios: list[np.ndarray] = field(default_factory=list)
+    # The voice to answer in (a family that speaks); None: text only.
+    voice: str | None = None
 
 
 def stage_chain(pipeline: PipelineConfig) -> list[StageConfig]:
@@ -230,8 +243,12 @@ class PipelineOrchestrator:
             )
         }
         last = self.stages[-1]
+        family = pipeline.family_recipe
+        self.speaks = family is not None and family.speech is not None
         self.output_kind: OutputKind = (
-            "text"
+            "speech"
+            if self.speaks
+            else "text"
             if last.type != "diffusion"
             else "video"
             if pipeline.video_recipe is not None
@@ -321,6 +338,11 @@ class PipelineOrchestrator:
         handed: list[_HandOff] = []
         served = False
         try:
+            if self.speaks:
+                async for output in self._run_speech(request, attempt.number, revision, handed):
+                    yield output
+                served = True
+                return
             for index, stage in enumerate(self.stages):
                 stage_request = self._stage_request(
                     request, attempt.number, index, upstream, upstream_text, companion_inputs
@@ -366,6 +388,64 @@ class PipelineOrchestrator:
                 # finished, the next stage refused the request, the caller went away): the
                 # producers drop them now, not at their connector's TTL.
                 await asyncio.shield(self._release(handed))
+
+    async def _run_speech(
+        self, request: PipelineRequest, attempt: int, revision: str, handed: list[_HandOff]
+    ) -> AsyncIterator[StageServerOutput]:
+        """A speaking family's request: the thinker's outputs, then (for a request with a
+        voice) one last output with the waveform, the thinker's finish and usage."""
+        thinker = self.stages[0]
+        thinker_request = self._stage_request(request, attempt, 0, None, "", {})
+        thinker_request.audios = request.audios
+        thinker_request.stream = request.stream
+        sticky = request.sticky_key
+        if request.voice is None or len(self.stages) == 1:
+            async for output in self._run_stage(thinker, thinker_request, sticky, revision):
+                yield output
+            return
+        thinker_request.params = {**thinker_request.params, "speak": True}
+        where: list[tuple[str, int]] = []
+        thought: StageServerOutput | None = None
+        async for output in self._run_stage(
+            thinker, thinker_request, sticky, revision, where=where
+        ):
+            if output.finished:
+                thought = output
+                handed.append(_HandOff(thinker.stage_id, where[-1][1], thinker_request.request_id))
+                # Its text goes on now; the answer finishes with its audio.
+                output = StageServerOutput(request_id=output.request_id, text=output.text)
+            if output.text:
+                yield output
+        assert thought is not None
+        upstream, host = thought, where[-1][0]
+        for stage in self.stages[1:]:
+            stage_request = StageServerRequest(
+                request_id=thinker_request.request_id,
+                inputs=dict(upstream.hand_offs),
+                params={"voice": request.voice} if stage.type == "llm" else {},
+                stream=False,
+            )
+            pin = host if stage.stage_id in self._pod_local else None
+            where = []
+            final: StageServerOutput | None = None
+            async for output in self._run_stage(
+                stage, stage_request, sticky, revision, pin, where=where
+            ):
+                if output.finished:
+                    final = output
+            assert final is not None
+            if final.hand_offs:
+                handed.append(_HandOff(stage.stage_id, where[-1][1], stage_request.request_id))
+            upstream, host = final, where[-1][0]
+        yield StageServerOutput(
+            request_id=thinker_request.request_id,
+            finished=True,
+            finish_reason=thought.finish_reason,
+            audio=upstream.audio,
+            prompt_tokens=thought.prompt_tokens,
+            completion_tokens=thought.completion_tokens,
+            execute_time=thought.execute_time,
+        )
 
     async def _release(self, handed: Sequence[_HandOff]) -> None:
         """Tell each replica that made one of ``handed`` to drop it (a no-op for one its

@@ -14,6 +14,11 @@ family takes the generic diffusers ones (``familyless_fields``, and an edit's st
 The models here hold the common fields only; ``request_models`` builds, once per set of
 fields, the bodies a deployment parses (and documents), so that a pipeline takes its own
 family's fields and refuses another's as unknown, naming the families that take it.
+
+A pipeline of a family that speaks (Qwen3-Omni) takes OpenAI's audio: ``input_audio``
+content parts (base64 WAV or MP3, decoded here to the samples its thinker's processor
+takes), and ``modalities: ["text", "audio"]`` with ``audio: {voice, format}`` for an answer
+spoken in one of its voices.
 """
 
 from __future__ import annotations
@@ -41,10 +46,11 @@ from pydantic import (
 from python_multipart.exceptions import FormParserError
 from python_multipart.multipart import MultipartParser, parse_options_header
 
+from omni_runtime import audio as audio_codec
 from omni_runtime.config.loader import nesting_depth
 from omni_runtime.engine.stage.stage_core_types import MAX_PARTIAL_IMAGES
 from omni_runtime.families import FAMILIES, Family
-from omni_runtime.families.base import RequestField, VideoRecipe
+from omni_runtime.families.base import RequestField, SpeechRecipe, VideoRecipe
 from omni_runtime.images import decode_image
 from omni_runtime.router.orchestrator import OutputKind, PipelineRequest
 from omni_runtime.videos import frames_for
@@ -123,7 +129,24 @@ class ImagePart(_Body):
     image_url: ImageURL
 
 
-ContentPart = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+class InputAudio(_Body):
+    data: str
+    format: str
+
+
+class InputAudioPart(_Body):
+    type: Literal["input_audio"]
+    input_audio: InputAudio
+
+
+class AudioOutput(_Body):
+    """A chat completion's ``audio``: the voice to answer in and the format of its data."""
+
+    voice: str
+    format: str
+
+
+ContentPart = Annotated[TextPart | ImagePart | InputAudioPart, Field(discriminator="type")]
 
 
 class ChatMessage(_Body):
@@ -161,6 +184,8 @@ class _FamilyFields(_Body):
     unsupported_fields: ClassVar[tuple[str, ...]] = ()
     # Whether the DiT makes partial images (its family's latents decode part way).
     makes_partial_images: ClassVar[bool] = False
+    # A family that hears and speaks: its voices, rates and bounds; None: no audio.
+    speech: ClassVar[SpeechRecipe | None] = None
 
     def _check_supported(self) -> None:
         for name in self.unsupported_fields:
@@ -229,7 +254,8 @@ class ChatCompletionRequest(_FamilyFields, _Sampling):
     n: Positive = 1
     user: str | None = None
     # vLLM-Omni's image generation extensions.
-    modalities: list[Literal["text", "image"]] | None = None
+    modalities: list[Literal["text", "image", "audio"]] | None = None
+    audio: AudioOutput | None = None
     height: Positive | None = None
     width: Positive | None = None
     num_inference_steps: Positive | None = None
@@ -243,9 +269,10 @@ class ChatCompletionRequest(_FamilyFields, _Sampling):
         return (*_IMAGE_ONLY_CHAT_FIELDS, *cls.family_fields)
 
     def has_input_image(self) -> bool:
-        """Whether converting this request decodes an image (worth a thread of its own)."""
+        """Whether converting this request decodes an image or audio (worth a thread of its
+        own)."""
         return any(
-            isinstance(part, ImagePart)
+            isinstance(part, ImagePart | InputAudioPart)
             for message in self.messages
             if not isinstance(message.content, str)
             for part in message.content
@@ -256,6 +283,14 @@ class ChatCompletionRequest(_FamilyFields, _Sampling):
     ) -> PipelineRequest:
         """The pipeline request this chat completion asks for; RequestError naming the
         field when the pipeline cannot answer it or it is over a limit."""
+        if output_kind == "speech":
+            return self._speech_request(request_id, limits)
+        if self.audio is not None or "audio" in (self.modalities or []):
+            raise RequestError(
+                400,
+                "modalities: this pipeline does not speak; leave out audio",
+                "audio" if self.audio is not None else "modalities",
+            )
         wants_image = "image" in (self.modalities or [])
         if wants_image and output_kind != "image":
             raise RequestError(
@@ -321,9 +356,125 @@ class ChatCompletionRequest(_FamilyFields, _Sampling):
             stream=self.stream,
         )
 
+    def _speech_request(self, request_id: str, limits: RouterLimits) -> PipelineRequest:
+        """A chat completion of a pipeline that hears and speaks: text and input_audio
+        parts in, text out, and audio too where ``modalities`` asks for it."""
+        speech = self.speech
+        assert speech is not None
+        modalities = set(self.modalities or ["text"])
+        if "image" in modalities:
+            raise RequestError(
+                400,
+                'modalities: this pipeline answers in text and audio; leave out "image"',
+                "modalities",
+            )
+        if modalities == {"audio"}:
+            raise RequestError(
+                400,
+                'modalities: an answer in audio comes with its text: ["text", "audio"]',
+                "modalities",
+            )
+        voice: str | None = None
+        if "audio" in modalities:
+            voice = self._voice(speech)
+        elif self.audio is not None:
+            raise RequestError(
+                400,
+                'audio: an answer in audio is asked for with modalities ["text", "audio"]',
+                "audio",
+            )
+        for name in self.image_only_fields():
+            if getattr(self, name) is not None:
+                raise RequestError(400, f"{name}: a parameter of image output", name)
+        if self.n != 1:
+            raise RequestError(400, f"n: only 1 completion per request (got {self.n})", "n")
+        messages, audios = hear_messages(self.messages, speech, limits)
+        prompt_chars = sum(
+            len(m["content"])
+            if isinstance(m["content"], str)
+            else sum(len(p.get("text", "")) for p in m["content"])
+            for m in messages
+        )
+        check_common(limits, prompt_chars, self.n, None)
+        return PipelineRequest(
+            request_id=request_id,
+            messages=messages,
+            llm_params=self._llm_params(self.max_completion_tokens or self.max_tokens, limits),
+            sticky_key=self.user,
+            stream=self.stream,
+            audios=audios,
+            voice=voice,
+        )
+
+    def _voice(self, speech: SpeechRecipe) -> str:
+        if self.audio is None:
+            raise RequestError(
+                400,
+                'audio: required with modalities ["text", "audio"]: {"voice": one of '
+                f'{", ".join(speech.voices)}, "format": one of '
+                f"{', '.join(audio_codec.AUDIO_FORMATS)}}}",
+                "audio",
+            )
+        voice = self.audio.voice.lower()
+        if voice not in speech.voices:
+            raise RequestError(
+                400,
+                f"audio.voice: unknown voice {self.audio.voice!r} (voices: "
+                f"{', '.join(speech.voices)})",
+                "audio.voice",
+            )
+        formats = audio_codec.STREAM_FORMATS if self.stream else audio_codec.AUDIO_FORMATS
+        if self.audio.format not in formats:
+            why = "a streamed answer's audio comes as " if self.stream else "one of "
+            raise RequestError(
+                400,
+                f"audio.format: {self.audio.format!r} is not supported ({why}{', '.join(formats)})",
+                "audio.format",
+            )
+        return voice
+
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+
+def hear_messages(
+    messages: list[ChatMessage], speech: SpeechRecipe, limits: RouterLimits
+) -> tuple[list[dict[str, Any]], list[np.ndarray]]:
+    """Chat messages as a thinker that hears takes them (text, or text and input_audio
+    parts, the audio's data taken out) and the audio's samples, decoded at its processor's
+    rate; RequestError naming the part for an image or audio that cannot be decoded."""
+    flat: list[dict[str, Any]] = []
+    audios: list[np.ndarray] = []
+    for index, message in enumerate(messages):
+        if isinstance(message.content, str):
+            flat.append({"role": message.role, "content": message.content})
+            continue
+        parts: list[dict[str, Any]] = []
+        for part_index, part in enumerate(message.content):
+            where = f"messages[{index}].content[{part_index}]"
+            if isinstance(part, TextPart):
+                parts.append({"type": "text", "text": part.text})
+            elif isinstance(part, InputAudioPart):
+                try:
+                    audios.append(
+                        audio_codec.decode_input_audio(
+                            part.input_audio.data,
+                            part.input_audio.format,
+                            sample_rate=speech.input_sample_rate,
+                            max_seconds=speech.max_input_seconds,
+                            param=f"{where}.input_audio",
+                        )
+                    )
+                except audio_codec.InvalidAudioError as e:
+                    raise RequestError(400, f"{e.param}: {e.message}", e.param) from None
+                parts.append({"type": "input_audio"})
+            else:
+                raise RequestError(
+                    400, f"{where}: this pipeline hears text and audio (no image_url)", where
+                )
+        flat.append({"role": message.role, "content": parts})
+    return flat, audios
 
 
 # The body fields that are an LLM stage's sampling params, by the same name.
@@ -701,6 +852,7 @@ def request_models(family: Family | None, step_cache_tiers: tuple[str, ...] = ()
         requires_image=family.dit.requires_image,
         unsupported=family.dit.unsupported_fields,
         partial_images=family.dit.preview is not None,
+        speech=family.speech,
     )
     return _request_models((*family.request_fields, *cache), (), rules)
 
@@ -714,6 +866,7 @@ class InputRules:
     requires_image: bool = False
     unsupported: tuple[str, ...] = ()
     partial_images: bool = False
+    speech: SpeechRecipe | None = None
 
 
 def familyless_fields() -> tuple[RequestField, ...]:
@@ -789,6 +942,7 @@ def _with_fields(
     model.requires_input_image = rules.requires_image
     model.unsupported_fields = rules.unsupported
     model.makes_partial_images = rules.partial_images
+    model.speech = rules.speech
     return model
 
 
@@ -1045,6 +1199,9 @@ def flatten_messages(
         for part_index, part in enumerate(message.content):
             if isinstance(part, TextPart):
                 texts.append(part.text)
+            elif isinstance(part, InputAudioPart):
+                where = f"messages[{index}].content[{part_index}]"
+                raise RequestError(400, f"{where}: this pipeline takes no audio", where)
             else:
                 where = f"messages[{index}].content[{part_index}].image_url.url"
                 images.append(decode_data_url(part.image_url.url, limits, where))

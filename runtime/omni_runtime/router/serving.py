@@ -7,7 +7,10 @@ response body: chat completions, their SSE chunks, image results and OpenAI-shap
 
 Responses are encoded with orjson (a chat completion's body and every streamed chunk), and
 images are PNG- and base64-encoded in a worker thread: a 1024x1024 PNG takes tens of
-milliseconds, which on the event loop would hold up every other request's tokens.
+milliseconds, which on the event loop would hold up every other request's tokens. So is
+audio: an answer spoken (a pipeline that speaks, ``modalities: ["text", "audio"]``) comes as
+OpenAI's ``message.audio`` (the text its transcript), or streamed as ``delta.audio`` chunks:
+the transcript as the thinker writes it, then the samples as pcm16.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from omni_runtime import audio as audio_codec
 from omni_runtime.config import PipelineConfig
 from omni_runtime.engine.stage.stage_core_types import StageServerOutput
 from omni_runtime.engine.stage.stage_replica_pool import NoLiveReplicaError, StageReplicaPool
@@ -41,6 +45,12 @@ from omni_runtime.router.protocol import (
     RouterLimits,
     TokenizeRequest,
 )
+
+# How much audio one streamed chunk carries, in seconds: a client plays as it reads.
+_AUDIO_CHUNK_S = 0.5
+# A spoken answer's audio id is not kept for a later turn to refer to (the router keeps no
+# state between requests): it expires as it is made.
+_AUDIO_TTL_S = 0
 
 # A tokenize call is milliseconds of a stage server's time; one far past that has lost its
 # replica (which the pool notices on its own).
@@ -124,12 +134,32 @@ class OpenAIServing:
             )
         else:
             request = body.to_pipeline_request(request_id, kind, self.limits)
-        if kind == "text" and body.stream:
+        speaks = kind == "speech" and request.voice is not None
+        if kind in ("text", "speech") and body.stream:
             frames = _ChunkWriter(request_id, self.served_model_name, "chat.completion.chunk")
+            if speaks:
+                return await self._stream_speech(request, body.include_usage, frames)
             return await self._stream_text(request, http, body.include_usage, frames)
         outputs = await self._run_to_end(request, http)
         final = outputs[-1]
-        if kind == "image":
+        message: dict[str, Any]
+        if speaks:
+            assert body.audio is not None
+            text = "".join(output.text for output in outputs)
+            data = await asyncio.to_thread(
+                _audio_base64, final.audio, self._sample_rate, body.audio.format
+            )
+            message = {
+                "role": "assistant",
+                "content": None,
+                "audio": {
+                    "id": f"audio_{uuid.uuid4().hex}",
+                    "data": data,
+                    "expires_at": int(time.time()) + _AUDIO_TTL_S,
+                    "transcript": text,
+                },
+            }
+        elif kind == "image":
             urls = await asyncio.to_thread(_png_data_urls, final.images)
             # The text the pipeline wrote before its images (BAGEL's plan), then the images.
             content: str | list[dict[str, Any]] = [
@@ -138,6 +168,8 @@ class OpenAIServing:
             ]
         else:
             content = "".join(output.text for output in outputs)
+        if not speaks:
+            message = {"role": "assistant", "content": content}
         return JSONBody(
             {
                 "id": request_id,
@@ -147,7 +179,7 @@ class OpenAIServing:
                 "choices": [
                     {
                         "index": 0,
-                        "message": {"role": "assistant", "content": content},
+                        "message": message,
                         "finish_reason": final.finish_reason,
                     }
                 ],
@@ -375,6 +407,61 @@ class OpenAIServing:
 
         return _StreamWithCleanup(events(), release)
 
+    @property
+    def _sample_rate(self) -> int:
+        family = self.pipeline.family_recipe
+        assert family is not None
+        assert family.speech is not None
+        return family.speech.sample_rate
+
+    async def _stream_speech(
+        self, request: PipelineRequest, include_usage: bool, chunks: _ChunkWriter
+    ) -> Response:
+        """A spoken answer, streamed as OpenAI streams one: ``delta.audio`` chunks, the
+        transcript as the thinker writes it, then the audio as pcm16 (about half a second a
+        chunk), the last with the finish reason and when the audio expires."""
+        first, outputs, release = await self._open_stream(request)
+        audio_id = f"audio_{uuid.uuid4().hex}"
+        rate = self._sample_rate
+
+        async def events() -> AsyncIterator[bytes]:
+            try:
+                opening = chunks.opening()
+                if opening:
+                    yield opening
+                output, sent_id = first, False
+                while True:
+                    if output.text:
+                        delta: dict[str, Any] = {"transcript": output.text}
+                        if not sent_id:
+                            delta["id"], sent_id = audio_id, True
+                        yield chunks.delta({"audio": delta}, None)
+                    if output.finished:
+                        break
+                    following = await anext(outputs, None)
+                    if following is None:
+                        break
+                    output = following
+                if output.audio is not None:
+                    pcm = await asyncio.to_thread(audio_codec.pcm16_bytes, output.audio)
+                    step = 2 * max(1, int(rate * _AUDIO_CHUNK_S))
+                    for start in range(0, len(pcm), step):
+                        data = base64.b64encode(pcm[start : start + step]).decode("ascii")
+                        yield chunks.delta({"audio": {"id": audio_id, "data": data}}, None)
+                yield chunks.delta(
+                    {"audio": {"id": audio_id, "expires_at": int(time.time()) + _AUDIO_TTL_S}},
+                    output.finish_reason if output.finished else None,
+                )
+                if include_usage:
+                    yield chunks.usage(_usage(output))
+            except PipelineError as e:
+                yield _sse(error_body(e.status, e.message, kind=e.kind, param=e.param))
+            finally:
+                await release()
+            yield b"data: [DONE]\n\n"
+
+        return _StreamWithCleanup(events(), release)
+
     async def _stream_text(
         self, request: PipelineRequest, http: Request, include_usage: bool, chunks: _ChunkWriter
     ) -> Response:
@@ -434,6 +521,10 @@ class _ChunkWriter:
             return self._frame(b'"delta":' + delta, finish_reason)
         return self._frame(b'"text":' + orjson.dumps(text) + b',"logprobs":null', finish_reason)
 
+    def delta(self, delta: dict[str, Any], finish_reason: str | None) -> bytes:
+        """A chat chunk whose delta is ``delta`` (a spoken answer's audio)."""
+        return self._frame(b'"delta":' + orjson.dumps(delta), finish_reason)
+
     def usage(self, usage: dict[str, int]) -> bytes:
         return _sse({**self.head, "choices": [], "usage": usage})
 
@@ -453,6 +544,15 @@ def _usage(final: StageServerOutput) -> dict[str, int]:
         "completion_tokens": final.completion_tokens,
         "total_tokens": final.prompt_tokens + final.completion_tokens,
     }
+
+
+def _audio_base64(samples: np.ndarray | None, sample_rate: int, audio_format: str) -> str:
+    """A spoken answer's audio in ``audio_format``, base64 (none: an empty answer)."""
+    if samples is None:
+        samples = np.zeros(0, dtype=np.float32)
+    return base64.b64encode(audio_codec.encode_audio(samples, sample_rate, audio_format)).decode(
+        "ascii"
+    )
 
 
 def _png_base64(images: np.ndarray | None) -> list[str]:

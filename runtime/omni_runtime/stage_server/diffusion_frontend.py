@@ -96,6 +96,7 @@ class StageDiffusionFrontend(StageFrontend):
             request_id=output.request_id,
             finished=True,
             images=output.images,
+            audio=output.audio,
             execute_time=output.execute_time,
         )
         if output.aborted:

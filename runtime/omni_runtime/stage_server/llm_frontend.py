@@ -8,6 +8,11 @@ stage's hidden states are put into the connector that carries them to the next s
 router receives only the handle); a model family's encoder first drops the rows of its
 template, as the family's pipeline does, and one that hands off a context KV (its recipe's
 ``hand_off``) has its architecture's ContextHandOff shape the rows and say their layout.
+
+A speaking family's stages (Qwen3-Omni) hand off what their models say beside each token
+(step_state.StepStateModel), gathered over the request and put when it finishes: the
+thinker, for a request that will be spoken, its rows and its prompt's token ids; the
+talker, fed those (it fetches them itself), its frames of codes for code2wav.
 """
 
 from __future__ import annotations
@@ -18,13 +23,21 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+import torch
 from vllm.v1.engine import EngineCoreEventType, FinishReason
 from vllm.v1.engine.detokenizer import IncrementalDetokenizer
 
 from omni_runtime import tracing
 from omni_runtime.config import PipelineConfig, StageConfig
-from omni_runtime.connectors import DEFAULT_HANDOFF_CONNECTOR, ConnectorHandle, StageConnectors
+from omni_runtime.connectors import (
+    DEFAULT_HANDOFF_CONNECTOR,
+    ConnectorError,
+    ConnectorHandle,
+    StageConnectors,
+)
 from omni_runtime.engine.models import context_hand_off
+from omni_runtime.engine.models.qwen3_omni import TalkerInputs, talker_inputs_issue
 from omni_runtime.engine.stage.stage_core_types import (
     HandOff,
     StageError,
@@ -37,6 +50,11 @@ from omni_runtime.engine.stage.stage_core_types import (
 from omni_runtime.engine.stage.stage_llm_core_client import StageLLMCoreClientBase
 from omni_runtime.engine.stage.stage_llm_request_builder import InvalidLLMRequestError
 from omni_runtime.stage_server.frontend import RequestSpans, StageFrontend, refusal
+
+
+class _UnusableInputs(Exception):
+    """What the thinker handed the talker cannot be read (a thinker of another model)."""
+
 
 # vLLM's REPETITION (a repetition detector's stop) is a stop to an OpenAI client.
 _FINISH_REASONS = {
@@ -66,6 +84,11 @@ class _Request:
     start: float = field(default_factory=time.perf_counter)
     # While tracing.
     spans: RequestSpans | None = None
+    # A speaking family's stage: what its model said beside each step's tokens (the
+    # thinker's rows, the talker's frames), and the thinker's prompt ids; None: nothing
+    # to hand off.
+    said: list[torch.Tensor] | None = None
+    spoken_prompt: list[int] | None = None
 
 
 class StageLLMFrontend(StageFrontend):
@@ -86,7 +109,8 @@ class StageLLMFrontend(StageFrontend):
         self._requests: dict[str, _Request] = {}
         # request id -> (connector, key, when) of hidden states put and maybe not fetched,
         # so that an abort after the handoff still frees them.
-        self._handoffs: OrderedDict[str, tuple[str, str, float]] = OrderedDict()
+        self._handoffs: OrderedDict[str, list[tuple[str, str, float]]] = OrderedDict()
+        self._speech = client.speech_stage
         # The stage's own config names its hand-off, not the router's: during a rollout a
         # router of one revision routes through replicas of another, whose connectors may
         # differ (the replicas of one revision agree with each other).
@@ -129,21 +153,36 @@ class StageLLMFrontend(StageFrontend):
 
     async def add(self, request: StageServerRequest) -> list[StageServerOutput]:
         request_id = request.request_id
+        talker = self._speech is not None and self._speech.role == "talker"
         for name in request.inputs:
+            if talker:
+                break
             message = f"{name}: an LLM stage takes text (prompt or messages)"
             return [refusal(request_id, StageError.bad_request(message, name))]
         builder = self.client.request_builder
         try:
-            core_request = builder.build(
-                request_id,
-                prompt=request.prompt,
-                messages=request.messages,
-                params=request.params,
-                images=request.images,
-            )
+            if talker:
+                core_request = await self._talker_request(request)
+            else:
+                core_request = builder.build(
+                    request_id,
+                    prompt=request.prompt,
+                    messages=request.messages,
+                    params=request.params,
+                    images=request.images,
+                    audios=request.audios,
+                )
         except InvalidLLMRequestError as e:
             return [refusal(request_id, e.error)]
+        except ConnectorError as e:
+            # The thinker's hand-off is gone (its replica went away): the request starts
+            # again from the thinker, as for any stage whose input is lost.
+            error = StageError(StageErrorCode.STAGE_FAILED, str(e), param=self._input_name())
+            return [refusal(request_id, error)]
+        except _UnusableInputs as e:
+            return [refusal(request_id, StageError(StageErrorCode.STAGE_FAILED, str(e)))]
         context = self._context_hand_off is not None
+        speaks = talker or bool(request.params.get("speak"))
         self._requests[request_id] = _Request(
             self._detokenizer(core_request),
             prompt_tokens=len(core_request.prompt_token_ids or ()),
@@ -153,6 +192,11 @@ class StageLLMFrontend(StageFrontend):
             stream=request.stream,
             spans=RequestSpans.of(self.stage, request),
         )
+        if speaks:
+            state = self._requests[request_id]
+            state.said = []
+            if not talker:
+                state.spoken_prompt = list(core_request.prompt_token_ids or ())
         try:
             await self.client.add_request_async(core_request)
         except BaseException:
@@ -179,9 +223,7 @@ class StageLLMFrontend(StageFrontend):
             if spans is not None:
                 spans.aborted()
         for request_id in request_ids:
-            handoff = self._handoffs.pop(request_id, None)
-            if handoff is not None:
-                connector, key, _ = handoff
+            for connector, key, _ in self._handoffs.pop(request_id, ()):
                 self.connectors.get(connector).release(key)
 
     def _detokenizer(self, request: StageLLMCoreRequest) -> IncrementalDetokenizer:
@@ -211,6 +253,9 @@ class StageLLMFrontend(StageFrontend):
                     state.spans.started(tracing.monotonic_to_ns(event.timestamp))
                     break
         new_token_ids = list(output.new_token_ids)
+        if state.said is not None and output.pooling_output is not None:
+            # Every step's, whether or not the step is sent on.
+            state.said.append(output.pooling_output)
         # As vLLM's output processor: a stop token ends the text without being part of it.
         state.detokenizer.update(new_token_ids, output.finish_reason == FinishReason.STOP)
         text = state.detokenizer.get_next_output_text(finished, delta=True)
@@ -226,7 +271,17 @@ class StageLLMFrontend(StageFrontend):
         result.token_ids = new_token_ids
         result.text = text
         result.completion_tokens = state.detokenizer.num_output_tokens()
-        if output.pooling_output is not None:
+        if state.said is not None:
+            if finished and output.error is None and output.finish_reason != FinishReason.ABORT:
+                try:
+                    result.hand_offs = await self._speech_hand_offs(request_id, state)
+                except Exception as e:
+                    output.finish_reason = FinishReason.ERROR
+                    output.error = StageError(
+                        StageErrorCode.STAGE_FAILED,
+                        f"handing off to connector {state.output_connector!r} failed: {e}",
+                    )
+        elif output.pooling_output is not None:
             name = self._hand_off_name
             try:
                 hand_off, plan = await self._hand_off(request_id, state, output)
@@ -276,19 +331,86 @@ class StageLLMFrontend(StageFrontend):
                 rows = rows[encoder.drop_prefix :]
         return HandOff(await self._put(request_id, state, rows), meta), plan
 
-    async def _put(self, request_id: str, state: _Request, array: Any) -> ConnectorHandle:
+    async def _put(
+        self, request_id: str, state: _Request, array: Any, key: str | None = None
+    ) -> ConnectorHandle:
+        """``array`` put under ``key`` (the request's id unless given), recorded for
+        release until the connector's TTL."""
         assert state.output_connector is not None
+        key = key or request_id
         connector = self.connectors.get(state.output_connector)
         traced = state.spans.connector_put(connector.name) if state.spans else None
         with traced or tracing.NO_SPAN as span:
-            handle = await asyncio.to_thread(connector.put, request_id, array)
+            handle = await asyncio.to_thread(connector.put, key, array)
             span.set_attribute(tracing.BYTES, handle.nbytes)
         now = time.monotonic()
-        self._handoffs[request_id] = (connector.name, request_id, now)
+        self._handoffs.setdefault(request_id, []).append((connector.name, key, now))
         # Forget records older than the connector keeps their arrays anyway.
         while self._handoffs:
-            _, (_, _, when) = next(iter(self._handoffs.items()))
-            if now - when <= connector.ttl:
+            _, records = next(iter(self._handoffs.items()))
+            if now - records[-1][2] <= connector.ttl:
                 break
             self._handoffs.popitem(last=False)
         return handle
+
+    # --- A speaking family's stages ---------------------------------------------------
+
+    def _input_name(self) -> str:
+        assert self._speech is not None
+        return self._speech.recipe.rows
+
+    async def _speech_hand_offs(self, request_id: str, state: _Request) -> dict[str, HandOff]:
+        """What a thinker or talker request said over its steps, put for the next stage:
+        the thinker's rows and prompt ids, or the talker's frames."""
+        assert self._speech is not None
+        assert state.said is not None
+        recipe = self._speech.recipe
+        said = torch.cat(state.said) if state.said else torch.zeros((0, 0))
+        if self._speech.role == "talker":
+            codes = said.to(torch.int64) if said.numel() else torch.zeros((0, 0), dtype=torch.int64)
+            return {recipe.codes: HandOff(await self._put(request_id, state, codes))}
+        prompt = np.asarray(state.spoken_prompt or [], dtype=np.int64)
+        rows = await self._put(request_id, state, said, f"{request_id}/{recipe.rows}")
+        ids = await self._put(request_id, state, prompt, f"{request_id}/{recipe.prompt}")
+        return {recipe.rows: HandOff(rows), recipe.prompt: HandOff(ids)}
+
+    async def _talker_request(self, request: StageServerRequest) -> StageLLMCoreRequest:
+        """A talker's request from what the thinker handed it (fetched here: the rows
+        travel to the engine core with the request) and the voice its params name."""
+        assert self._speech is not None
+        recipe = self._speech.recipe
+        for name in (recipe.rows, recipe.prompt):
+            if name not in request.inputs:
+                raise InvalidLLMRequestError(f"inputs.{name}: required (the thinker's)", name)
+        params = dict(request.params)
+        config = self.client.vllm_config.model_config.hf_config
+        voice = params.pop("voice", recipe.voices[0])
+        speaker = config.speaker_id.get(voice.lower()) if isinstance(voice, str) else None
+        if speaker is None:
+            raise InvalidLLMRequestError(
+                f"params.voice: unknown voice {voice!r} (voices: {', '.join(config.speaker_id)})",
+                "voice",
+            )
+
+        def fetch(name: str) -> torch.Tensor:
+            handle = request.inputs[name].handle
+            return self.connectors.get(handle.connector).get(handle, "cpu")
+
+        rows, prompt = await asyncio.gather(
+            asyncio.to_thread(fetch, recipe.rows), asyncio.to_thread(fetch, recipe.prompt)
+        )
+        issue = talker_inputs_issue(tuple(rows.shape), prompt.numpy(), config)
+        if issue is not None:
+            raise _UnusableInputs(issue)
+        if rows.dtype == torch.bfloat16:
+            # numpy has no bf16: carried as float32 (exact), the talker casts back.
+            rows = rows.float()
+        array = rows.contiguous().numpy()
+        inputs = TalkerInputs(
+            array.tobytes(),
+            (array.shape[0], array.shape[1]),
+            array.dtype.str,
+            [int(token) for token in prompt.tolist()],
+            int(speaker),
+        )
+        return self.client.request_builder.build_talker(request.request_id, inputs, params)

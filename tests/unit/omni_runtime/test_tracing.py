@@ -179,14 +179,15 @@ def test_a_malformed_traceparent_starts_a_trace_of_its_own() -> None:
 
 
 def _previous_request_type() -> type[msgspec.Struct]:
-    """StageServerRequest as a peer of the previous revision has it: every field but
-    ``trace_context``, in the same order."""
+    """StageServerRequest as a peer of the revision before tracing has it: the fields
+    before ``trace_context`` (every later field was added after it), in the same order."""
+    every = msgspec.structs.fields(StageServerRequest)
+    before = every[: [f.name for f in every].index("trace_context")]
     fields = [
         (f.name, f.type, f.default if f.default is not msgspec.NODEFAULT else f.default_factory())
         if f.required is False
         else (f.name, f.type)
-        for f in msgspec.structs.fields(StageServerRequest)
-        if f.name != "trace_context"
+        for f in before
     ]
     return msgspec.defstruct(
         "StageServerRequest",

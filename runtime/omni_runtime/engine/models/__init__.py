@@ -32,6 +32,17 @@ ARCHITECTURES = {
 # tokens (step_state.StepStateModel): their engines run the worker that tells them.
 STEP_STATE_ARCHITECTURES = frozenset({"OmniQwen3OmniThinker", "OmniQwen3OmniTalker"})
 STEP_STATE_WORKER = "omni_runtime.engine.models.step_state.StepStateCPUWorker"
+STEP_STATE_GPU_WORKER = "omni_runtime.engine.models.step_state_gpu.StepStateGPUWorker"
+# vLLM's V1 runner is the one subclassed: a CUDA build would otherwise run its V2 runner.
+STEP_STATE_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "0"}
+
+
+def step_state_worker() -> str:
+    """vLLM's ``worker_cls`` for an engine of a step-state architecture, on this platform."""
+    from vllm.platforms import current_platform
+
+    return STEP_STATE_WORKER if current_platform.is_cpu() else STEP_STATE_GPU_WORKER
+
 
 # Architecture name -> "module:function" that turns the checkpoint's HF config into the one
 # the architecture reads, where a fixed override cannot say it (it depends on the

@@ -65,6 +65,29 @@ def talker_prompt_length(prompt_token_ids: Sequence[int] | np.ndarray, config: A
     return int(user_mask(prompt_token_ids, config).sum()) + ASSISTANT_PREFIX
 
 
+def talker_inputs_issue(
+    rows_shape: Sequence[int], prompt_token_ids: Sequence[int] | np.ndarray, config: Any
+) -> str | None:
+    """What makes a talker's inputs unusable (None: nothing). Checked before a request
+    reaches the engine: an error inside a model's step fails every request of the engine.
+    ``config``: the talker's (talker_config below)."""
+    if len(rows_shape) != 2 or rows_shape[1] != 2 * config.thinker_hidden_size:
+        return (
+            f"the thinker's rows are {list(rows_shape)}; the talker reads "
+            f"[tokens, {2 * config.thinker_hidden_size}] (its thinker_hidden_size, twice)"
+        )
+    prompt = np.asarray(prompt_token_ids, dtype=np.int64)
+    if prompt.ndim != 1 or len(prompt) < 2 or rows_shape[0] < len(prompt):
+        return (
+            f"the thinker's prompt has {prompt.size} token(s) and its rows {rows_shape[0]}: "
+            "a row for every prompt token is needed"
+        )
+    opens = (prompt[:-1] == config.im_start_token_id) & (prompt[1:] == config.assistant_token_id)
+    if not opens.any():
+        return "the thinker's prompt opens no assistant turn (<|im_start|>assistant)"
+    return None
+
+
 # The talker's prompt after the user's tokens: the assistant's first 3 text rows, 4 pads,
 # bos and the first answer token, under codec rows nothink, think bos/eos, voice, pad, bos.
 ASSISTANT_PREFIX = 9

@@ -15,7 +15,8 @@ is meant to be overridden, ``sample_tokens`` and ``_update_states`` are its step
 and the worker that builds that runner is named with vLLM's ``worker_cls``. No patch: an
 engine of any other architecture runs vLLM's classes as they are. Only vLLM's V1 runner is
 subclassed: the CPU build has no Triton, so it always runs V1; a CUDA engine of these
-architectures is started with ``VLLM_USE_V2_MODEL_RUNNER=0`` (``STEP_STATE_ENV``).
+architectures is started with ``VLLM_USE_V2_MODEL_RUNNER=0`` (``engine.models.STEP_STATE_ENV``;
+its worker is in step_state_gpu.py).
 """
 
 from __future__ import annotations
@@ -27,9 +28,6 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 from vllm.v1.worker.cpu_worker import CPUWorker
-
-# What an engine of a step-state architecture needs in its environment (see above).
-STEP_STATE_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "0"}
 
 
 @dataclass(frozen=True)

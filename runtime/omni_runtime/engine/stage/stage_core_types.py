@@ -171,6 +171,9 @@ class StageDiffusionCoreOutput(StageCoreOutput):
     # The share of its denoising steps done, in percent (the request goes on), for a
     # request that asked for it (``report_progress``).
     progress: int | None = None
+    # An engine that makes sound (code2wav): the waveform, float32 mono samples at its
+    # model's rate, instead of images.
+    audio: np.ndarray | None = None
 
     @property
     def final(self) -> bool:
@@ -227,8 +230,9 @@ class StageServerRequest(StageCoreRequest):
 
     request_id: str
     prompt: str | None = None
-    # Chat messages, [{"role": ..., "content": ...}] (LLM stages: the chat template).
-    messages: list[dict[str, str]] | None = None
+    # Chat messages, [{"role": ..., "content": ...}] (LLM stages: the chat template); content
+    # is text, or for a thinker that hears a list of text and input_audio parts.
+    messages: list[dict[str, Any]] | None = None
     # Sampling params, merged over the stage's defaultSamplingParams by the server.
     params: dict[str, Any] = {}
     # Input images (image-to-image, an edit's): uint8 RGB, [height, width, 3] each.
@@ -245,6 +249,10 @@ class StageServerRequest(StageCoreRequest):
     # The router's span of this stage call, when it traces. Last, as every field added
     # here: a frame without it decodes with None, and an older peer ignores it.
     trace_context: TraceContext | None = None
+    # Input audio (an LLM stage that hears: Qwen3-Omni's thinker), float32 mono samples
+    # each, at the rate its model's processor takes; the messages' input_audio parts place
+    # them, in order.
+    audios: list[np.ndarray] = []
 
 
 class StageServerOutput(StageCoreOutput):
@@ -275,6 +283,8 @@ class StageServerOutput(StageCoreOutput):
     # Diffusion stages: how far a request that goes on is (percent of its steps), where it
     # asked for it.
     progress: int | None = None
+    # A stage that makes sound (code2wav): float32 mono samples at its model's rate.
+    audio: np.ndarray | None = None
 
 
 class StageLoad(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):

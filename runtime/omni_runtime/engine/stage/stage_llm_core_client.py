@@ -52,7 +52,7 @@ from omni_runtime.engine.stage.stage_llm_request_builder import (
     InvalidLLMRequestError,
     StageLLMRequestBuilder,
 )
-from omni_runtime.families import EncoderRecipe
+from omni_runtime.families import EncoderRecipe, SpeechStage
 from omni_runtime.net import advertised_host
 
 _T = TypeVar("_T")
@@ -99,6 +99,7 @@ class StageLLMCoreClientBase(StageCoreClientBase):
     # Set by start_stage_llm_client for a model family's encoder stage, before the first
     # request: how prompts become what the family's DiT reads.
     encoder_recipe: EncoderRecipe | None = None
+    speech_stage: SpeechStage | None = None
     proc_manager: StageLLMCoreProcManager | None
     client_addresses: dict[str, str]
     # The host a downstream stage pulls this stage's handoffs from.
@@ -181,7 +182,9 @@ class StageLLMCoreClientBase(StageCoreClientBase):
             if self.stage is not None and self.stage.think:
                 think_tokens = int((defaults or {}).get("max_tokens") or DEFAULT_THINK_TOKENS)
             defaults = None
-        return StageLLMRequestBuilder(self.vllm_config, defaults, self.encoder_recipe, think_tokens)
+        return StageLLMRequestBuilder(
+            self.vllm_config, defaults, self.encoder_recipe, think_tokens, self.speech_stage
+        )
 
     async def add_prompt_async(
         self,
@@ -419,17 +422,19 @@ def start_stage_llm_client(
     model: str,
     *,
     encoder: EncoderRecipe | None = None,
+    speech: SpeechStage | None = None,
     log_stats: bool = False,
     startup_timeout: float = DEFAULT_STARTUP_TIMEOUT,
 ) -> StageLLMCoreClient | DPLBStageLLMCoreClient:
     """Start the cores of the LLM stage ``stage`` serving ``model`` and return its client;
-    ``encoder``: the stage encodes prompts for its model family's DiT, by this recipe.
+    ``encoder``: the stage encodes prompts for its model family's DiT, by this recipe;
+    ``speech``: it is the thinker or the talker of a family that speaks.
 
     Blocks until the cores are ready (about 10 s for a small model on CPU); raises
     StageCoreStartupError, with nothing left running, if they are not.
     """
     _refuse_insecure_serialization()  # before anything is started
-    vllm_config = make_stage_llm_vllm_config(stage, model, encoder)
+    vllm_config = make_stage_llm_vllm_config(stage, model, encoder, speech)
     executor_class = Executor.get_class(vllm_config)
     launch = launch_stage_llm_cores(
         vllm_config, executor_class, log_stats, startup_timeout=startup_timeout
@@ -444,6 +449,7 @@ def start_stage_llm_client(
         coordinator=launch.coordinator,
     )
     client.encoder_recipe = encoder
+    client.speech_stage = speech
     return client
 
 

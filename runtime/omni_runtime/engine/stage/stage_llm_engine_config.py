@@ -25,8 +25,8 @@ from vllm.usage.usage_lib import UsageContext
 
 from omni_runtime.config import StageConfig
 from omni_runtime.config.models import ENGINE_ARG_FIELDS
-from omni_runtime.engine.models import hf_overrides
-from omni_runtime.families import MODEL_INDEX, EncoderRecipe
+from omni_runtime.engine.models import STEP_STATE_ENV, hf_overrides, step_state_worker
+from omni_runtime.families import MODEL_INDEX, EncoderRecipe, SpeechStage
 
 _ENGINE_ARG_NAMES = frozenset(field.name for field in dataclasses.fields(EngineArgs))
 
@@ -36,13 +36,18 @@ class StageLLMConfigError(ValueError):
 
 
 def make_stage_llm_engine_args(
-    stage: StageConfig, model: str, encoder: EncoderRecipe | None = None
+    stage: StageConfig,
+    model: str,
+    encoder: EncoderRecipe | None = None,
+    speech: SpeechStage | None = None,
 ) -> EngineArgs:
     """vLLM's engine arguments for ``stage`` serving ``model`` (a path or hub id).
 
     An encoder stage of a model family (``encoder``) given the family's whole diffusers
     checkpoint loads only its text encoder (and the tokenizer or processor beside it),
-    with the architecture that returns the layer the family's DiT reads."""
+    with the architecture that returns the layer the family's DiT reads. A stage of a
+    speaking family (``speech``: Qwen3-Omni's thinker or talker) runs its part's
+    architecture, which keeps state per request (engine.models.step_state)."""
     if stage.type != "llm":
         raise StageLLMConfigError(f"type: stage {stage.stage_id} is a {stage.type} stage")
     unknown = sorted(set(stage.engine_args) - _ENGINE_ARG_NAMES)
@@ -64,6 +69,20 @@ def make_stage_llm_engine_args(
         # spans in Python, which a captured graph cannot replay.
         args.update(enable_chunked_prefill=False, enable_prefix_caching=False, enforce_eager=True)
     extra = dict(stage.engine_args)
+    if speech is not None:
+        extra["hf_overrides"] = hf_overrides(
+            speech.architecture, dict(extra.get("hf_overrides") or {})
+        )
+        extra["worker_cls"] = step_state_worker()
+        # Every prompt token is computed, never read from the prefix cache: the thinker
+        # says each one's rows, and the talker's prompt is placeholder ids standing for
+        # rows that differ from request to request (a cached prefix would be another's).
+        args["enable_prefix_caching"] = False
+        if speech.role == "talker":
+            # It reads and writes codec tokens: no text, no tokenizer.
+            args["skip_tokenizer_init"] = True
+        for name, value in STEP_STATE_ENV.items():
+            os.environ.setdefault(name, value)
     if encoder is not None:
         if encoder.architecture is not None:
             # The architecture named, and the checkpoint's config fixed for it where it
@@ -120,7 +139,10 @@ def encoder_model_view(checkpoint: str, encoder: EncoderRecipe) -> str:
 
 
 def make_stage_llm_vllm_config(
-    stage: StageConfig, model: str, encoder: EncoderRecipe | None = None
+    stage: StageConfig,
+    model: str,
+    encoder: EncoderRecipe | None = None,
+    speech: SpeechStage | None = None,
 ) -> VllmConfig:
     """The VllmConfig of ``stage``: what StageLLMCoreProcManager and the clients take.
 
@@ -136,7 +158,7 @@ def make_stage_llm_vllm_config(
         )
     if encoder is not None and os.path.isfile(os.path.join(model, MODEL_INDEX)):
         model = encoder_model_view(model, encoder)
-    engine_args = make_stage_llm_engine_args(stage, model, encoder)
+    engine_args = make_stage_llm_engine_args(stage, model, encoder, speech)
     try:
         vllm_config = engine_args.create_engine_config(usage_context=UsageContext.ENGINE_CONTEXT)
     except (ValueError, OSError) as e:

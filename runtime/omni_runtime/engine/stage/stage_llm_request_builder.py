@@ -16,6 +16,11 @@ The encoder stage of a model family (``omni_runtime.families``) renders a prompt
 pipeline does before its text encoder sees it: its template (or its tokenizer's chat
 template), its truncation, and for an edit the input images, resized as the pipeline resizes
 them, through vLLM's multimodal processor.
+
+The stages of a family that speaks (Qwen3-Omni) differ again: its thinker reads chat
+messages whose parts are text and audio (the samples come apart, decoded by the router),
+and a request that will be spoken asks it for its rows (``speak``); its talker's requests
+are built from what the thinker handed it (``build_talker``), not from text.
 """
 
 from __future__ import annotations
@@ -34,11 +39,17 @@ from vllm.v1.engine import EngineCoreRequest
 from vllm.v1.engine.input_processor import InputProcessor
 
 from omni_runtime.engine.models import THINK_TOKENS
+from omni_runtime.engine.models.qwen3_omni import (
+    HIDDEN_ROWS,
+    TALKER_INPUTS,
+    TalkerInputs,
+    talker_prompt_length,
+)
 from omni_runtime.engine.stage.stage_core_types import (
     InvalidStageRequestError,
     StageLLMCoreRequest,
 )
-from omni_runtime.families import EncoderRecipe, prompt_image_size
+from omni_runtime.families import EncoderRecipe, SpeechStage, prompt_image_size
 
 # The sampling parameters an engine core honours by itself. Others are front-end work that
 # a stage does not do (n > 1 fans out into several requests, stop strings need the
@@ -77,11 +88,13 @@ class StageLLMRequestBuilder:
         default_sampling_params: Mapping[str, Any] | None = None,
         encoder: EncoderRecipe | None = None,
         think_tokens: int | None = None,
+        speech: SpeechStage | None = None,
     ) -> None:
         """``think_tokens``: an encoder in think mode (its family's), the most tokens of its
-        plans."""
+        plans; ``speech``: the stage is the thinker or the talker of a family that speaks."""
         self.model_config = vllm_config.model_config
         self.encoder = encoder
+        self.speech = speech
         self.think_tokens = think_tokens
         self.encodes = self.model_config.runner_type == "pooling"
         self.default_sampling_params = dict(default_sampling_params or {})
@@ -96,7 +109,10 @@ class StageLLMRequestBuilder:
         # at startup: build this once the cores are up (the client does, on first use).
         self.renderer = renderer_from_config(vllm_config)
         self.input_processor = InputProcessor(vllm_config, self.renderer)
-        self.tokenizer = self.renderer.get_tokenizer()
+        # A talker reads and writes codec tokens: it has no tokenizer.
+        self.tokenizer: Any = (
+            None if self.model_config.skip_tokenizer_init else self.renderer.get_tokenizer()
+        )
         # The task this stage's runner was configured for (stage_llm_engine_config): what
         # its requests ask of the core, which checks them against what it serves.
         self._tasks = ("token_embed",) if self.encodes else ("generate",)
@@ -111,15 +127,28 @@ class StageLLMRequestBuilder:
         params: Mapping[str, Any] | None = None,
         additional_information: dict[str, Any] | None = None,
         images: Sequence[np.ndarray] = (),
+        audios: Sequence[np.ndarray] = (),
     ) -> StageLLMCoreRequest:
         """The request for one prompt: give exactly one of ``prompt`` (text),
         ``messages`` (chat, through the chat template) or ``prompt_token_ids``; ``images``
-        (uint8 RGB each) only to a family's encoder that takes them."""
+        (uint8 RGB each) only to a family's encoder that takes them, ``audios`` (float32
+        mono samples) only to a thinker that hears, placed by the messages' input_audio
+        parts."""
         if not isinstance(request_id, str) or not request_id:
             raise InvalidLLMRequestError("request_id: a non-empty string is required", "request_id")
         params = dict(params or {})
         thinks = False
-        if self.encoder is not None:
+        speaks = False
+        if self.speech is not None and self.speech.role == "thinker":
+            speaks = _flag(params, "speak")
+            if images:
+                raise InvalidLLMRequestError("image: this thinker takes text and audio", "image")
+            engine_input, field_name = self._render_heard(prompt, messages, audios)
+        elif audios:
+            raise InvalidLLMRequestError(
+                "input_audio: this LLM stage takes no audio", "input_audio"
+            )
+        elif self.encoder is not None:
             image_kwargs: dict[str, Any] = {}
             if self.encoder.context_kv:
                 image_kwargs = _encoder_dit_params(params, self.encoder.dit_params)
@@ -140,6 +169,9 @@ class StageLLMRequestBuilder:
                     "additional_information",
                 ) from None
         stage_params = self._params(params)
+        if speaks:
+            assert isinstance(stage_params, SamplingParams)
+            stage_params.extra_args = {**(stage_params.extra_args or {}), HIDDEN_ROWS: True}
         if thinks:
             assert isinstance(stage_params, PoolingParams)
             stage_params.extra_kwargs = {THINK_TOKENS: self.think_tokens}
@@ -158,6 +190,109 @@ class StageLLMRequestBuilder:
             **{name: getattr(request, name) for name in EngineCoreRequest.__struct_fields__},
             additional_information=additional_information,
         )
+
+    def build_talker(
+        self,
+        request_id: str,
+        inputs: TalkerInputs,
+        params: Mapping[str, Any] | None = None,
+    ) -> StageLLMCoreRequest:
+        """A talker's request: its prompt made from the thinker's ``inputs`` (placeholder
+        ids stand for its rows), sampled as the stage's defaults and ``params`` say, within
+        the codec's codes and its end, as transformers' generate samples the talker."""
+        config = self.model_config.hf_config
+        vocab = config.text_config.vocab_size
+        params = dict(params or {})
+        sampling = self._params(params)
+        assert isinstance(sampling, SamplingParams)
+        # Every id from vocab - 1024 on (the codec's specials and voices) is suppressed but
+        # the end of speech: what remains is exactly code2wav's codebook.
+        sampling.allowed_token_ids = [*range(vocab - 1024), config.codec_eos_token_id]
+        sampling.stop_token_ids = [config.codec_eos_token_id]
+        sampling.detokenize = False
+        inputs = TalkerInputs(
+            inputs.rows,
+            inputs.rows_shape,
+            inputs.rows_dtype,
+            inputs.prompt_token_ids,
+            inputs.speaker,
+            sample=sampling.temperature > 0,
+        )
+        sampling.extra_args = {TALKER_INPUTS: msgspec.msgpack.encode(inputs)}
+        length = talker_prompt_length(inputs.prompt_token_ids, config)
+        try:
+            (engine_input,) = self.renderer.render_cmpl(
+                [{"prompt_token_ids": [config.codec_pad_id] * length}]
+            )
+            request = self.input_processor.process_inputs(
+                request_id, engine_input, sampling, self._tasks
+            )
+        except (VLLMValidationError, ValueError) as e:
+            raise _invalid_from_vllm(e, "params") from None
+        return StageLLMCoreRequest(
+            **{name: getattr(request, name) for name in EngineCoreRequest.__struct_fields__}
+        )
+
+    def _render_heard(
+        self,
+        prompt: str | None,
+        messages: Sequence[Mapping[str, Any]] | None,
+        audios: Sequence[np.ndarray],
+    ) -> tuple[Any, str]:
+        """A thinker's input: the chat template over messages whose content is text or a
+        list of text and input_audio parts, each audio part standing for the next of
+        ``audios``, which its model's multimodal processor expands and encodes."""
+        assert self.speech is not None
+        assert self.tokenizer is not None
+        if messages is None:
+            if not isinstance(prompt, str) or not prompt:
+                raise InvalidLLMRequestError("prompt: give a prompt (text) or messages", "prompt")
+            messages = [{"role": "user", "content": prompt}]
+        elif prompt is not None:
+            raise InvalidLLMRequestError("prompt: give a prompt or messages, not both", "prompt")
+        heard = 0
+        for index, message in enumerate(messages):
+            content = message.get("content") if isinstance(message, Mapping) else None
+            if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
+                raise InvalidLLMRequestError(f"messages[{index}]: expected a role", "messages")
+            if isinstance(content, str):
+                continue
+            if not isinstance(content, list):
+                raise InvalidLLMRequestError(
+                    f"messages[{index}].content: expected text or a list of parts", "messages"
+                )
+            for part in content:
+                kind = part.get("type") if isinstance(part, Mapping) else None
+                if kind == "input_audio":
+                    heard += 1
+                elif kind != "text" or not isinstance(part.get("text"), str):
+                    raise InvalidLLMRequestError(
+                        f"messages[{index}].content: parts are text or input_audio", "messages"
+                    )
+        if heard != len(audios):
+            raise InvalidLLMRequestError(
+                f"messages: {heard} input_audio part(s) for {len(audios)} audio input(s)",
+                "messages",
+            )
+        text = self.tokenizer.apply_chat_template(
+            [dict(message) for message in messages], tokenize=False, add_generation_prompt=True
+        )
+        engine_prompt: dict[str, Any] = {
+            "prompt_token_ids": list(self.tokenizer(text)["input_ids"])
+        }
+        if audios:
+            rate = self.speech.recipe.input_sample_rate
+            for audio in audios:
+                if audio.ndim != 1 or audio.dtype != np.float32 or not len(audio):
+                    raise InvalidLLMRequestError(
+                        "input_audio: expected float32 mono samples", "input_audio"
+                    )
+            engine_prompt["multi_modal_data"] = {"audio": [(audio, rate) for audio in audios]}
+        try:
+            (engine_input,) = self.renderer.render_cmpl([engine_prompt])
+        except (VLLMValidationError, ValueError) as e:
+            raise InvalidLLMRequestError(f"messages: {e}", "messages") from None
+        return engine_input, "messages"
 
     def tokenize(
         self,
@@ -403,6 +538,14 @@ def _encoder_dit_params(params: dict[str, Any], names: Sequence[str]) -> dict[st
             )
         kwargs["seed"] = seed
     return kwargs
+
+
+def _flag(params: dict[str, Any], name: str) -> bool:
+    """A true/false parameter of the stage's own, taken out of ``params``."""
+    value = params.pop(name, False)
+    if not isinstance(value, bool):
+        raise InvalidLLMRequestError(f"params.{name}: expected true or false, got {value!r}", name)
+    return value
 
 
 def _check_names(params: Mapping[str, Any], where: str) -> None:

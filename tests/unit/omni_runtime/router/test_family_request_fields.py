@@ -47,7 +47,10 @@ REPO = Path(__file__).resolve().parents[4]
 LIMITS = RouterLimits()
 # None: a pipeline of no family (an LLM, then a diffusers pipeline such as Stable Diffusion).
 # The image families: a video family's requests are the Videos API's (test_video_jobs.py).
-KINDS: list[str | None] = [name for name, f in FAMILIES.items() if f.dit.video is None] + [None]
+# The families that make images (a video family's DiT makes jobs, a speaking one's speech).
+KINDS: list[str | None] = [
+    name for name, f in FAMILIES.items() if f.dit.video is None and f.speech is None
+] + [None]
 # Every family's fields, by name: what some deployment takes.
 ALL_FIELDS = {field.name for family in FAMILIES.values() for field in family.request_fields}
 # A valid value of each (within every family's bounds) and, by JSON, how it arrives.
