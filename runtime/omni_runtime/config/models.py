@@ -596,8 +596,11 @@ class PipelineConfig(_Model):
     model: str = Field(min_length=1, description="Model path or hub id, e.g. a BAGEL checkpoint.")
     async_chunk: bool = Field(
         default=False,
-        description="The seed's async_chunk flag (stream a stage's output to the next in "
-        "chunks); accepted for compatibility, not used by this runtime.",
+        description="Stream between stages (the seed's async_chunk): in a pipeline whose "
+        "family speaks, the talker hands code2wav its codes every few frames and code2wav's "
+        "audio reaches the caller chunk by chunk; off, each stage hands off its whole "
+        "output. Other pipelines hand off whole outputs (their DiTs take nothing partial) "
+        "and refuse it.",
     )
     family: FamilyName | None = Field(
         default=None,
@@ -693,6 +696,14 @@ class PipelineConfig(_Model):
         family = self.family_recipe
         if family is not None:
             issues += family.pipeline_issues(self.stages, index_of_id)
+        if self.async_chunk and (family is None or family.speech is None):
+            issues.append(
+                (
+                    "asyncChunk",
+                    "only a pipeline whose family speaks (qwen3-omni) streams between stages; "
+                    "this one hands off whole outputs",
+                )
+            )
         for index, stage in enumerate(self.stages):
             if stage.step_cache is None or stage.type != "diffusion":
                 continue

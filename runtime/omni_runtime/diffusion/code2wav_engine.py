@@ -193,12 +193,23 @@ class Code2WavEngine(DiffusionEngineBase):
         if codes.shape[0] == 0:
             return np.zeros(0, dtype=np.float32)
         self._check_codes(codes)
-        with torch.inference_mode():
-            waveform = self.model.chunked_decode(
-                codes.T[None].long(),
-                chunk_size=CHUNK_FRAMES,
-                left_context_size=LEFT_CONTEXT_FRAMES,
+        # A streamed chunk (asyncChunk) starts with frames decoded before it, as its left
+        # context: decoded with it and dropped, as transformers' chunked_decode does each
+        # chunk after the first.
+        context = request.inputs[INPUT].meta.get("context", 0)
+        if not 0 <= context < codes.shape[0]:
+            raise CodesOutOfRangeError(
+                f"inputs.{INPUT}: a left context of {context} frames in a chunk of {codes.shape[0]}"
             )
+        with torch.inference_mode():
+            if context:
+                waveform = self.model(codes.T[None].long())[..., context * self.samples_per_frame :]
+            else:
+                waveform = self.model.chunked_decode(
+                    codes.T[None].long(),
+                    chunk_size=CHUNK_FRAMES,
+                    left_context_size=LEFT_CONTEXT_FRAMES,
+                )
         samples: np.ndarray = waveform[0, 0].float().cpu().numpy()
         return samples
 

@@ -279,6 +279,11 @@ class SpeechRecipe:
     prompt: str = "thinker_prompt"
     # The talker's: its frames of codes, code2wav's input.
     codes: str = "codes"
+    # A pipeline with asyncChunk: the talker hands code2wav its frames this many at a time
+    # (12.5 a second), each chunk with up to ``context_frames`` frames before it, which
+    # code2wav decodes and drops (transformers' chunked_decode, chunk by chunk).
+    chunk_frames: int = 25
+    context_frames: int = 25
 
 
 @dataclass(frozen=True)

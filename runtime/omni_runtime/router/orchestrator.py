@@ -45,6 +45,7 @@ finished, or a next stage never reached, leaves nothing for the connector's TTL.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import itertools
 import logging
@@ -417,31 +418,64 @@ class PipelineOrchestrator:
             if output.text:
                 yield output
         assert thought is not None
-        upstream, host = thought, where[-1][0]
-        for stage in self.stages[1:]:
-            stage_request = StageServerRequest(
-                request_id=thinker_request.request_id,
-                inputs=dict(upstream.hand_offs),
-                params={"voice": request.voice} if stage.type == "llm" else {},
-                stream=False,
-            )
-            pin = host if stage.stage_id in self._pod_local else None
-            where = []
-            final: StageServerOutput | None = None
+        talker, code2wav = self.stages[1], self.stages[2]
+        talker_request = StageServerRequest(
+            request_id=thinker_request.request_id,
+            inputs=dict(thought.hand_offs),
+            params={"voice": request.voice},
+            stream=False,
+        )
+        host = where[-1][0]
+        pin = host if talker.stage_id in self._pod_local else None
+        where = []
+        # code2wav's answers to the talker's chunks, in order: each is sent as its chunk
+        # comes, all to the replica the first went to (the stream's consumer).
+        chunks: collections.deque[asyncio.Future[tuple[StageServerOutput, str, str]]] = (
+            collections.deque()
+        )
+        placed: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        sent = 0
+        try:
             async for output in self._run_stage(
-                stage, stage_request, sticky, revision, pin, where=where
+                talker, talker_request, sticky, revision, pin, where=where
             ):
-                if output.finished:
-                    final = output
-            assert final is not None
-            if final.hand_offs:
-                handed.append(_HandOff(stage.stage_id, where[-1][1], stage_request.request_id))
-            upstream, host = final, where[-1][0]
+                if output.hand_offs:
+                    if not sent:
+                        # Released if the request ends before code2wav fetched them all.
+                        handed.append(
+                            _HandOff(talker.stage_id, where[-1][1], talker_request.request_id)
+                        )
+                    chunk_request = StageServerRequest(
+                        request_id=f"{talker_request.request_id}-audio-{sent}",
+                        inputs=dict(output.hand_offs),
+                    )
+                    first, sent = not sent, sent + 1
+                    chunks.append(
+                        asyncio.ensure_future(
+                            self._final_output(
+                                code2wav,
+                                chunk_request,
+                                sticky,
+                                revision,
+                                where[-1][0] if code2wav.stage_id in self._pod_local else None,
+                                [],
+                                placed=placed if first else None,
+                                follow=None if first else placed,
+                            )
+                        )
+                    )
+                while chunks and chunks[0].done():
+                    yield _audio_output(talker_request.request_id, chunks.popleft().result()[0])
+            while chunks:
+                yield _audio_output(talker_request.request_id, (await chunks.popleft())[0])
+        finally:
+            for pending in chunks:
+                pending.cancel()
+            await asyncio.gather(*chunks, return_exceptions=True)
         yield StageServerOutput(
             request_id=thinker_request.request_id,
             finished=True,
             finish_reason=thought.finish_reason,
-            audio=upstream.audio,
             prompt_tokens=thought.prompt_tokens,
             completion_tokens=thought.completion_tokens,
             execute_time=thought.execute_time,
@@ -688,6 +722,11 @@ class PipelineOrchestrator:
         except Exception:
             # Metrics must not fail a request that succeeded.
             logger.exception("an orchestrator hook failed")
+
+
+def _audio_output(request_id: str, spoken: StageServerOutput) -> StageServerOutput:
+    """The caller's next piece of a spoken answer: code2wav's audio of one chunk."""
+    return StageServerOutput(request_id=request_id, audio=spoken.audio)
 
 
 def _work(stage: StageConfig, stage_request: StageServerRequest) -> float | None:

@@ -146,8 +146,10 @@ class OpenAIServing:
         if speaks:
             assert body.audio is not None
             text = "".join(output.text for output in outputs)
+            pieces = [output.audio for output in outputs if output.audio is not None]
+            samples = np.concatenate(pieces) if pieces else None
             data = await asyncio.to_thread(
-                _audio_base64, final.audio, self._sample_rate, body.audio.format
+                _audio_base64, samples, self._sample_rate, body.audio.format
             )
             message = {
                 "role": "assistant",
@@ -430,24 +432,25 @@ class OpenAIServing:
                 if opening:
                     yield opening
                 output, sent_id = first, False
+                step = 2 * max(1, int(rate * _AUDIO_CHUNK_S))
                 while True:
                     if output.text:
                         delta: dict[str, Any] = {"transcript": output.text}
                         if not sent_id:
                             delta["id"], sent_id = audio_id, True
                         yield chunks.delta({"audio": delta}, None)
+                    if output.audio is not None:
+                        # Each piece of the answer's audio as code2wav makes it.
+                        pcm = await asyncio.to_thread(audio_codec.pcm16_bytes, output.audio)
+                        for start in range(0, len(pcm), step):
+                            data = base64.b64encode(pcm[start : start + step]).decode("ascii")
+                            yield chunks.delta({"audio": {"id": audio_id, "data": data}}, None)
                     if output.finished:
                         break
                     following = await anext(outputs, None)
                     if following is None:
                         break
                     output = following
-                if output.audio is not None:
-                    pcm = await asyncio.to_thread(audio_codec.pcm16_bytes, output.audio)
-                    step = 2 * max(1, int(rate * _AUDIO_CHUNK_S))
-                    for start in range(0, len(pcm), step):
-                        data = base64.b64encode(pcm[start : start + step]).decode("ascii")
-                        yield chunks.delta({"audio": {"id": audio_id, "data": data}}, None)
                 yield chunks.delta(
                     {"audio": {"id": audio_id, "expires_at": int(time.time()) + _AUDIO_TTL_S}},
                     output.finish_reason if output.finished else None,

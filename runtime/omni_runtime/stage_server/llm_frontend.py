@@ -12,12 +12,16 @@ template, as the family's pipeline does, and one that hands off a context KV (it
 A speaking family's stages (Qwen3-Omni) hand off what their models say beside each token
 (step_state.StepStateModel), gathered over the request and put when it finishes: the
 thinker, for a request that will be spoken, its rows and its prompt's token ids; the
-talker, fed those (it fetches them itself), its frames of codes for code2wav.
+talker, fed those (it fetches them itself), its frames of codes for code2wav: whole when
+the request finishes, or, where the pipeline streams between stages (asyncChunk), a chunk
+every ``chunk_frames`` frames as an output of its own, each with the frames before it that
+code2wav decodes it after (its left context), the rest when it finishes.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -56,6 +60,9 @@ class _UnusableInputs(Exception):
     """What the thinker handed the talker cannot be read (a thinker of another model)."""
 
 
+logger = logging.getLogger(__name__)
+
+
 # vLLM's REPETITION (a repetition detector's stop) is a stop to an OpenAI client.
 _FINISH_REASONS = {
     FinishReason.STOP: "stop",
@@ -89,6 +96,10 @@ class _Request:
     # to hand off.
     said: list[torch.Tensor] | None = None
     spoken_prompt: list[int] | None = None
+    # A talker's frames handed off so far in chunks, and how many chunks.
+    frames: int = 0
+    sent: int = 0
+    chunks: int = 0
 
 
 class StageLLMFrontend(StageFrontend):
@@ -111,6 +122,12 @@ class StageLLMFrontend(StageFrontend):
         # so that an abort after the handoff still frees them.
         self._handoffs: OrderedDict[str, list[tuple[str, str, float]]] = OrderedDict()
         self._speech = client.speech_stage
+        # A talker of a pipeline that streams between stages: its chunks' size.
+        self._chunk_frames = (
+            self._speech.recipe.chunk_frames
+            if self._speech is not None and self._speech.role == "talker" and pipeline.async_chunk
+            else None
+        )
         # The stage's own config names its hand-off, not the router's: during a rollout a
         # router of one revision routes through replicas of another, whose connectors may
         # differ (the replicas of one revision agree with each other).
@@ -256,9 +273,14 @@ class StageLLMFrontend(StageFrontend):
         if state.said is not None and output.pooling_output is not None:
             # Every step's, whether or not the step is sent on.
             state.said.append(output.pooling_output)
+            state.frames += len(output.pooling_output)
         # As vLLM's output processor: a stop token ends the text without being part of it.
         state.detokenizer.update(new_token_ids, output.finish_reason == FinishReason.STOP)
         text = state.detokenizer.get_next_output_text(finished, delta=True)
+        chunk = self._chunk_frames
+        if chunk and not finished and state.frames - state.sent >= chunk:
+            # A talker's next chunk of codes, on its way to code2wav.
+            return await self._chunk_output(request_id, state, new_token_ids)
         if not state.stream:
             # Per step, a message to the router and its handling there would cost more
             # than the step itself on a small model; the caller reads only the whole.
@@ -367,12 +389,48 @@ class StageLLMFrontend(StageFrontend):
         recipe = self._speech.recipe
         said = torch.cat(state.said) if state.said else torch.zeros((0, 0))
         if self._speech.role == "talker":
-            codes = said.to(torch.int64) if said.numel() else torch.zeros((0, 0), dtype=torch.int64)
-            return {recipe.codes: HandOff(await self._put(request_id, state, codes))}
+            if state.sent and state.sent == state.frames:
+                return {}  # every frame went in a chunk
+            return {recipe.codes: await self._codes_chunk(request_id, state, state.frames)}
         prompt = np.asarray(state.spoken_prompt or [], dtype=np.int64)
         rows = await self._put(request_id, state, said, f"{request_id}/{recipe.rows}")
         ids = await self._put(request_id, state, prompt, f"{request_id}/{recipe.prompt}")
         return {recipe.rows: HandOff(rows), recipe.prompt: HandOff(ids)}
+
+    async def _chunk_output(
+        self, request_id: str, state: _Request, new_token_ids: list[int]
+    ) -> StageServerOutput | None:
+        """The output that hands code2wav a talker's next whole chunks of frames."""
+        assert self._speech is not None
+        assert self._chunk_frames is not None
+        state.token_ids += new_token_ids
+        whole = self._chunk_frames * ((state.frames - state.sent) // self._chunk_frames)
+        try:
+            hand_off = await self._codes_chunk(request_id, state, state.sent + whole)
+        except Exception as e:
+            # The request goes on: its next chunk, or its end, hands these frames on.
+            logger.warning("request %s: a chunk of codes was not put: %s", request_id, e)
+            return None
+        return StageServerOutput(
+            request_id=request_id, hand_offs={self._speech.recipe.codes: hand_off}
+        )
+
+    async def _codes_chunk(self, request_id: str, state: _Request, end: int) -> HandOff:
+        """The talker's frames from the last chunk's end to ``end``, after as many of the
+        frames before them as code2wav's left context takes (its meta's ``context``)."""
+        assert self._speech is not None
+        assert state.said is not None
+        recipe = self._speech.recipe
+        said = torch.cat(state.said) if state.said else torch.zeros((0, 0))
+        state.said = [said]
+        context = min(recipe.context_frames, state.sent)
+        codes = said[state.sent - context : end].to(torch.int64)
+        if not codes.numel():
+            codes = torch.zeros((0, 0), dtype=torch.int64)
+        key = f"{request_id}/{recipe.codes}/{state.chunks}"
+        handle = await self._put(request_id, state, codes, key)
+        state.sent, state.chunks = end, state.chunks + 1
+        return HandOff(handle, {"context": context})
 
     async def _talker_request(self, request: StageServerRequest) -> StageLLMCoreRequest:
         """A talker's request from what the thinker handed it (fetched here: the rows
