@@ -167,6 +167,7 @@ def example_files() -> list[Any]:
             "qwen-image-edit-pipeline.yaml",
             "qwen-image-edit-plus-pipeline.yaml",
             "z-image-turbo-pipeline.yaml",
+            "qwen3-omni-pipeline.yaml",
         )
     ]
 

@@ -356,3 +356,50 @@ def test_a_hub_id_fetches_config_index_and_code2wavs_shards_alone(
         ["config.json", "model.safetensors.index.json"],
         ["config.json", "model-00002-of-00003.safetensors", "model.safetensors.index.json"],
     ]
+
+
+def test_chunks_of_one_shape_decode_in_one_batch_as_each_alone(
+    engine: Code2WavEngine, producer: StageConnectors
+) -> None:
+    """Streamed chunks (50 frames: 25 after 25 of left context) of several answers decode
+    together, each as it decodes alone; a chunk of another shape runs on its own."""
+    context = 25
+    arrays = [codes(20 + seed, 50) for seed in range(3)]
+    alone = []
+    for index, array in enumerate(arrays):
+        handed = HandOff(producer.get("shm").put(f"alone-{index}", array), {"context": context})
+        output = run(engine, StageDiffusionCoreRequest(f"alone-{index}", inputs={"codes": handed}))
+        assert output.audio is not None
+        alone.append(output.audio)
+    requests = [
+        StageDiffusionCoreRequest(
+            f"batched-{index}",
+            inputs={
+                "codes": HandOff(
+                    producer.get("shm").put(f"batched-{index}", array), {"context": context}
+                )
+            },
+        )
+        for index, array in enumerate(arrays)
+    ]
+    keys = {engine.batch_key(request) for request in requests}
+    assert keys == {(50, context)}
+    other = StageDiffusionCoreRequest(
+        "other", inputs={"codes": HandOff(producer.get("shm").put("other", codes(9, 30)))}
+    )
+    assert engine.batch_key(other) not in keys
+    for request in requests:
+        assert engine.admit(request.request_id) is None
+    outputs = engine.execute_batch(requests)
+    for output, expected in zip(outputs, alone, strict=True):
+        assert output.error is None, output.error
+        assert output.audio is not None
+        # The left context's samples are dropped: 25 frames' worth, less what the causal
+        # convolutions lose at the end.
+        assert output.audio.shape == expected.shape
+        assert expected.shape[0] <= 25 * SAMPLES_PER_CODE
+        # One matrix product over the batch rounds as one over each row may not.
+        np.testing.assert_allclose(output.audio, expected, atol=1e-5)
+    assert not np.allclose(outputs[0].audio, outputs[1].audio)  # type: ignore[arg-type]
+    assert engine.admit("other") is None
+    engine.execute(other)

@@ -7,8 +7,10 @@ import os
 import re
 import subprocess
 import sys
+import wave
 from pathlib import Path
 
+import numpy as np
 import pytest
 from PIL import Image
 
@@ -118,6 +120,68 @@ def test_the_video_example_writes_an_mp4(tiny_models: Path, tmp_path: Path) -> N
     assert lines[-1] == "stopped the pipeline"
     for noise in ("Traceback", "Loading pipeline components", "it/s]", "Sora"):
         assert noise not in result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_the_spoken_chat_example_writes_a_wav(
+    stream: bool, tiny_models: Path, tmp_path: Path
+) -> None:
+    """examples/spoken_chat.py as a newcomer runs it: serve the tiny Qwen3-Omni (thinker,
+    talker, code2wav), ask for a spoken answer with the openai client, write it as a WAV,
+    stop everything. Streamed, the pcm16 chunks are joined into the WAV, and the question
+    is asked aloud too (an input_audio part)."""
+    out = tmp_path / "out"
+    env = {k: v for k, v in os.environ.items() if not k.endswith("_VERBOSITY")}
+    env["OMNI_TINY_MODELS"] = str(tiny_models)
+    example = Path(__file__).parents[2] / "examples" / "spoken_chat.py"
+    args = ["--out", str(out)]
+    if stream:
+        question = tmp_path / "question.wav"
+        _write_tone(question, seconds=0.5, sample_rate=16000)
+        args += ["--stream", "--audio", str(question)]
+    result = subprocess.run(
+        [sys.executable, str(example), *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    answer = out / "answer.wav"
+    assert sorted(out.iterdir()) == [answer]
+    with wave.open(str(answer), "rb") as read:
+        assert (read.getframerate(), read.getnchannels(), read.getsampwidth()) == (24000, 1, 2)
+        frames = read.getnframes()
+        samples = np.frombuffer(read.readframes(frames), dtype="<i2").astype(np.float64)
+    assert len(samples) == frames > 12000  # more than half a second
+    # Noise from random weights, but sound: louder than -40 dBFS (silence is all zeros).
+    assert np.sqrt(np.mean(samples**2)) > 300
+    lines = result.stdout.splitlines()
+    wrote = f"wrote {answer.resolve()} ({frames / 24000:.2f} s of audio, "
+    assert any(line.startswith(wrote) for line in lines), lines
+    (transcript,) = [line for line in lines if line.startswith("transcript: ")]
+    assert transcript not in ("transcript: ''", 'transcript: ""')
+    chunks = [line.split()[1] for line in lines if line.startswith("received ")]
+    if stream:
+        (count,) = chunks
+        assert int(count) > 1  # several chunks, not the whole answer in one
+    else:
+        assert chunks == []
+    assert lines[-1] == "stopped the pipeline"
+    for noise in ("Traceback", "it/s]"):
+        assert noise not in result.stdout + result.stderr
+    assert not [n for n in os.listdir("/dev/shm") if n.startswith("omni-")]
+
+
+def _write_tone(path: Path, seconds: float, sample_rate: int) -> None:
+    """A spoken question's stand-in: an A (440 Hz) at half scale, 16-bit mono."""
+    t = np.arange(int(seconds * sample_rate)) / sample_rate
+    pcm = (0.5 * 32767 * np.sin(2 * np.pi * 440.0 * t)).astype("<i2")
+    with wave.open(str(path), "wb") as write:
+        write.setnchannels(1)
+        write.setsampwidth(2)
+        write.setframerate(sample_rate)
+        write.writeframes(pcm.tobytes())
 
 
 REPO = Path(__file__).resolve().parents[2]

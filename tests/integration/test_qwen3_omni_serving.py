@@ -104,16 +104,29 @@ def wav_base64(samples: np.ndarray) -> str:
 
 
 def reference(
-    model: Any, processor: Any, audio: np.ndarray | None, speak: bool
+    model: Any,
+    processor: Any,
+    audio: np.ndarray | None,
+    speak: bool,
+    image: np.ndarray | None = None,
 ) -> tuple[str, np.ndarray | None]:
     """transformers' answer, greedy: its text, and its waveform where it speaks."""
+    from PIL import Image
+
     content: list[dict[str, Any]] = [{"type": "text", "text": PROMPT}]
     if audio is not None:
         content.insert(0, {"type": "input_audio"})
+    if image is not None:
+        content.insert(0, {"type": "image"})
     text = processor.apply_chat_template(
         [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
     )
-    inputs = processor(text=text, audio=[audio] if audio is not None else None, return_tensors="pt")
+    inputs = processor(
+        text=text,
+        audio=[audio] if audio is not None else None,
+        images=[Image.fromarray(image)] if image is not None else None,
+        return_tensors="pt",
+    )
     with torch.no_grad():
         result = model.generate(
             **inputs,
@@ -211,6 +224,33 @@ def test_audio_input_reaches_the_thinker_and_is_answered_in_audio(
     assert expected_text != text_only  # the sound changed the answer
     served = np.frombuffer(base64.b64decode(answer.choices[0].message.audio.data), "<i2")
     assert np.abs(served.astype(np.int32) - as_pcm16(expected)).max() <= 1
+
+
+def png_data_url(image: np.ndarray) -> str:
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.fromarray(image).save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def test_an_image_reaches_the_thinker(client: openai.OpenAI, model: Any, processor: Any) -> None:
+    image = np.random.default_rng(3).integers(0, 256, (64, 96, 3), dtype=np.uint8)
+    content = [
+        {"type": "image_url", "image_url": {"url": png_data_url(image)}},
+        {"type": "text", "text": PROMPT},
+    ]
+    answer = ask(client, content)
+    expected, _ = reference(model, processor, None, speak=False, image=image)
+    text_only, _ = reference(model, processor, None, speak=False)
+    assert answer.choices[0].message.content == expected
+    assert expected != text_only  # the image changed the answer
+    # A spoken answer to an image is refused before any stage runs.
+    with pytest.raises(openai.BadRequestError) as refused:
+        ask(
+            client, content, modalities=["text", "audio"], audio={"voice": "ethan", "format": "wav"}
+        )
+    assert refused.value.body["param"] == "messages"  # type: ignore[index]
 
 
 def test_a_streamed_answer_is_the_same_transcript_and_samples(client: openai.OpenAI) -> None:
@@ -311,7 +351,7 @@ def test_a_streamed_answer_is_the_same_transcript_and_samples(client: openai.Ope
         (
             {},
             [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}],
-            "messages[0].content[0]",
+            "messages[0].content[0].image_url.url",
         ),
     ],
 )

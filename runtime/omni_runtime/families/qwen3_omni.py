@@ -54,6 +54,8 @@ QWEN3_OMNI = Qwen3OmniFamily(
     ),
     hub_ids=("Qwen/Qwen3-Omni-30B-A3B-Instruct",),
     aliases=("qwen3-omni-30b-a3b",),
+    # What the thinker sees with a question (each image hundreds of its tokens).
+    max_input_images=4,
     speech=SpeechRecipe(
         thinker_architecture="OmniQwen3OmniThinker",
         talker_architecture="OmniQwen3OmniTalker",

@@ -398,6 +398,7 @@ class PipelineOrchestrator:
         thinker = self.stages[0]
         thinker_request = self._stage_request(request, attempt, 0, None, "", {})
         thinker_request.audios = request.audios
+        thinker_request.images = request.images
         thinker_request.stream = request.stream
         sticky = request.sticky_key
         if request.voice is None or len(self.stages) == 1:
@@ -427,51 +428,67 @@ class PipelineOrchestrator:
         )
         host = where[-1][0]
         pin = host if talker.stage_id in self._pod_local else None
-        where = []
         # code2wav's answers to the talker's chunks, in order: each is sent as its chunk
-        # comes, all to the replica the first went to (the stream's consumer).
+        # comes, all to the replica the first went to (the stream's consumer), and passed
+        # on as soon as it is decoded, while the talker goes on (a task of its own).
         chunks: collections.deque[asyncio.Future[tuple[StageServerOutput, str, str]]] = (
             collections.deque()
         )
+        arrived = asyncio.Event()
         placed: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-        sent = 0
-        try:
+
+        async def talk() -> None:
+            where: list[tuple[str, int]] = []
+            sent = 0
             async for output in self._run_stage(
                 talker, talker_request, sticky, revision, pin, where=where
             ):
-                if output.hand_offs:
-                    if not sent:
-                        # Released if the request ends before code2wav fetched them all.
-                        handed.append(
-                            _HandOff(talker.stage_id, where[-1][1], talker_request.request_id)
-                        )
-                    chunk_request = StageServerRequest(
-                        request_id=f"{talker_request.request_id}-audio-{sent}",
-                        inputs=dict(output.hand_offs),
+                if not output.hand_offs:
+                    continue
+                if not sent:
+                    # Released if the request ends before code2wav fetched them all.
+                    handed.append(
+                        _HandOff(talker.stage_id, where[-1][1], talker_request.request_id)
                     )
-                    first, sent = not sent, sent + 1
-                    chunks.append(
-                        asyncio.ensure_future(
-                            self._final_output(
-                                code2wav,
-                                chunk_request,
-                                sticky,
-                                revision,
-                                where[-1][0] if code2wav.stage_id in self._pod_local else None,
-                                [],
-                                placed=placed if first else None,
-                                follow=None if first else placed,
-                            )
-                        )
-                    )
-                while chunks and chunks[0].done():
+                chunk_request = StageServerRequest(
+                    request_id=f"{talker_request.request_id}-audio-{sent}",
+                    inputs=dict(output.hand_offs),
+                )
+                first, sent = not sent, sent + 1
+                decoding = self._final_output(
+                    code2wav,
+                    chunk_request,
+                    sticky,
+                    revision,
+                    where[-1][0] if code2wav.stage_id in self._pod_local else None,
+                    [],
+                    placed=placed if first else None,
+                    follow=None if first else placed,
+                )
+                chunks.append(asyncio.ensure_future(decoding))
+                arrived.set()
+
+        talking = asyncio.ensure_future(talk())
+        try:
+            while chunks or not talking.done():
+                if not chunks:
+                    arrived.clear()
+                    waiting = asyncio.ensure_future(arrived.wait())
+                    await asyncio.wait({talking, waiting}, return_when=asyncio.FIRST_COMPLETED)
+                    waiting.cancel()
+                else:
+                    either: set[asyncio.Future[Any]] = {talking, chunks[0]}
+                    await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+                if chunks and chunks[0].done():
                     yield _audio_output(talker_request.request_id, chunks.popleft().result()[0])
-            while chunks:
-                yield _audio_output(talker_request.request_id, (await chunks.popleft())[0])
+                elif talking.done() and talking.exception() is not None:
+                    break
+            talking.result()  # the talker's failure, if it failed
         finally:
+            talking.cancel()
             for pending in chunks:
                 pending.cancel()
-            await asyncio.gather(*chunks, return_exceptions=True)
+            await asyncio.gather(talking, *chunks, return_exceptions=True)
         yield StageServerOutput(
             request_id=thinker_request.request_id,
             finished=True,

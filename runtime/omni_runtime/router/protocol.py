@@ -388,7 +388,16 @@ class ChatCompletionRequest(_FamilyFields, _Sampling):
                 raise RequestError(400, f"{name}: a parameter of image output", name)
         if self.n != 1:
             raise RequestError(400, f"n: only 1 completion per request (got {self.n})", "n")
-        messages, audios = hear_messages(self.messages, speech, limits)
+        messages, audios, images = hear_messages(
+            self.messages, speech, limits, self.max_input_images
+        )
+        if images and voice is not None:
+            raise RequestError(
+                400,
+                "messages: a spoken answer to an image is not supported yet (the talker reads "
+                "text and audio); ask for text alone, or leave the image out",
+                "messages",
+            )
         prompt_chars = sum(
             len(m["content"])
             if isinstance(m["content"], str)
@@ -404,6 +413,7 @@ class ChatCompletionRequest(_FamilyFields, _Sampling):
             stream=self.stream,
             audios=audios,
             voice=voice,
+            images=images,
         )
 
     def _voice(self, speech: SpeechRecipe) -> str:
@@ -439,13 +449,15 @@ class ChatCompletionRequest(_FamilyFields, _Sampling):
 
 
 def hear_messages(
-    messages: list[ChatMessage], speech: SpeechRecipe, limits: RouterLimits
-) -> tuple[list[dict[str, Any]], list[np.ndarray]]:
-    """Chat messages as a thinker that hears takes them (text, or text and input_audio
-    parts, the audio's data taken out) and the audio's samples, decoded at its processor's
-    rate; RequestError naming the part for an image or audio that cannot be decoded."""
+    messages: list[ChatMessage], speech: SpeechRecipe, limits: RouterLimits, max_images: int
+) -> tuple[list[dict[str, Any]], list[np.ndarray], list[np.ndarray]]:
+    """Chat messages as a thinker that hears and sees takes them (text, or a list of text,
+    input_audio and image parts, their data taken out), the audio's samples, decoded at its
+    processor's rate, and the images; RequestError naming the part for an image or audio
+    that cannot be decoded."""
     flat: list[dict[str, Any]] = []
     audios: list[np.ndarray] = []
+    images: list[np.ndarray] = []
     for index, message in enumerate(messages):
         if isinstance(message.content, str):
             flat.append({"role": message.role, "content": message.content})
@@ -470,11 +482,12 @@ def hear_messages(
                     raise RequestError(400, f"{e.param}: {e.message}", e.param) from None
                 parts.append({"type": "input_audio"})
             else:
-                raise RequestError(
-                    400, f"{where}: this pipeline hears text and audio (no image_url)", where
-                )
+                if len(images) >= max_images:
+                    raise RequestError(400, f"messages: {too_many_images(max_images)}", "messages")
+                images.append(decode_data_url(part.image_url.url, limits, f"{where}.image_url.url"))
+                parts.append({"type": "image"})
         flat.append({"role": message.role, "content": parts})
-    return flat, audios
+    return flat, audios, images
 
 
 # The body fields that are an LLM stage's sampling params, by the same name.

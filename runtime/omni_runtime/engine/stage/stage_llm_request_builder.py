@@ -141,9 +141,7 @@ class StageLLMRequestBuilder:
         speaks = False
         if self.speech is not None and self.speech.role == "thinker":
             speaks = _flag(params, "speak")
-            if images:
-                raise InvalidLLMRequestError("image: this thinker takes text and audio", "image")
-            engine_input, field_name = self._render_heard(prompt, messages, audios)
+            engine_input, field_name = self._render_heard(prompt, messages, audios, images)
         elif audios:
             raise InvalidLLMRequestError(
                 "input_audio: this LLM stage takes no audio", "input_audio"
@@ -238,10 +236,12 @@ class StageLLMRequestBuilder:
         prompt: str | None,
         messages: Sequence[Mapping[str, Any]] | None,
         audios: Sequence[np.ndarray],
+        images: Sequence[np.ndarray],
     ) -> tuple[Any, str]:
         """A thinker's input: the chat template over messages whose content is text or a
-        list of text and input_audio parts, each audio part standing for the next of
-        ``audios``, which its model's multimodal processor expands and encodes."""
+        list of text, input_audio and image parts, each audio or image part standing for the
+        next of ``audios`` or ``images``, which its model's multimodal processor expands and
+        encodes."""
         assert self.speech is not None
         assert self.tokenizer is not None
         if messages is None:
@@ -250,7 +250,7 @@ class StageLLMRequestBuilder:
             messages = [{"role": "user", "content": prompt}]
         elif prompt is not None:
             raise InvalidLLMRequestError("prompt: give a prompt or messages, not both", "prompt")
-        heard = 0
+        heard = seen = 0
         for index, message in enumerate(messages):
             content = message.get("content") if isinstance(message, Mapping) else None
             if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
@@ -265,13 +265,17 @@ class StageLLMRequestBuilder:
                 kind = part.get("type") if isinstance(part, Mapping) else None
                 if kind == "input_audio":
                     heard += 1
+                elif kind == "image":
+                    seen += 1
                 elif kind != "text" or not isinstance(part.get("text"), str):
                     raise InvalidLLMRequestError(
-                        f"messages[{index}].content: parts are text or input_audio", "messages"
+                        f"messages[{index}].content: parts are text, input_audio or image",
+                        "messages",
                     )
-        if heard != len(audios):
+        if heard != len(audios) or seen != len(images):
             raise InvalidLLMRequestError(
-                f"messages: {heard} input_audio part(s) for {len(audios)} audio input(s)",
+                f"messages: {heard} input_audio and {seen} image part(s) for {len(audios)} "
+                f"audio and {len(images)} image input(s)",
                 "messages",
             )
         text = self.tokenizer.apply_chat_template(
@@ -288,6 +292,9 @@ class StageLLMRequestBuilder:
                         "input_audio: expected float32 mono samples", "input_audio"
                     )
             engine_prompt["multi_modal_data"] = {"audio": [(audio, rate) for audio in audios]}
+        if images:
+            pictures = [_rgb_image(image) for image in images]
+            engine_prompt.setdefault("multi_modal_data", {})["image"] = pictures
         try:
             (engine_input,) = self.renderer.render_cmpl([engine_prompt])
         except (VLLMValidationError, ValueError) as e:
