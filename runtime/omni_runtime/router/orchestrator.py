@@ -471,18 +471,23 @@ class PipelineOrchestrator:
         talking = asyncio.ensure_future(talk())
         try:
             while chunks or not talking.done():
-                if not chunks:
-                    arrived.clear()
-                    waiting = asyncio.ensure_future(arrived.wait())
-                    await asyncio.wait({talking, waiting}, return_when=asyncio.FIRST_COMPLETED)
-                    waiting.cancel()
+                if talking.done() and talking.exception() is not None:
+                    break
+                # The next chunk's audio, or (while the talker speaks) its next chunk or
+                # its end, whichever comes first.
+                watched: set[asyncio.Future[Any]] = set()
+                if not talking.done():
+                    watched.add(talking)
+                if chunks:
+                    watched.add(chunks[0])
                 else:
-                    either: set[asyncio.Future[Any]] = {talking, chunks[0]}
-                    await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+                    arrived.clear()
+                    watched.add(asyncio.ensure_future(arrived.wait()))
+                await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)
+                for waiting in watched - {talking, *chunks}:
+                    waiting.cancel()
                 if chunks and chunks[0].done():
                     yield _audio_output(talker_request.request_id, chunks.popleft().result()[0])
-                elif talking.done() and talking.exception() is not None:
-                    break
             talking.result()  # the talker's failure, if it failed
         finally:
             talking.cancel()
