@@ -413,6 +413,15 @@ class StageConfig(_Model):
         "of each new shape (size, batch, guidance) waits for its compilation; the images "
         "are the eager ones (identical bytes on CPU).",
     )
+    num_threads: int | None = Field(
+        default=None,
+        ge=1,
+        le=1024,
+        description="Diffusion stages: torch's intra-op threads (unset: torch's default, one "
+        "per core). On a CPU shared with LLM stages, whose vLLM binds its threads to cores "
+        "of its own, give the diffusion stage no more than the cores left: a computation "
+        "spread over a busy core waits on its slowest thread.",
+    )
     default_sampling_params: dict[str, Any] = Field(
         default_factory=dict,
         description="Sampling parameters for requests that give none (temperature, top_p, "
@@ -480,6 +489,16 @@ class StageConfig(_Model):
         if value is not None and info.data.get("type") == "llm":
             raise ValueError(
                 "only diffusion stages cache steps; remove stepCache from this llm stage"
+            )
+        return value
+
+    @field_validator("num_threads")
+    @classmethod
+    def _check_num_threads(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is not None and info.data.get("type") == "llm":
+            raise ValueError(
+                "only diffusion stages take numThreads (vLLM places an llm stage's threads "
+                "itself: VLLM_CPU_OMP_THREADS_BIND); remove it from this llm stage"
             )
         return value
 

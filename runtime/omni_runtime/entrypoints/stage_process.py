@@ -162,6 +162,7 @@ def diffusion_engine_config(
         step_cache_default=cache.default if cache is not None else STEP_CACHE_OFF,
         max_batch=stage.max_num_seqs or 1,
         torch_compile=bool(stage.torch_compile),
+        num_threads=stage.num_threads,
     )
 
 

@@ -245,3 +245,61 @@ def test_bagels_thinker_takes_the_seed_of_an_edit_alone() -> None:
     assert bagel.encoder_params({"seed": 5, "height": 32}, has_image=True) == {"seed": 5}
     assert bagel.encoder_params({"seed": 5}, has_image=False) == {}
     assert FAMILIES["qwen-image-edit"].encoder_params({"seed": 5}, has_image=True) == {}
+
+
+def test_a_qwen3_omni_pipeline_is_thinker_talker_code2wav_or_the_thinker_alone() -> None:
+    data = {
+        "model": "Qwen/Qwen3-Omni-30B-A3B-Instruct",
+        "stages": [{"stageId": i} for i in range(3)],
+    }
+    pipeline = load_pipeline(data)
+    assert pipeline.family == "qwen3-omni"
+    assert [(s.name, s.type) for s in pipeline.stages] == [
+        ("thinker", "llm"),
+        ("talker", "llm"),
+        ("code2wav", "diffusion"),
+    ]
+    roles = [pipeline.speech_stage(s) for s in pipeline.stages]
+    assert [role.role if role else None for role in roles] == ["thinker", "talker", None]
+    assert [role.architecture if role else None for role in roles] == [
+        "OmniQwen3OmniThinker",
+        "OmniQwen3OmniTalker",
+        None,
+    ]
+    # The thinker alone answers in text.
+    alone = load_pipeline({**data, "stages": [{"stageId": 0}]})
+    assert alone.speech_stage(alone.stages[0]) is not None
+    # Two stages are neither.
+    with pytest.raises(PipelineConfigError) as caught:
+        load_pipeline({**data, "stages": [{"stageId": 0}, {"stageId": 1}]})
+    ((path, message),) = caught.value.issues
+    assert path == "stages[1]"
+    assert "thinker and the talker" in message
+
+
+def test_async_chunk_is_a_speaking_pipelines_alone() -> None:
+    speaking = {
+        "model": "Qwen/Qwen3-Omni-30B-A3B-Instruct",
+        "asyncChunk": True,
+        "stages": [{"stageId": i} for i in range(3)],
+    }
+    assert load_pipeline(speaking).async_chunk
+    data = {**two_stages("Qwen/Qwen-Image"), "asyncChunk": True}
+    with pytest.raises(PipelineConfigError) as caught:
+        load_pipeline(data)
+    ((path, message),) = caught.value.issues
+    assert path == "asyncChunk"
+    assert "qwen3-omni" in message
+
+
+def test_num_threads_is_a_diffusion_stages_alone() -> None:
+    data = two_stages("Qwen/Qwen-Image")
+    data["stages"][1]["numThreads"] = 2
+    assert load_pipeline(data).stages[1].num_threads == 2
+    data["stages"][0]["numThreads"] = 2
+    with pytest.raises(PipelineConfigError) as caught:
+        load_pipeline(data)
+    assert any(
+        path.startswith("stages[0]") and "only diffusion stages take numThreads" in message
+        for path, message in caught.value.issues
+    ), caught.value.issues
