@@ -21,7 +21,8 @@ omni_stage_request_duration_seconds{stage="code2wav"} (from its sending the requ
 the stage's last output) less omni_stage_execution_seconds (the code2wav engine's own
 time, fetching the codes from the connector included) is what the round trip through the
 router and the stage server adds to a chunk, and the wait behind the requests ahead of it:
-code2wav decodes one request at a time, so where a chunk comes before the last is decoded
+code2wav decodes one batch at a time (chunks of one length together), so where a chunk
+comes before the last is decoded
 (the talker's time for 25 frames, from its own execute time per answer, is printed beside
 it), or under concurrency, most of the difference is that queue. The same figures for the
 whole mode are per answer (one code2wav request each): at concurrency 1 nothing is ahead,
@@ -376,7 +377,8 @@ def main() -> None:
         "\ncode2wav's stage requests, from the router's /metrics over each measured run: the "
         "router's time for one (sent to last output) against the engine's own (codes fetched "
         "and decoded), and what the router adds (its round trip to the stage and the wait "
-        "behind the requests ahead: code2wav decodes one at a time). Chunked, one request is "
+        "behind the requests ahead: code2wav runs one batch at a time, chunks of one length "
+        "together, up to its maxNumSeqs). Chunked, one request is "
         "one chunk; the talker's time for that many frames (its execute time per answer over "
         "its frames, samples / 1920) says how often the next chunk comes:\n"
     )
