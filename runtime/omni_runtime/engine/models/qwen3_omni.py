@@ -20,7 +20,7 @@ hand-off and talker loop, computed per request instead of per batch of equal req
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -172,7 +172,6 @@ class _Talking:
     prompt_length: int
     sample: bool
     last_hidden: torch.Tensor | None = None
-    frames: list[torch.Tensor] = field(default_factory=list)
 
 
 class OmniQwen3OmniTalker(nn.Module):  # type: ignore[misc]
