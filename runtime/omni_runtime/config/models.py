@@ -716,11 +716,12 @@ class PipelineConfig(_Model):
         if family is not None:
             issues += family.pipeline_issues(self.stages, index_of_id)
         if self.async_chunk and (family is None or family.speech is None):
+            speaking = ", ".join(name for name, f in FAMILIES.items() if f.speech is not None)
             issues.append(
                 (
                     "asyncChunk",
-                    "only a pipeline whose family speaks (qwen3-omni) streams between stages; "
-                    "this one hands off whole outputs",
+                    f"only a pipeline whose family speaks ({speaking}) streams between "
+                    "stages; this one hands off whole outputs",
                 )
             )
         for index, stage in enumerate(self.stages):

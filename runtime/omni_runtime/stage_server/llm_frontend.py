@@ -41,7 +41,6 @@ from omni_runtime.connectors import (
     StageConnectors,
 )
 from omni_runtime.engine.models import context_hand_off
-from omni_runtime.engine.models.qwen3_omni import TalkerInputs, talker_inputs_issue
 from omni_runtime.engine.stage.stage_core_types import (
     HandOff,
     StageError,
@@ -441,12 +440,12 @@ class StageLLMFrontend(StageFrontend):
             if name not in request.inputs:
                 raise InvalidLLMRequestError(f"inputs.{name}: required (the thinker's)", name)
         params = dict(request.params)
-        config = self.client.vllm_config.model_config.hf_config
+        builder = self.client.request_builder
         voice = params.pop("voice", recipe.voices[0])
-        speaker = config.speaker_id.get(voice.lower()) if isinstance(voice, str) else None
+        speaker = builder.talker.speaker(voice) if isinstance(voice, str) else None
         if speaker is None:
             raise InvalidLLMRequestError(
-                f"params.voice: unknown voice {voice!r} (voices: {', '.join(config.speaker_id)})",
+                f"params.voice: unknown voice {voice!r} (voices: {', '.join(recipe.voices)})",
                 "voice",
             )
 
@@ -457,18 +456,16 @@ class StageLLMFrontend(StageFrontend):
         rows, prompt = await asyncio.gather(
             asyncio.to_thread(fetch, recipe.rows), asyncio.to_thread(fetch, recipe.prompt)
         )
-        issue = talker_inputs_issue(tuple(rows.shape), prompt.numpy(), config)
+        issue = builder.talker.issue(tuple(rows.shape), prompt.numpy())
         if issue is not None:
             raise _UnusableInputs(issue)
         if rows.dtype == torch.bfloat16:
             # numpy has no bf16: carried as float32 (exact), the talker casts back.
             rows = rows.float()
-        array = rows.contiguous().numpy()
-        inputs = TalkerInputs(
-            array.tobytes(),
-            (array.shape[0], array.shape[1]),
-            array.dtype.str,
+        return builder.build_talker(
+            request.request_id,
+            rows.contiguous().numpy(),
             [int(token) for token in prompt.tolist()],
-            int(speaker),
+            speaker,
+            params,
         )
-        return self.client.request_builder.build_talker(request.request_id, inputs, params)

@@ -57,6 +57,26 @@ CONFIG_FIXES = {
 }
 
 
+# A request's SamplingParams.extra_args key: a speaking family's thinker says this
+# request's rows (what its talker reads) beside its tokens.
+HIDDEN_ROWS = "omni_hidden_rows"
+
+# Architecture name -> "module:class" of how a talker stage builds its requests for it
+# (from the thinker's rows and prompt ids and a voice): called with the talker's HF config.
+TALKER_PROMPTS = {
+    "OmniQwen3OmniTalker": "omni_runtime.engine.models.qwen3_omni:TalkerPrompt",
+}
+
+
+def talker_prompt(architecture: str, config: Any) -> Any:
+    """The talker prompt builder of ``architecture``; ValueError if it has none."""
+    target = TALKER_PROMPTS.get(architecture)
+    if target is None:
+        raise ValueError(f"architecture {architecture!r} is no talker")
+    module_name, _, class_name = target.partition(":")
+    return getattr(importlib.import_module(module_name), class_name)(config)
+
+
 # A request's PoolingParams.extra_kwargs key: in think mode, the most tokens of the plan an
 # encoder architecture writes before it hands its context off (BAGEL's thinker).
 THINK_TOKENS = "think_tokens"

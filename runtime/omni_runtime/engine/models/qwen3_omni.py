@@ -33,10 +33,9 @@ from vllm.model_executor.models.qwen3_omni_moe_thinker import (
     Qwen3OmniMoeThinkerForConditionalGeneration,
 )
 
+from omni_runtime.engine.models import HIDDEN_ROWS
 from omni_runtime.engine.models.step_state import StepRequest
 
-# A thinker request's extra args key: say this request's rows.
-HIDDEN_ROWS = "omni_hidden_rows"
 # A talker request's extra args key: its TalkerInputs, msgpack-encoded.
 TALKER_INPUTS = "omni_talker_inputs"
 
@@ -86,6 +85,46 @@ def talker_inputs_issue(
     if not opens.any():
         return "the thinker's prompt opens no assistant turn (<|im_start|>assistant)"
     return None
+
+
+class TalkerPrompt:
+    """How a talker stage builds its requests (engine.models.TALKER_PROMPTS): its checks of
+    what the thinker handed it, its voices, and its sampling within the codec."""
+
+    def __init__(self, config: Any) -> None:
+        # The talker's HF config (talker_config below).
+        self.config = config
+
+    def speaker(self, voice: str) -> int | None:
+        """The codec token of ``voice`` (any case); None for a voice it does not know."""
+        speaker = self.config.speaker_id.get(voice.lower())
+        return int(speaker) if speaker is not None else None
+
+    def issue(self, rows_shape: Sequence[int], prompt_token_ids: np.ndarray) -> str | None:
+        return talker_inputs_issue(rows_shape, prompt_token_ids, self.config)
+
+    def prepare(
+        self, rows: np.ndarray, prompt_token_ids: list[int], speaker: int, sampling: Any
+    ) -> list[int]:
+        """The placeholder ids of the request's prompt; ``sampling`` (its SamplingParams)
+        made to sample as transformers' generate samples the talker, the inputs in its
+        extra args. Every id from vocab - 1024 on (the codec's specials and voices) is
+        suppressed but the end of speech: what remains is exactly code2wav's codebook."""
+        config = self.config
+        vocab = config.text_config.vocab_size
+        sampling.allowed_token_ids = [*range(vocab - 1024), config.codec_eos_token_id]
+        sampling.stop_token_ids = [config.codec_eos_token_id]
+        sampling.detokenize = False
+        inputs = TalkerInputs(
+            rows.tobytes(),
+            (rows.shape[0], rows.shape[1]),
+            rows.dtype.str,
+            prompt_token_ids,
+            speaker,
+            sample=sampling.temperature > 0,
+        )
+        sampling.extra_args = {TALKER_INPUTS: msgspec.msgpack.encode(inputs)}
+        return [config.codec_pad_id] * talker_prompt_length(prompt_token_ids, config)
 
 
 # The talker's prompt after the user's tokens: the assistant's first 3 text rows, 4 pads,

@@ -38,13 +38,7 @@ from vllm.renderers.params import ChatParams
 from vllm.v1.engine import EngineCoreRequest
 from vllm.v1.engine.input_processor import InputProcessor
 
-from omni_runtime.engine.models import THINK_TOKENS
-from omni_runtime.engine.models.qwen3_omni import (
-    HIDDEN_ROWS,
-    TALKER_INPUTS,
-    TalkerInputs,
-    talker_prompt_length,
-)
+from omni_runtime.engine.models import HIDDEN_ROWS, THINK_TOKENS, talker_prompt
 from omni_runtime.engine.stage.stage_core_types import (
     InvalidStageRequestError,
     StageLLMCoreRequest,
@@ -112,6 +106,12 @@ class StageLLMRequestBuilder:
         # A talker reads and writes codec tokens: it has no tokenizer.
         self.tokenizer: Any = (
             None if self.model_config.skip_tokenizer_init else self.renderer.get_tokenizer()
+        )
+        # A talker's: how its architecture makes a request of the thinker's hand-off.
+        self.talker: Any = (
+            talker_prompt(speech.architecture, self.model_config.hf_config)
+            if speech is not None and speech.role == "talker"
+            else None
         )
         # The task this stage's runner was configured for (stage_llm_engine_config): what
         # its requests ask of the core, which checks them against what it serves.
@@ -192,36 +192,21 @@ class StageLLMRequestBuilder:
     def build_talker(
         self,
         request_id: str,
-        inputs: TalkerInputs,
+        rows: np.ndarray,
+        prompt_token_ids: list[int],
+        speaker: int,
         params: Mapping[str, Any] | None = None,
     ) -> StageLLMCoreRequest:
-        """A talker's request: its prompt made from the thinker's ``inputs`` (placeholder
-        ids stand for its rows), sampled as the stage's defaults and ``params`` say, within
-        the codec's codes and its end, as transformers' generate samples the talker."""
-        config = self.model_config.hf_config
-        vocab = config.text_config.vocab_size
-        params = dict(params or {})
-        sampling = self._params(params)
+        """A talker's request: its prompt made from the thinker's ``rows`` and prompt ids
+        (the architecture's placeholder ids stand for the rows), in the voice ``speaker``,
+        sampled as the stage's defaults and ``params`` say, within what its architecture
+        allows."""
+        assert self.talker is not None
+        sampling = self._params(dict(params or {}))
         assert isinstance(sampling, SamplingParams)
-        # Every id from vocab - 1024 on (the codec's specials and voices) is suppressed but
-        # the end of speech: what remains is exactly code2wav's codebook.
-        sampling.allowed_token_ids = [*range(vocab - 1024), config.codec_eos_token_id]
-        sampling.stop_token_ids = [config.codec_eos_token_id]
-        sampling.detokenize = False
-        inputs = TalkerInputs(
-            inputs.rows,
-            inputs.rows_shape,
-            inputs.rows_dtype,
-            inputs.prompt_token_ids,
-            inputs.speaker,
-            sample=sampling.temperature > 0,
-        )
-        sampling.extra_args = {TALKER_INPUTS: msgspec.msgpack.encode(inputs)}
-        length = talker_prompt_length(inputs.prompt_token_ids, config)
+        placeholders = self.talker.prepare(rows, prompt_token_ids, speaker, sampling)
         try:
-            (engine_input,) = self.renderer.render_cmpl(
-                [{"prompt_token_ids": [config.codec_pad_id] * length}]
-            )
+            (engine_input,) = self.renderer.render_cmpl([{"prompt_token_ids": placeholders}])
             request = self.input_processor.process_inputs(
                 request_id, engine_input, sampling, self._tasks
             )
