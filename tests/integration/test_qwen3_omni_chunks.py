@@ -31,6 +31,7 @@ from test_qwen3_omni_serving import (
     THINKER_TOKENS,
     as_pcm16,
     ask,
+    stage_in_flight,
 )
 from test_serving import omni_shm_files
 
@@ -134,15 +135,6 @@ def chunked_reference(tiny_models: Path) -> np.ndarray:
     return samples
 
 
-def _in_flight(http: httpx.Client) -> dict[str, float]:
-    counts: dict[str, float] = {}
-    for line in http.get("/metrics").text.splitlines():
-        if line.startswith("omni_stage_in_flight{"):
-            stage = line.split('stage="', 1)[1].split('"', 1)[0]
-            counts[stage] = float(line.split()[-1])
-    return counts
-
-
 def _spoken(client: openai.OpenAI) -> np.ndarray:
     answer = ask(
         client, PROMPT, modalities=["text", "audio"], audio={"voice": "ethan", "format": "pcm16"}
@@ -190,7 +182,7 @@ def test_audio_reaches_the_caller_while_the_talker_still_speaks(
                     if data:
                         if first_audio is None:
                             first_audio = time.perf_counter() - start
-                            talking_at_first_audio = _in_flight(http).get("talker", 0)
+                            talking_at_first_audio = stage_in_flight(http).get("talker", 0)
                         pieces.append(base64.b64decode(data))
         total = time.perf_counter() - start
     # The consumer started on the first chunk: code2wav's audio came while the talker had
@@ -219,7 +211,7 @@ def test_a_client_gone_mid_stream_frees_every_stage_and_connector(
                 if '"data":' in line:
                     break  # the first audio: chunks are in flight between the stages
         wait_until(
-            lambda: (c := _in_flight(http)) and all(v == 0 for v in c.values()),
+            lambda: (c := stage_in_flight(http)) and all(v == 0 for v in c.values()),
             30,
             "every stage free",
             0.02,

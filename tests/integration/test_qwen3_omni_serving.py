@@ -367,7 +367,7 @@ def test_a_malformed_audio_request_is_a_400_naming_its_field(
 # --- Aborts -----------------------------------------------------------------------------
 
 
-def _in_flight(http: httpx.Client) -> dict[str, float]:
+def stage_in_flight(http: httpx.Client) -> dict[str, float]:
     counts: dict[str, float] = {}
     for line in http.get("/metrics").text.splitlines():
         if line.startswith("omni_stage_in_flight{"):
@@ -392,11 +392,11 @@ def test_a_client_gone_while_the_talker_speaks_frees_every_stage(served: str) ->
             assert response.status_code == 200
             # Gone once the talker has the request: the thinker has finished its text.
             wait_until(
-                lambda: _in_flight(http).get("talker", 0) >= 1, 60, "the talker speaking", 0.01
+                lambda: stage_in_flight(http).get("talker", 0) >= 1, 60, "the talker speaking", 0.01
             )
         gone = time.perf_counter() - start
         counts = wait_until(
-            lambda: (c := _in_flight(http)) and all(v == 0 for v in c.values()) and c,
+            lambda: (c := stage_in_flight(http)) and all(v == 0 for v in c.values()) and c,
             30,
             "every stage free",
             0.02,
