@@ -71,6 +71,10 @@ def _both(*breakers: Breaker) -> Breaker:
     return lambda m: [b(m) for b in breakers]
 
 
+def _adapter(name: str, stage_name: str) -> dict[str, str]:
+    return {"name": name, "stage": stage_name, "source": f"/loras/{name}.safetensors"}
+
+
 @dataclass(frozen=True)
 class RuleCase:
     """A pipeline broken one way, and what each side must say of it."""
@@ -438,6 +442,60 @@ INVALID: list[RuleCase] = [
         python=["router.videoStore"],
     ),
     RuleCase(
+        "adapter-of-a-missing-stage",
+        _spec(adapters=[_adapter("ink", "nowhere")]),
+        cel=["spec.adapters", "adapter 'ink' names stage 'nowhere', which is not a stage"],
+        python=["spec.adapters[0].stage", "no stage is named 'nowhere'"],
+    ),
+    RuleCase(
+        "adapter-name-twice",
+        _spec(adapters=[_adapter("ink", "dit"), _adapter("ink", "thinker")]),
+        cel=["spec.adapters[1]: Duplicate value", '"name":"ink"'],
+        python=["spec.adapters[1].name", "adapter names must be unique"],
+    ),
+    RuleCase(
+        "adapter-name-not-a-name",
+        _spec(adapters=[_adapter("Ink:v2", "dit")]),
+        cel=["spec.adapters[0].name", "should match"],
+        python=["spec.adapters[0].name", "'Ink:v2' is not a valid adapter name"],
+    ),
+    RuleCase(
+        "adapter-source-relative",
+        _spec(adapters=[{"name": "ink", "stage": "dit", "source": "ink.safetensors"}]),
+        cel=["spec.adapters[0].source", "'ink.safetensors' is not an absolute path"],
+        python=["spec.adapters[0].source", "'ink.safetensors' is not an absolute path"],
+    ),
+    RuleCase(
+        "adapter-of-an-encoder",
+        _both(_set(0, output="hidden_states"), _spec(adapters=[_adapter("ink", "thinker")])),
+        cel=["spec.adapters", "adapter 'ink': stage 'thinker' takes no adapters"],
+        python=["spec.adapters[0].stage", "stage 'thinker' takes no adapters: an encoder"],
+    ),
+    RuleCase(
+        "adapter-of-a-bagel-pipeline",
+        _both(_spec(family="bagel"), _spec(adapters=[_adapter("ink", "dit")])),
+        cel=["spec.adapters", "a bagel pipeline takes no adapters"],
+        python=["spec.adapters[0].stage", "a bagel DiT runs on its own engine"],
+    ),
+    RuleCase(
+        "adapter-scale-out-of-range",
+        _spec(adapters=[{**_adapter("ink", "dit"), "scale": 9}]),
+        cel=["spec.adapters[0].scale", "should be less than or equal to 8"],
+        python=["spec.adapters[0].scale", "less than or equal to 8"],
+    ),
+    RuleCase(
+        "max-lora-rank-on-diffusion-stage",
+        _both(_set(1, maxLoraRank=16, maxLoras=2)),
+        cel=["spec.stages[1].maxLoraRank", "only llm stages take maxLoraRank"],
+        python=["spec.stages[1].maxLoraRank", "only llm stages take maxLoraRank"],
+    ),
+    RuleCase(
+        "max-lora-rank-not-vllms",
+        _set(0, maxLoraRank=24, maxLoras=2),
+        cel=["spec.stages[0].maxLoraRank", "Unsupported value: 24"],
+        python=["spec.stages[0].maxLoraRank", "24 is not one of vLLM's ranks"],
+    ),
+    RuleCase(
         "pipeline-name-not-dns-1035",
         lambda m: m["metadata"].update(name="1-bagel"),
         cel=["metadata.name", "'1-bagel' names the pipeline's Service", "starting with a letter"],
@@ -531,4 +589,28 @@ VALID: list[ValidCase] = [
         "step-cached-dit-of-a-family",
         _both(_named_family, _set(1, stepCache={"tiers": {"fast": {"interval": 2}}})),
     ),
+    ValidCase(
+        "adapters-of-the-llm-and-the-dit",
+        _both(
+            _set(0, maxLoraRank=32),
+            _spec(
+                adapters=[
+                    {"name": "chat-ink", "stage": "thinker", "source": "/loras/chat-ink"},
+                    {**_adapter("ink", "dit"), "scale": 0.8},
+                    {"name": "neon", "stage": "dit", "source": "org/neon-lora"},
+                    {
+                        "name": "pop",
+                        "stage": "dit",
+                        "source": "https://example.com/loras/pop.safetensors",
+                    },
+                ]
+            ),
+        ),
+    ),
+    # Unnamed stages take their family's topology names (an encoder and a dit).
+    ValidCase(
+        "adapter-of-a-topology-named-dit",
+        _both(_named_family, _spec(adapters=[_adapter("ink", "dit")])),
+    ),
+    ValidCase("max-loras-without-declared-adapters", _set(1, maxLoras=8)),
 ]

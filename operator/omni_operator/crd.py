@@ -26,6 +26,7 @@ from typing import Any
 
 import yaml
 
+from omni_runtime.adapters import ADAPTER_SOURCE_FORMS
 from omni_runtime.config.models import (
     GPU_SHARE_EPSILON,
     MAX_STAGE_ID,
@@ -63,6 +64,9 @@ MAX_NAME_LENGTH = 63
 MAX_FREE_FORM_KEYS = 64
 # GPU ids whose memory shares the CRD's rules sum (one rule each): those of a 16-GPU node.
 CEL_CHECKED_GPUS = 16
+# Adapters a pipeline declares (PipelineConfig's bound too).
+MAX_ADAPTERS = 64
+_HUB_ID = "^[A-Za-z0-9][-A-Za-z0-9_.]*/[A-Za-z0-9][-A-Za-z0-9_.]*$"
 
 # A key of inputConnectors. At most nine digits, so that int() in a rule cannot overflow;
 # MAX_STAGE_ID is far below that anyway.
@@ -401,6 +405,7 @@ def _add_spec_rules(spec: dict[str, Any]) -> None:
         ),
     )
     _add_stage_rules(_at(stages, "[]"))
+    _add_adapter_rules(spec)
     _add_placement_rules(_at(spec, "router", "placement"))
     _validations(
         _at(spec, "router"),
@@ -453,6 +458,79 @@ def _add_spec_rules(spec: dict[str, Any]) -> None:
         _equal_autoscaling_rule(),
         _stage_type_rule(),
         *_gpu_memory_rules(),
+    )
+
+
+def _add_adapter_rules(spec: dict[str, Any]) -> None:
+    """What PipelineConfig checks of its adapters, where CEL can say it: the name and source
+    forms, a repeated name (the list-map), an adapter of a stage that is not there, and of a
+    stage that certainly takes none. Where a stage takes its name from its family's
+    topology, any of the topologies' names for its id is taken here, and the operator checks
+    the exact one (SpecValid=False)."""
+    adapters = _at(spec, "adapters")
+    adapters["maxItems"] = MAX_ADAPTERS
+    # Keyed by name: the apiserver itself reports a repeated name as a Duplicate value.
+    adapters["x-kubernetes-list-type"] = "map"
+    adapters["x-kubernetes-list-map-keys"] = ["name"]
+    adapter = _at(adapters, "[]")
+    _at(adapter, "stage")["maxLength"] = MAX_NAME_LENGTH
+    _at(adapter, "source")["maxLength"] = 1024
+    _validations(
+        adapter,
+        _rule(
+            f"self.source.startsWith('/') || self.source.startsWith('https://') || "
+            f"self.source.matches('{_HUB_ID}')",
+            message_expression=_message(f"'%s' is not {ADAPTER_SOURCE_FORMS}", "self.source"),
+            field_path=".source",
+        ),
+    )
+    topology_names: dict[int, set[str]] = {}
+    for family in FAMILIES.values():
+        for known in family.topology:
+            topology_names.setdefault(known.stage_id, set()).add(known.name)
+    by_topology = "false"
+    for stage_id, names in sorted(topology_names.items()):
+        listed = ", ".join(f"'{name}'" for name in sorted(names))
+        by_topology = f"(s.stageId == {stage_id} ? a.stage in [{listed}] : {by_topology})"
+    named = (
+        f"(has(s.name) ? s.name == a.stage : "
+        f"(a.stage == 'stage-%d'.format([s.stageId]) || {by_topology}))"
+    )
+    engines = sorted(f.name for f in FAMILIES.values() if f.dit.engine is not None)
+    listed_engines = ", ".join(f"'{name}'" for name in engines)
+    encoder = "has(s.type) && s.type == 'llm' && has(s.output) && s.output == 'hidden_states'"
+    _validations(
+        spec,
+        _rule(
+            f"!has(self.adapters) || self.adapters.all(a, self.stages.exists(s, {named}))",
+            message_expression=_message_of(
+                "adapter '%s' names stage '%s', which is not a stage of this pipeline",
+                f"self.adapters.filter(a, !self.stages.exists(s, {named}))"
+                ".map(a, [a.name, a.stage])[0]",
+            ),
+            field_path=".adapters",
+        ),
+        _rule(
+            f"!has(self.adapters) || size(self.adapters) == 0 || !has(self.family) || "
+            f"!(self.family in [{listed_engines}])",
+            message_expression=_message(
+                "a %s pipeline takes no adapters: its DiT runs on its own engine, not a "
+                "diffusers pipeline, and its LLM stages encode or speak for it",
+                "self.family",
+            ),
+            field_path=".adapters",
+        ),
+        _rule(
+            f"!has(self.adapters) || !self.adapters.exists(a, self.stages.exists(s, "
+            f"has(s.name) && s.name == a.stage && {encoder}))",
+            message_expression=_message_of(
+                "adapter '%s': stage '%s' takes no adapters: an encoder stage's hidden states "
+                "condition the DiT as the family's recipe computes them",
+                f"self.adapters.filter(a, self.stages.exists(s, has(s.name) && s.name == a.stage "
+                f"&& {encoder})).map(a, [a.name, a.stage])[0]",
+            ),
+            field_path=".adapters",
+        ),
     )
 
 
@@ -705,6 +783,12 @@ def _add_stage_rules(stage: dict[str, Any]) -> None:
             message="only diffusion stages take torchCompile (vLLM compiles an llm stage on "
             "its own: see enforceEager); remove it from this llm stage",
             field_path=".torchCompile",
+        ),
+        _rule(
+            "!has(self.maxLoraRank) || !has(self.type) || self.type == 'llm'",
+            message="only llm stages take maxLoraRank (vLLM sizes its adapter slots by it; a "
+            "diffusion stage loads any rank); remove it from this diffusion stage",
+            field_path=".maxLoraRank",
         ),
         _rule(
             "!has(self.output) || !has(self.type) || self.type == 'llm'",

@@ -26,7 +26,12 @@ def runtime_dockerfile() -> Dockerfile:
 
 
 def test_runtime_image_targets(runtime_dockerfile: Dockerfile) -> None:
-    assert [s.name for s in runtime_dockerfile.stages[:-1]] == ["common", "cpu", "cuda"]
+    assert [s.name for s in runtime_dockerfile.stages[:-1]] == [
+        "requirements",
+        "common",
+        "cpu",
+        "cuda",
+    ]
     final = runtime_dockerfile.stages[-1]
     assert final.base == "${TARGET}"
     assert runtime_dockerfile.global_args["TARGET"] == "cpu"
@@ -50,9 +55,25 @@ def test_runtime_installs_dependencies_before_the_sources(runtime_dockerfile: Do
         assert max(installs) < min(copies), name
         after = " ".join(rest for kind, rest in steps[min(copies) :] if kind == "RUN")
         assert "pip install --no-cache-dir --no-deps ." in after, name
-    common = " ".join(runtime_dockerfile.stage("common").args("RUN"))
-    assert "requirements/extras.py runtime mooncake > requirements/project-cpu.txt" in common
-    assert "requirements/extras.py runtime > requirements/project-cuda.txt" in common
+    listing = " ".join(runtime_dockerfile.stage("requirements").args("RUN"))
+    assert "requirements/extras.py runtime mooncake > project-cpu.txt" in listing
+    assert "requirements/extras.py runtime > project-cuda.txt" in listing
+
+
+def test_runtime_heavy_layers_see_only_the_requirement_lists(
+    runtime_dockerfile: Dockerfile,
+) -> None:
+    """pyproject.toml reaches the targets' heavy installs only as the lists of its
+    requirements (made in a stage of their own): an edit that leaves the dependencies as
+    they were rebuilds no torch or vLLM layer."""
+    common = runtime_dockerfile.stage("common")
+    copies = " ".join(common.args("COPY"))
+    assert "pyproject.toml" not in copies
+    assert "--from=requirements /src/project-cpu.txt /src/project-cuda.txt" in copies
+    for name in ("cpu", "cuda"):
+        steps = runtime_dockerfile.stage(name).instructions
+        heavy = max(i for i, (kind, rest) in enumerate(steps) if "-c requirements/" in rest)
+        assert all("pyproject.toml" not in rest for _, rest in steps[:heavy]), name
 
 
 def test_extras_script_lists_an_extra_with_the_base_requirements() -> None:

@@ -88,6 +88,9 @@ def test_http_api_doc_names_every_path_and_field(output_kind: Any) -> None:
         limits=RouterLimits(),
         # A DiT with step-cache tiers documents one field more.
         step_cache_tiers=("off", "fast") if output_kind == "image" else (),
+        # A pipeline whose stages take LoRA adapters documents their paths and fields too.
+        dit_adapters=output_kind == "image",
+        adapters=True,
     )
     missing_paths = [
         f"{method.upper()} {path}"

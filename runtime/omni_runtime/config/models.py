@@ -24,6 +24,11 @@ from pydantic import (
 )
 from pydantic.alias_generators import to_camel
 
+from omni_runtime.adapters import (
+    ADAPTER_NAME_PATTERN,
+    ADAPTER_NAME_RULE,
+    source_issue,
+)
 from omni_runtime.families import (
     FAMILIES,
     FAMILY_NAMES,
@@ -310,7 +315,15 @@ ENGINE_ARG_FIELDS = (
     "trust_remote_code",
     "enable_prefix_caching",
     "enforce_eager",
+    "max_loras",
+    "max_lora_rank",
 )
+# How many adapters a stage that takes them holds loaded per replica unless maxLoras says.
+DEFAULT_MAX_LORAS = 4
+# vLLM's max_lora_rank values (vllm.config.lora.MaxLoRARanks) and its default.
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+DEFAULT_MAX_LORA_RANK = 16
+ADAPTER_NAME_PATTERN_RE = re.compile(ADAPTER_NAME_PATTERN)
 
 
 class StageConfig(_Model):
@@ -437,6 +450,20 @@ class StageConfig(_Model):
         description="Further engine arguments, passed through as given; not those the stage "
         "has fields for (maxNumSeqs, dtype, ...).",
     )
+    max_loras: Annotated[StrictInt, Field(ge=1, le=64)] | None = Field(
+        default=None,
+        description="LoRA adapters one replica holds loaded at once (least recently used "
+        "evicted). Setting it lets the stage take adapters added at run time "
+        "(/v1/load_lora_adapter) even where adapters declares none for it; unset: "
+        f"{DEFAULT_MAX_LORAS} where adapters names the stage, else the stage takes none.",
+    )
+    max_lora_rank: int | None = Field(
+        default=None,
+        description="LLM stages that take adapters: the highest adapter rank they load "
+        f"(vLLM's max_lora_rank: one of {', '.join(map(str, VLLM_LORA_RANKS))}); unset: "
+        f"{DEFAULT_MAX_LORA_RANK}.",
+        json_schema_extra={"enum": list(VLLM_LORA_RANKS)},
+    )
 
     missing_hints = {
         "stage_id": "a non-negative integer, unique in the pipeline",
@@ -512,6 +539,22 @@ class StageConfig(_Model):
             )
         return value
 
+    @field_validator("max_lora_rank")
+    @classmethod
+    def _check_max_lora_rank(cls, value: int | None, info: ValidationInfo) -> int | None:
+        if value is None:
+            return value
+        if info.data.get("type") == "diffusion":
+            raise ValueError(
+                "only llm stages take maxLoraRank (vLLM sizes its adapter slots by it; a "
+                "diffusion stage loads any rank); remove it from this diffusion stage"
+            )
+        if value not in VLLM_LORA_RANKS:
+            raise ValueError(
+                f"{value} is not one of vLLM's ranks: {', '.join(map(str, VLLM_LORA_RANKS))}"
+            )
+        return value
+
     @field_validator("devices", mode="before")
     @classmethod
     def _normalise_devices(cls, value: object) -> str:
@@ -572,6 +615,15 @@ class StageConfig(_Model):
     @classmethod
     def _check_engine_args(cls, value: dict[str, Any]) -> dict[str, Any]:
         issues: list[tuple[str, str]] = []
+        for key in ("enable_lora", "enableLora"):
+            if key in value:
+                issues.append(
+                    (
+                        key,
+                        "declare the stage's adapters under adapters, or set maxLoras on "
+                        "the stage: either turns vLLM's LoRA on",
+                    )
+                )
         for name in ENGINE_ARG_FIELDS:
             alias = to_camel(name)
             for key in (name, alias):
@@ -609,6 +661,57 @@ class StageConfig(_Model):
         }
 
 
+class AdapterConfig(_Model):
+    """A LoRA adapter of one stage, which a request picks by name (its model field)."""
+
+    name: str = Field(
+        description="What requests name it by: model '<servedModelName>:<name>' or '<name>' "
+        f"(GET /v1/models lists it); {ADAPTER_NAME_RULE}, unique in the pipeline.",
+        json_schema_extra={"pattern": ADAPTER_NAME_PATTERN, "maxLength": 64},
+    )
+    stage: str = Field(
+        description="The name of the stage it applies to: an llm stage that generates text, "
+        "or a diffusion stage run by diffusers (not BAGEL's DiT or Qwen3-Omni's stages)."
+    )
+    source: str = Field(
+        min_length=1,
+        description="Where its files are: an absolute path in the stage's pod (a directory "
+        "with PEFT's adapter_config.json and adapter_model.safetensors; for a diffusion stage "
+        "also one .safetensors file in diffusers' LoRA format), mounted from a "
+        "PersistentVolumeClaim or an image volume; a hub id (org/name); or, for a diffusion "
+        "stage, an https:// URL of one .safetensors file.",
+    )
+    scale: float = Field(
+        default=1.0,
+        ge=-8.0,
+        le=8.0,
+        description="Diffusion stages: how strongly it applies (diffusers' adapter weight), "
+        "unless the request's lora_scale says; llm stages apply an adapter at its trained "
+        "scale, so 1.",
+    )
+
+    missing_hints = {
+        "name": "the adapter's name, which requests pick it by",
+        "stage": "the name of the stage it applies to",
+        "source": "a path in the stage's pod, a hub id, or an https:// URL",
+    }
+
+    @field_validator("name")
+    @classmethod
+    def _check_name(cls, value: str) -> str:
+        if not ADAPTER_NAME_PATTERN_RE.fullmatch(value):
+            raise ValueError(f"{value!r} is not a valid adapter name: use {ADAPTER_NAME_RULE}")
+        return value
+
+    @field_validator("source")
+    @classmethod
+    def _check_source(cls, value: str) -> str:
+        issue = source_issue(value)
+        if issue is not None:
+            raise ValueError(issue)
+        return value
+
+
 class PipelineConfig(_Model):
     """A multi-stage pipeline: its model, stages, the connectors between them, the router."""
 
@@ -634,6 +737,14 @@ class PipelineConfig(_Model):
         description="Named connectors; a stage's inputConnectors refer to them by name.",
     )
     router: RouterConfig = Field(default_factory=RouterConfig, description="The HTTP router.")
+    # None, not [], when unset: a pipeline that declares none keeps its revision.
+    adapters: list[AdapterConfig] | None = Field(
+        default=None,
+        max_length=64,
+        description="LoRA adapters of its stages, which requests pick by name (model "
+        "'<servedModelName>:<adapter>', one adapter per stage joined by '+'); each replica "
+        "of a stage loads one on first use and holds its stage's maxLoras at most.",
+    )
 
     missing_hints = {
         "model": "the model path or hub id (set model, or pass it apart from the file)",
@@ -752,9 +863,120 @@ class PipelineConfig(_Model):
                     (f"stages[{index}].think", f"only the encoder of a {thinkers} pipeline thinks")
                 )
         issues += self._gpu_memory_issues()
+        issues += self._adapter_issues()
         if issues:
             raise PipelineConfigError(issues)
         return self
+
+    def adapter_stage_issue(self, stage: StageConfig) -> str | None:
+        """Why ``stage`` cannot take LoRA adapters, or None where it can."""
+        family = self.family_recipe
+        if stage.type == "diffusion":
+            if family is not None and family.dit.engine is not None:
+                return (
+                    f"a {family.name} DiT runs on its own engine, not a diffusers pipeline "
+                    "that loads LoRA adapters"
+                )
+            return None
+        if self.speech_stage(stage) is not None:
+            return (
+                "a speaking family's thinker and talker keep per-request state that vLLM's "
+                "LoRA does not reach"
+            )
+        if stage.output != "text":
+            return (
+                "an encoder stage's hidden states condition the DiT as the family's recipe "
+                "computes them; adapters apply to llm stages that generate text and to "
+                "diffusers DiTs"
+            )
+        return None
+
+    def _adapter_issues(self) -> list[tuple[str, str]]:
+        issues: list[tuple[str, str]] = []
+        by_name = {stage.name: stage for stage in self.stages}
+        served = self.served_model_name
+        seen: dict[str, int] = {}
+        for index, adapter in enumerate(self.adapters or ()):
+            path = f"adapters[{index}]"
+            if adapter.name in seen:
+                issues.append(
+                    (
+                        f"{path}.name",
+                        f"{adapter.name!r} is already the name of adapters[{seen[adapter.name]}]"
+                        "; adapter names must be unique",
+                    )
+                )
+            else:
+                seen[adapter.name] = index
+            if adapter.name == served:
+                issues.append(
+                    (
+                        f"{path}.name",
+                        f"{adapter.name!r} is the pipeline's served model name; a request "
+                        "naming it would be ambiguous",
+                    )
+                )
+            stage = by_name.get(adapter.stage)
+            if stage is None:
+                issues.append(
+                    (
+                        f"{path}.stage",
+                        f"no stage is named {adapter.stage!r}; stages: {', '.join(by_name)}",
+                    )
+                )
+                continue
+            why = self.adapter_stage_issue(stage)
+            if why is not None:
+                issues.append((f"{path}.stage", f"stage {stage.name!r} takes no adapters: {why}"))
+                continue
+            if stage.type == "llm" and adapter.source.startswith("https://"):
+                issues.append(
+                    (
+                        f"{path}.source",
+                        "an llm stage's adapter is a directory (adapter_config.json and its "
+                        "weights): give a path in the pod or a hub id, not a URL",
+                    )
+                )
+            if stage.type == "llm" and adapter.scale != 1.0:
+                issues.append(
+                    (
+                        f"{path}.scale",
+                        "vLLM applies an llm stage's adapter at its trained scale; leave "
+                        "scale at 1",
+                    )
+                )
+        for index, stage in enumerate(self.stages):
+            if stage.max_loras is not None:
+                why = self.adapter_stage_issue(stage)
+                if why is not None:
+                    issues.append(
+                        (f"stages[{index}].maxLoras", f"this stage takes no adapters: {why}")
+                    )
+            if stage.max_lora_rank is not None and not self.adapter_capacity(stage):
+                issues.append(
+                    (
+                        f"stages[{index}].maxLoraRank",
+                        "the stage takes no adapters: declare one under adapters, or set maxLoras",
+                    )
+                )
+        return issues
+
+    def adapter_capacity(self, stage: StageConfig) -> int:
+        """How many adapters a replica of ``stage`` holds loaded: 0 where it takes none."""
+        if self.adapter_stage_issue(stage) is not None:
+            return 0
+        if stage.max_loras is not None:
+            return stage.max_loras
+        declared = any(adapter.stage == stage.name for adapter in self.adapters or ())
+        return DEFAULT_MAX_LORAS if declared else 0
+
+    @property
+    def served_model_name(self) -> str:
+        """The model name clients send: the router's setting, else the model's last path
+        part."""
+        if self.router.served_model_name:
+            return self.router.served_model_name
+        return self.model.rstrip("/").rsplit("/", 1)[-1] or self.model
 
     def _gpu_memory_issues(self) -> list[tuple[str, str]]:
         """One issue per GPU id whose stages' shares of its memory sum past 1 (see

@@ -59,9 +59,11 @@ from omni_runtime.router.protocol import (
     DetokenizeRequest,
     FileParts,
     ImageEditForm,
+    LoadLoraAdapterRequest,
     RequestError,
     RouterLimits,
     TokenizeRequest,
+    UnloadLoraAdapterRequest,
     VideoCreateRequest,
     body_too_large,
     decode_json,
@@ -104,10 +106,12 @@ def create_app(
     )
     for pool in pools.values():
         pool.on_request_done = metrics.stage_request_done
+        pool.on_adapter_placed = metrics.adapter_placed
     serving = OpenAIServing(pipeline, pools, metrics, limits=limits, model_name=model_name)
     metrics.in_flight = lambda: serving.in_flight
     # The image-making bodies take the pipeline's family's own fields, and no other's.
-    bodies = request_models(pipeline.family_recipe, pipeline.step_cache_tiers)
+    dit_adapters = serving.adapters.dit_takes_adapters
+    bodies = request_models(pipeline.family_recipe, pipeline.step_cache_tiers, dit_adapters)
 
     recipe = pipeline.video_recipe
     family = pipeline.family_recipe
@@ -282,6 +286,18 @@ def create_app(
     async def models() -> Response:
         return JSONBody(serving.models())
 
+    if serving.adapters.takes_adapters:
+        # vLLM's paths for adapters added at run time (behind the API key, as all of /v1).
+        @app.post("/v1/load_lora_adapter")
+        async def load_lora_adapter(request: Request) -> Response:
+            body = parse_body(LoadLoraAdapterRequest, await read_json(request, serving.limits))
+            return serving.load_adapter(body)
+
+        @app.post("/v1/unload_lora_adapter")
+        async def unload_lora_adapter(request: Request) -> Response:
+            body = parse_body(UnloadLoraAdapterRequest, await read_json(request, serving.limits))
+            return serving.unload_adapter(body)
+
     @app.get("/health")
     async def health() -> Response:
         return serving.health()
@@ -307,6 +323,8 @@ def create_app(
                 open_paths=guarded if api_keys is not None else None,
                 family=pipeline.family_recipe,
                 step_cache_tiers=pipeline.step_cache_tiers,
+                dit_adapters=dit_adapters,
+                adapters=serving.adapters.takes_adapters,
             )
         return app.openapi_schema
 
@@ -368,6 +386,8 @@ _V1_PATHS = frozenset(
         "/v1/images/edits",
         "/v1/videos",
         "/v1/models",
+        "/v1/load_lora_adapter",
+        "/v1/unload_lora_adapter",
     )
 )
 

@@ -14,6 +14,7 @@ otherwise (behind a replica's full batch, or between stages).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -113,6 +114,14 @@ class RouterMetrics:
             ["revision"],
             registry=self.registry,
         )
+        self.adapter_requests = Counter(
+            "omni_adapter_requests",
+            "Stage requests with a LoRA adapter, by stage, adapter and placement: held (sent "
+            "to a replica that held the adapter loaded) or load (the replica loads it first). "
+            "held / (held + load) is the router's adapter affinity hit rate.",
+            ["stage", "adapter", "placement"],
+            registry=self.registry,
+        )
         self.registry.register(_PoolCollector(pools))
         self.registry.register(
             _VllmQueueCollector(pools, self.read_in_flight, model_name, dict(batch_slots or {}))
@@ -129,6 +138,10 @@ class RouterMetrics:
 
     def request_revision(self, revision: str) -> None:
         self.revision_requests.labels(revision).inc()
+
+    def adapter_placed(self, stage: str, adapter: str, held: bool) -> None:
+        """The pools' hook for each request with an adapter they place."""
+        self.adapter_requests.labels(stage, adapter, "held" if held else "load").inc()
 
     def stage_request_done(
         self,
@@ -197,6 +210,23 @@ class _PoolCollector(Collector):
             "revision is complete without it), else 0.",
             labels=["stage", "replica", "address"],
         )
+        # vLLM's: an endpoint picker built for vLLM (the Gateway API inference extension)
+        # reads which adapters a server runs and how many it holds from its labels; the
+        # value is when it was said. Per stage replica here, for stages that take adapters.
+        lora_info = GaugeMetricFamily(
+            "vllm:lora_requests_info",
+            "LoRA adapters of the requests each stage replica runs now (running_lora_adapters), "
+            "and the most it holds loaded (max_lora); the value is the time of this scrape "
+            "(vLLM's metric, per stage replica).",
+            labels=[
+                "max_lora",
+                "running_lora_adapters",
+                "waiting_lora_adapters",
+                "stage",
+                "replica",
+            ],
+        )
+        now = time.time()
         for name, pool in self._pools().items():
             stats = pool.stats()
             in_flight.add_metric([name], sum(s.in_flight for s in stats))
@@ -210,6 +240,18 @@ class _PoolCollector(Collector):
                 replica_in_flight.add_metric(replica, s.in_flight)
                 draining.add_metric([*replica, s.revision], 0 if s.accepting else 1)
                 terminating.add_metric(replica, 1 if s.terminating else 0)
+                if s.max_adapters or s.running_adapters:
+                    lora_info.add_metric(
+                        [
+                            str(s.max_adapters),
+                            ",".join(s.running_adapters),
+                            "",
+                            name,
+                            str(s.replica_id),
+                        ],
+                        now,
+                    )
+        yield lora_info
         yield in_flight
         yield outstanding_work
         yield per_request

@@ -29,9 +29,11 @@ from omni_runtime.router.orchestrator import OutputKind
 from omni_runtime.router.protocol import (
     CompletionRequest,
     DetokenizeRequest,
+    LoadLoraAdapterRequest,
     RequestModels,
     RouterLimits,
     TokenizeRequest,
+    UnloadLoraAdapterRequest,
     VideoCreateRequest,
     request_models,
 )
@@ -218,7 +220,11 @@ class ModelCard(BaseModel):
     object: Literal["model"]
     created: int
     owned_by: str
-    root: str
+    root: str = Field(description="The model's path, or an adapter's source.")
+    parent: str | None = Field(
+        default=None, description="A LoRA adapter's: the served model it adapts."
+    )
+    stage: str | None = Field(default=None, description="A LoRA adapter's: the stage it runs on.")
 
 
 class ModelList(BaseModel):
@@ -300,7 +306,8 @@ _ERRORS: dict[int, str] = {
     "valid JSON or form data, nests too deep, is over a RouterLimits limit, or a stage "
     "refused a parameter.",
     401: "Missing or wrong API key (when the router requires one).",
-    404: "The model named is not the one served here, or (videos) no such job.",
+    404: "The model named is not served here (the model, or one of its LoRA adapters), or "
+    "(videos) no such job.",
     409: "The video job is not completed: its content does not exist yet.",
     413: "The body, or an input image, is over its size limit.",
     415: "The Content-Type is not the one the path takes.",
@@ -324,12 +331,14 @@ def openapi_document(
     open_paths: frozenset[str] | None = None,
     family: Family | None = None,
     step_cache_tiers: tuple[str, ...] = (),
+    dit_adapters: bool = False,
+    adapters: bool = False,
 ) -> dict[str, Any]:
     """The OpenAPI 3.1 document of a router serving ``model_name``, whose pipeline makes
     ``output_kind``, within ``limits``, and is of ``family`` (None: of none), its DiT
     caching steps in ``step_cache_tiers`` (none: it does not); with API keys, every path but
     ``open_paths`` needs one (a bearer security scheme)."""
-    models = request_models(family, step_cache_tiers)
+    models = request_models(family, step_cache_tiers, dit_adapters)
     _, top = models_json_schema(
         [(model, "validation") for model in _request_models(models)]
         # Validation mode: a field with a default is one a response may leave out.
@@ -395,6 +404,9 @@ def openapi_document(
         paths["/v1/completions"] = {"post": _completions_operation()}
         paths["/tokenize"] = {"post": _tokenizer_operation("tokenize")}
         paths["/detokenize"] = {"post": _tokenizer_operation("detokenize")}
+    if adapters:
+        paths["/v1/load_lora_adapter"] = {"post": _adapter_operation("load")}
+        paths["/v1/unload_lora_adapter"] = {"post": _adapter_operation("unload")}
     paths.update(_get_paths())
     answers = {
         "image": "images",
@@ -474,6 +486,8 @@ def _request_models(models: RequestModels) -> tuple[type[BaseModel], ...]:
         CompletionRequest,
         TokenizeRequest,
         DetokenizeRequest,
+        LoadLoraAdapterRequest,
+        UnloadLoraAdapterRequest,
         models.images,
         models.edits,
         VideoCreateRequest,
@@ -905,6 +919,30 @@ def _completions_operation() -> dict[str, Any]:
                 "content": {**_json("Completion"), "text/event-stream": stream},
             },
             **_errors(*_POST_ERRORS),
+        },
+    }
+
+
+def _adapter_operation(method: Literal["load", "unload"]) -> dict[str, Any]:
+    summary = {
+        "load": "Serve a LoRA adapter from now on (vLLM's API): each replica of its stage "
+        "loads it on first use. In this router's memory only: declare a cluster's adapters "
+        "in the pipeline (spec.adapters).",
+        "unload": "Stop serving a LoRA adapter added at run time (vLLM's API).",
+    }[method]
+    return {
+        "summary": summary,
+        "operationId": f"{method}LoraAdapter",
+        "requestBody": {
+            "required": True,
+            "content": _json(f"{method.capitalize()}LoraAdapterRequest"),
+        },
+        "responses": {
+            "200": {
+                "description": "Done.",
+                "content": {"text/plain": {"schema": {"type": "string"}}},
+            },
+            **_errors(400, 401, 404, 413, 415),
         },
     }
 

@@ -61,6 +61,7 @@ from omni_runtime.config import PipelineConfig, StageConfig
 from omni_runtime.engine.stage.replica_policies import diffusion_work
 from omni_runtime.engine.stage.stage_core_types import (
     HandOff,
+    StageAdapter,
     StageError,
     StageErrorCode,
     StageServerOutput,
@@ -185,6 +186,8 @@ class PipelineRequest:
     audios: list[np.ndarray] = field(default_factory=list)
     # The voice to answer in (a family that speaks); None: text only.
     voice: str | None = None
+    # The LoRA adapter each stage runs the request with, by stage id (router.adapters).
+    adapters: dict[int, StageAdapter] = field(default_factory=dict)
 
 
 def stage_chain(pipeline: PipelineConfig) -> list[StageConfig]:
@@ -573,6 +576,7 @@ class PipelineOrchestrator:
                     params=dict(companion.params),
                     images=stage_request.images if companion.with_image else [],
                     output_connector=stage_request.output_connector,
+                    adapter=stage_request.adapter,
                 ),
             )
             for companion in companions
@@ -598,7 +602,9 @@ class PipelineOrchestrator:
         # Ids are unique per stage and attempt: a retried request must not collide with
         # what a replica may still hold of the first attempt.
         request_id = f"{request.request_id}-{attempt}" if attempt else request.request_id
-        result = StageServerRequest(request_id=request_id)
+        result = StageServerRequest(
+            request_id=request_id, adapter=request.adapters.get(stage.stage_id)
+        )
         if stage.type == "llm":
             if encoder is None:
                 result.params = dict(request.llm_params)
@@ -662,6 +668,7 @@ class PipelineOrchestrator:
                         revision=revision,
                         host=host,
                         work=_work(stage, stage_request),
+                        adapter=stage_request.adapter.name if stage_request.adapter else None,
                     )
                 except NoLiveReplicaError as e:
                     # The revision was complete when chosen: its replicas went away since.

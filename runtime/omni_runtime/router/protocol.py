@@ -607,6 +607,35 @@ class DetokenizeRequest(_Body):
         return {"tokens": self.tokens}
 
 
+class LoadLoraAdapterRequest(_Body):
+    """POST /v1/load_lora_adapter (vLLM's): serve an adapter from now on, by name."""
+
+    lora_name: str = Field(min_length=1, max_length=64, description="What requests name it by.")
+    lora_path: str = Field(
+        min_length=1,
+        max_length=1024,
+        description="Where its files are: an absolute path in the stage's pod, a hub id, or "
+        "(a diffusion stage's) an https:// URL of one .safetensors file.",
+    )
+    stage: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=63,
+        description="The stage it is for; unset: the one stage that takes adapters.",
+    )
+    scale: Annotated[Number, Field(ge=-8, le=8)] | None = Field(
+        default=None, description="A diffusion stage's: how strongly it applies (unset: 1)."
+    )
+
+
+class UnloadLoraAdapterRequest(_Body):
+    """POST /v1/unload_lora_adapter (vLLM's): stop serving an adapter added at run time."""
+
+    lora_name: str = Field(min_length=1, max_length=64)
+    # vLLM's request carries it; names are what identify adapters here.
+    lora_int_id: Integer | None = None
+
+
 class _ImageRequest(_FamilyFields):
     """What /v1/images/generations and /v1/images/edits share: the prompt, how many images
     of what size, and the diffusion stage's params; one place checks them all."""
@@ -850,11 +879,30 @@ def step_cache_field(tiers: tuple[str, ...]) -> RequestField:
     )
 
 
-def request_models(family: Family | None, step_cache_tiers: tuple[str, ...] = ()) -> RequestModels:
+# The request field that scales the DiT's LoRA adapter (the router takes it out of the DiT's
+# params into the adapter's scale).
+LORA_SCALE_FIELD = "lora_scale"
+LORA_SCALE = RequestField(
+    name=LORA_SCALE_FIELD,
+    kind="number",
+    description="How strongly the DiT's LoRA adapter (named in model) applies; unset: the "
+    "adapter's own scale.",
+    ge=-8,
+    le=8,
+)
+
+
+def request_models(
+    family: Family | None, step_cache_tiers: tuple[str, ...] = (), dit_adapters: bool = False
+) -> RequestModels:
     """The bodies a pipeline of ``family`` (None: of no family) takes, with a step_cache
-    field where its DiT has ``step_cache_tiers``; built once per set of fields, so that the
-    app and its OpenAPI document share the very classes."""
-    cache = (step_cache_field(step_cache_tiers),) if step_cache_tiers else ()
+    field where its DiT has ``step_cache_tiers`` and a lora_scale field where its DiT takes
+    adapters (``dit_adapters``); built once per set of fields, so that the app and its
+    OpenAPI document share the very classes."""
+    cache: tuple[RequestField, ...] = (
+        (step_cache_field(step_cache_tiers),) if step_cache_tiers else ()
+    )
+    cache += (LORA_SCALE,) if dit_adapters else ()
     if family is None:
         # Its DiT's image-to-image variant takes one input image.
         return _request_models(

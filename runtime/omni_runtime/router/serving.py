@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping
@@ -25,25 +26,29 @@ from typing import Any
 import numpy as np
 import orjson
 from fastapi import Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from omni_runtime import audio as audio_codec
 from omni_runtime.config import PipelineConfig
-from omni_runtime.engine.stage.stage_core_types import StageServerOutput
+from omni_runtime.engine.stage.stage_core_types import StageAdapter, StageServerOutput
 from omni_runtime.engine.stage.stage_replica_pool import NoLiveReplicaError, StageReplicaPool
 from omni_runtime.images import encode_png
+from omni_runtime.router.adapters import AdapterCatalog
 from omni_runtime.router.metrics import RouterMetrics
 from omni_runtime.router.orchestrator import PipelineError, PipelineOrchestrator, PipelineRequest
 from omni_runtime.router.protocol import (
+    LORA_SCALE_FIELD,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     ImageEditRequest,
     ImageGenerationRequest,
+    LoadLoraAdapterRequest,
     RequestError,
     RouterLimits,
     TokenizeRequest,
+    UnloadLoraAdapterRequest,
 )
 
 # How much audio one streamed chunk carries, in seconds: a client plays as it reads.
@@ -55,6 +60,8 @@ _AUDIO_TTL_S = 0
 # A tokenize call is milliseconds of a stage server's time; one far past that has lost its
 # replica (which the pool notices on its own).
 _TOKENIZER_TIMEOUT_S = 30.0
+
+logger = logging.getLogger(__name__)
 
 
 class JSONBody(Response):
@@ -68,9 +75,7 @@ class JSONBody(Response):
 
 def served_model_name(pipeline: PipelineConfig) -> str:
     """The model name clients send: the router's setting, else the model's last path part."""
-    if pipeline.router.served_model_name:
-        return pipeline.router.served_model_name
-    return pipeline.model.rstrip("/").rsplit("/", 1)[-1] or pipeline.model
+    return pipeline.served_model_name
 
 
 def error_body(
@@ -119,12 +124,13 @@ class OpenAIServing:
         )
         self.limits = limits or RouterLimits()
         self.served_model_name = model_name or served_model_name(pipeline)
+        self.adapters = AdapterCatalog(pipeline, self.served_model_name)
         self.in_flight = 0
 
     # -- endpoints ---------------------------------------------------------------------
 
     async def chat(self, body: ChatCompletionRequest, http: Request) -> Response:
-        self._check_model(body.model)
+        self._pick_adapters(body.model, body)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         kind = self.orchestrator.output_kind
         if body.has_input_image():
@@ -134,6 +140,7 @@ class OpenAIServing:
             )
         else:
             request = body.to_pipeline_request(request_id, kind, self.limits)
+        request.adapters = self._pick_adapters(body.model, body, request)
         speaks = kind == "speech" and request.voice is not None
         if kind in ("text", "speech") and body.stream:
             frames = _ChunkWriter(request_id, self.served_model_name, "chat.completion.chunk")
@@ -190,9 +197,10 @@ class OpenAIServing:
         )
 
     async def completions(self, body: CompletionRequest, http: Request) -> Response:
-        self._check_model(body.model)
+        adapters = self._pick_adapters(body.model, body)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         request = body.to_pipeline_request(request_id, self.orchestrator.output_kind, self.limits)
+        request.adapters = adapters
         if body.stream:
             frames = _ChunkWriter(request_id, self.served_model_name, "text_completion")
             return await self._stream_text(request, http, body.include_usage, frames)
@@ -217,7 +225,7 @@ class OpenAIServing:
         )
 
     async def tokenize(self, body: TokenizeRequest) -> Response:
-        self._check_model(body.model)
+        self._pick_adapters(body.model, body)
         answer = await self._tokenizer_call("tokenize", body.stage_kwargs(self.limits))
         tokens = answer["tokens"]
         return JSONBody(
@@ -230,7 +238,7 @@ class OpenAIServing:
         )
 
     async def detokenize(self, body: DetokenizeRequest) -> Response:
-        self._check_model(body.model)
+        self._pick_adapters(body.model, body)
         answer = await self._tokenizer_call("detokenize", body.stage_kwargs(self.limits))
         return JSONBody({"prompt": answer["prompt"]})
 
@@ -258,10 +266,11 @@ class OpenAIServing:
         return answer
 
     async def images(self, body: ImageGenerationRequest, http: Request) -> Response:
-        self._check_model(body.model)
+        self._pick_adapters(body.model, body)
         request = body.to_pipeline_request(
             f"img-{uuid.uuid4().hex}", self.orchestrator.output_kind, self.limits
         )
+        request.adapters = self._pick_adapters(body.model, body, request)
         if body.stream:
             return await self._stream_images(request, "image_generation")
         return await self._images_response(request, http)
@@ -269,7 +278,7 @@ class OpenAIServing:
     async def image_edits(
         self, body: ImageEditRequest, images: list[bytes], http: Request
     ) -> Response:
-        self._check_model(body.model)
+        self._pick_adapters(body.model, body)
         # Decoding the image (PIL) takes milliseconds: not on the event loop.
         request = await asyncio.to_thread(
             body.to_pipeline_request,
@@ -278,6 +287,7 @@ class OpenAIServing:
             self.limits,
             images,
         )
+        request.adapters = self._pick_adapters(body.model, body, request)
         if body.stream:
             return await self._stream_images(request, "image_edit")
         return await self._images_response(request, http)
@@ -292,9 +302,27 @@ class OpenAIServing:
                     "created": 0,
                     "owned_by": "omni-operator",
                     "root": self.pipeline.model,
-                }
+                },
+                *self.adapters.models(created=0),
             ],
         }
+
+    def load_adapter(self, body: LoadLoraAdapterRequest) -> Response:
+        """vLLM's /v1/load_lora_adapter: the adapter is served from now on; each replica of
+        its stage loads it on its first request (a bad file fails that request, naming it)."""
+        scale = 1.0 if body.scale is None else float(body.scale)
+        entry = self.adapters.add(body.lora_name, body.lora_path, body.stage, scale)
+        logger.info(
+            "adapter %r of stage %r added from %s", body.lora_name, entry.stage.name, body.lora_path
+        )
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    def unload_adapter(self, body: UnloadLoraAdapterRequest) -> Response:
+        """vLLM's /v1/unload_lora_adapter, for an adapter added at run time: requests naming
+        it are refused from now on; replicas drop it as their caches need the room."""
+        self.adapters.remove(body.lora_name)
+        logger.info("adapter %r removed", body.lora_name)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     def health(self) -> JSONBody:
         live = {
@@ -328,14 +356,16 @@ class OpenAIServing:
         data = [{"b64_json": b64, **revised} for b64 in encoded]
         return JSONBody({"created": int(time.time()), "data": data})
 
-    def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.served_model_name:
-            raise RequestError(
-                404,
-                f"model: {model!r} is not served here; this router serves "
-                f"{self.served_model_name!r} (GET /v1/models)",
-                param="model",
-            )
+    def _pick_adapters(
+        self, model: str | None, body: object, request: PipelineRequest | None = None
+    ) -> dict[int, StageAdapter]:
+        """The adapter of each stage that ``model`` picks, scaled by the body's lora_scale
+        (which ``request``'s DiT params carry and lose here: it is the adapter's, not the
+        pipeline's); RequestError (404 for a name not served) names the field."""
+        scale = getattr(body, LORA_SCALE_FIELD, None)
+        if request is not None:
+            request.diffusion_params.pop(LORA_SCALE_FIELD, None)
+        return self.adapters.pick(model, None if scale is None else float(scale))
 
     def _admit(self) -> None:
         """Count a request in; refuse it when the router holds its limit already."""

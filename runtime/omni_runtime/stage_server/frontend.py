@@ -18,6 +18,7 @@ from typing import Any
 from opentelemetry.trace import Span, SpanKind
 
 from omni_runtime import tracing
+from omni_runtime.adapters import AdapterLRU
 from omni_runtime.config import PipelineConfig, StageConfig
 from omni_runtime.connectors import StageConnectors
 from omni_runtime.engine.stage.stage_core_client import StageCoreClientBase
@@ -187,6 +188,9 @@ class RequestSpans:
 class StageFrontend(ABC):
     """One stage's core client behind the stage server protocol."""
 
+    # Set by __init__ where the stage takes LoRA adapters (below).
+    adapters: AdapterLRU | None = None
+
     def __init__(
         self,
         pipeline: PipelineConfig,
@@ -198,6 +202,29 @@ class StageFrontend(ABC):
         self.stage = stage
         self.client = client
         self.connectors = connectors
+        capacity = pipeline.adapter_capacity(stage)
+        # The LoRA adapters this replica holds, least recently used first, as the frontend
+        # sent them to its core (whose own cache has the same capacity and order): what
+        # the stage server tells routers, which prefer a replica that holds a request's.
+        self.adapters = AdapterLRU(capacity) if capacity else None
+
+    @property
+    def held_adapters(self) -> list[str]:
+        """The adapters this replica holds, least recently used first."""
+        return self.adapters.names() if self.adapters is not None else []
+
+    def adapter_refusal(self, request: StageServerRequest) -> StageError | None:
+        """Why ``request``'s adapter cannot run here (the stage takes none), or None."""
+        if request.adapter is None or self.adapters is not None:
+            return None
+        why = self.pipeline.adapter_stage_issue(self.stage) or (
+            "no adapter is declared for it and its maxLoras is unset"
+        )
+        return StageError.bad_request(
+            f"stage {self.stage.name!r} takes no LoRA adapters ({why}); adapter "
+            f"{request.adapter.name!r} cannot run on it",
+            "model",
+        )
 
     @abstractmethod
     async def add(self, request: StageServerRequest) -> list[StageServerOutput]:

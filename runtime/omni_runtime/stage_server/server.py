@@ -118,6 +118,8 @@ class StageServer:
             reason=self.dead_reason,
             draining=self.draining,
             revision=self.revision,
+            adapters=self.frontend.held_adapters,
+            max_adapters=self.frontend.adapters.capacity if self.frontend.adapters else 0,
         )
 
     @property

@@ -41,6 +41,8 @@ class FakePool:
                 terminating=False,
                 outstanding_work=self.work,
                 cost=self.cost,
+                max_adapters=0,
+                running_adapters=(),
             )
         ]
 

@@ -21,10 +21,12 @@ if TYPE_CHECKING:
     from omni_runtime.config import RouterPolicy
 
 __all__ = [
+    "ADAPTER_AFFINITY_SLACK",
     "NoCandidatesError",
     "PolicyState",
     "ReplicaCandidate",
     "WorkCalibration",
+    "adapter_affinity",
     "calibrated",
     "choose_replica",
     "costs",
@@ -63,6 +65,10 @@ class ReplicaCandidate:
     outstanding_work: float = 0.0
     seconds_per_work: float = 1.0
     seconds_per_request: float = 0.0
+    # LoRA affinity: whether the replica holds the request's adapter loaded, and whether it
+    # has a free adapter slot (loading one there evicts nothing).
+    holds_adapter: bool = False
+    adapter_room: bool = False
 
     @property
     def outstanding_seconds(self) -> float:
@@ -128,6 +134,32 @@ def choose_replica(
             "least-outstanding-requests, least-outstanding-work or sticky"
         )
     return chosen, PolicyState(cursor=chosen)
+
+
+# How many more requests in flight than the least loaded candidate a replica that holds the
+# request's adapter may have and still be preferred: past it, loading the adapter elsewhere
+# costs less than the wait (an adapter loads in milliseconds to a second; a request queued
+# behind a few others waits seconds).
+ADAPTER_AFFINITY_SLACK = 2
+
+
+def adapter_affinity(
+    candidates: Sequence[ReplicaCandidate], slack: int = ADAPTER_AFFINITY_SLACK
+) -> list[ReplicaCandidate]:
+    """The candidates a request with an adapter should choose among, before the policy
+    picks one of them: those that hold it, else those with a free adapter slot, among the
+    ones within ``slack`` requests of the least loaded; all of them where none is."""
+    if not candidates:
+        return []
+    bound = min(c.in_flight for c in candidates) + slack
+    near = [c for c in candidates if c.in_flight <= bound]
+    for tier in (
+        [c for c in near if c.holds_adapter],
+        [c for c in near if c.adapter_room],
+    ):
+        if tier:
+            return tier
+    return list(candidates)
 
 
 def rendezvous_score(key: str, replica: str) -> int:

@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 __all__ = [
     "HandOff",
     "InvalidStageRequestError",
+    "StageAdapter",
     "StageCoreOutput",
     "StageCoreOutputs",
     "StageCoreRequest",
@@ -120,6 +121,17 @@ class TraceContext(msgspec.Struct, array_like=True, omit_defaults=True, frozen=T
     tracestate: str = ""
 
 
+class StageAdapter(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True, gc=False):
+    """The LoRA adapter a stage runs a request with (``omni_runtime.adapters``): its name,
+    unique in the pipeline, where its files are (a path in the stage's pod, a hub id or an
+    https URL; the stage resolves it), and its scale (diffusion stages; an LLM stage's
+    adapters apply at their trained scale)."""
+
+    name: str
+    source: str
+    scale: float = 1.0
+
+
 class StageDiffusionCoreRequest(StageCoreRequest):
     """A generation request to a diffusion stage.
 
@@ -144,6 +156,8 @@ class StageDiffusionCoreRequest(StageCoreRequest):
     # the core itself onto its device in the dtype it computes in (from shared memory: read
     # in place). An input comes as an array or as a hand-off, not both.
     inputs: dict[str, HandOff] = {}
+    # The LoRA adapter to run with (None: the stage's weights alone).
+    adapter: StageAdapter | None = None
 
 
 # The most partial images a request may ask for (OpenAI's Images API's bound).
@@ -253,6 +267,9 @@ class StageServerRequest(StageCoreRequest):
     # each, at the rate its model's processor takes; the messages' input_audio parts place
     # them, in order.
     audios: list[np.ndarray] = []
+    # The LoRA adapter this stage runs the request with (None: none); the router picks it
+    # from the request's model name.
+    adapter: StageAdapter | None = None
 
 
 class StageServerOutput(StageCoreOutput):
@@ -302,6 +319,10 @@ class StageLoad(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     # The pipeline revision the replica runs (``omni_runtime.config.revision``); a router
     # pairs a request's stages only within one revision.
     revision: str = ""
+    # The LoRA adapters the replica holds loaded, least recently used first, and how many it
+    # holds at most (0: it takes none): routers prefer a replica that holds a request's.
+    adapters: list[str] = []
+    max_adapters: int = 0
 
 
 class StageServerOutputs(StageCoreOutputs):

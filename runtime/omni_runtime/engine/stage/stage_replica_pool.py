@@ -39,6 +39,7 @@ from omni_runtime.engine.stage.replica_policies import (
     PolicyState,
     ReplicaCandidate,
     WorkCalibration,
+    adapter_affinity,
     calibrated,
     choose_replica,
     costs,
@@ -49,6 +50,7 @@ from omni_runtime.net import address_host
 
 __all__ = [
     "DEFAULT_DRAIN_TIMEOUT_S",
+    "AdapterPlacedHook",
     "NoLiveReplicaError",
     "PoolRequest",
     "PoolSaturatedError",
@@ -68,6 +70,8 @@ logger = logging.getLogger(__name__)
 # without its own queue for a diffusion stage); 0 where it said nothing. work is the
 # request's (replica_policies.diffusion_work's units; 1 without an estimate).
 RequestDoneHook = Callable[[str, int, float, bool, float, float], None]
+# (stage, adapter, whether the replica chosen held it already): LoRA affinity's hit rate.
+AdapterPlacedHook = Callable[[str, str, bool], None]
 
 # A replica the pool removes drains for as long as its pod would (the pod contract's).
 DEFAULT_DRAIN_TIMEOUT_S = float(pod_contract.DEFAULT_DRAIN_TIMEOUT_S)
@@ -149,6 +153,11 @@ class ReplicaStats:
     outstanding_work: float = 0.0
     # Its fitted (seconds per request, seconds per unit of work); None before it ran one.
     cost: tuple[float, float] | None = None
+    # LoRA adapters: those it holds (its report, and those sent since), the most it holds
+    # (0: it takes none, or has not said), and those of its requests in flight.
+    adapters: tuple[str, ...] = ()
+    max_adapters: int = 0
+    running_adapters: tuple[str, ...] = ()
 
     @property
     def accepting(self) -> bool:
@@ -177,9 +186,12 @@ class PoolRequest:
         replica_id: int,
         address: str = "",
         work: float = 1.0,
+        adapter: str | None = None,
     ) -> None:
         self.request_id = request_id
         self.replica_id = replica_id
+        # The LoRA adapter it runs with, if any.
+        self.adapter = adapter
         # Its work (replica_policies.diffusion_work's units; 1 without an estimate).
         self.work = work
         # The replica's address (host:port): where its pod is.
@@ -247,6 +259,19 @@ class _Replica:
     # Its requests' time against their work, from its execution times (None: nothing
     # ran yet).
     calibration: WorkCalibration | None = None
+    # Adapters sent here (name -> when), which the replica holds from then on as far as the
+    # pool knows until its own report (StageLoad.adapters) says otherwise.
+    adapters_sent: dict[str, float] = field(default_factory=dict)
+
+    def adapters_held(self) -> tuple[set[str], int]:
+        """The adapters the replica holds, and how many it holds at most (0: unknown), from
+        its last report and what was sent since."""
+        load = getattr(self.client, "load", None)
+        reported = set(getattr(load, "adapters", None) or ())
+        capacity = int(getattr(load, "max_adapters", 0) or 0)
+        # A report older than a send cannot know of it; one newer has the replica's word.
+        recent = time.monotonic() - ADAPTER_REPORT_LAG_S
+        return reported | {n for n, t in self.adapters_sent.items() if t > recent}, capacity
 
     @property
     def accepting(self) -> bool:
@@ -255,6 +280,10 @@ class _Replica:
     @property
     def outstanding_work(self) -> float:
         return sum(request.work for request in self.requests.values())
+
+
+# How long a replica's report may lag an adapter sent to it: a few heartbeats (1 s each).
+ADAPTER_REPORT_LAG_S = 5.0
 
 
 class StageReplicaPool:
@@ -267,6 +296,7 @@ class StageReplicaPool:
         *,
         max_in_flight_per_replica: int | None = None,
         on_request_done: RequestDoneHook | None = None,
+        on_adapter_placed: AdapterPlacedHook | None = None,
     ) -> None:
         if policy not in get_args(RouterPolicy):
             raise ValueError(f"unknown router policy {policy!r}; expected {get_args(RouterPolicy)}")
@@ -278,6 +308,7 @@ class StageReplicaPool:
         self.policy: RouterPolicy = policy
         self.max_in_flight_per_replica = max_in_flight_per_replica
         self.on_request_done = on_request_done
+        self.on_adapter_placed = on_adapter_placed
         self._ids = itertools.count()
         self._replicas: dict[int, _Replica] = {}
         self._requests: dict[str, PoolRequest] = {}
@@ -316,25 +347,34 @@ class StageReplicaPool:
 
     def stats(self) -> list[ReplicaStats]:
         """The replicas in the pool now (evicted and removed ones are gone), by id."""
-        return [
-            ReplicaStats(
-                replica_id=r.replica_id,
-                address=r.address,
-                draining=r.draining,
-                in_flight=len(r.requests),
-                done=r.done,
-                failed=r.failed,
-                aborted=r.aborted,
-                latency_total_s=r.latency_total_s,
-                latency_count=r.latency_count,
-                revision=r.revision,
-                replica_draining=r.client.draining,
-                terminating=r.terminating,
-                outstanding_work=r.outstanding_work,
-                cost=r.calibration.fit if r.calibration is not None else None,
-            )
-            for r in self._replicas.values()
-        ]
+        stats = []
+        for r in self._replicas.values():
+            held, capacity = r.adapters_held()
+            running = {q.adapter for q in r.requests.values() if q.adapter is not None}
+            stats.append(self._stats(r, held, capacity, running))
+        return stats
+
+    @staticmethod
+    def _stats(r: _Replica, held: set[str], capacity: int, running: set[str]) -> ReplicaStats:
+        return ReplicaStats(
+            replica_id=r.replica_id,
+            address=r.address,
+            draining=r.draining,
+            in_flight=len(r.requests),
+            done=r.done,
+            failed=r.failed,
+            aborted=r.aborted,
+            latency_total_s=r.latency_total_s,
+            latency_count=r.latency_count,
+            revision=r.revision,
+            replica_draining=r.client.draining,
+            terminating=r.terminating,
+            outstanding_work=r.outstanding_work,
+            cost=r.calibration.fit if r.calibration is not None else None,
+            adapters=tuple(sorted(held)),
+            max_adapters=capacity,
+            running_adapters=tuple(sorted(running)),
+        )
 
     def add_replica(
         self, client: StageCoreClientBase, address: str = "", *, revision: str = ""
@@ -392,6 +432,7 @@ class StageReplicaPool:
         revision: str | None = None,
         host: str | None = None,
         work: float | None = None,
+        adapter: str | None = None,
     ) -> PoolRequest:
         """Send ``request`` to a replica chosen by the pool's policy.
 
@@ -401,8 +442,10 @@ class StageReplicaPool:
         ``sticky_key`` (the sticky policy's; else the request id) keeps related requests
         on one replica; ``revision`` (None: any) limits the choice to that revision's
         replicas, and ``host`` (None: any) to the replicas at that address (one pod: what
-        shared memory reaches). Raises NoLiveReplicaError or PoolSaturatedError rather
-        than wait, and ValueError for a request id that is in flight in the pool.
+        shared memory reaches). ``adapter`` (the request's LoRA adapter) prefers a replica
+        that holds it (replica_policies.adapter_affinity). Raises NoLiveReplicaError or
+        PoolSaturatedError rather than wait, and ValueError for a request id that is in
+        flight in the pool.
         """
         self._claim_loop()
         request_id = getattr(request, "request_id", None)
@@ -413,8 +456,8 @@ class StageReplicaPool:
             if self._closed:
                 raise RuntimeError(f"stage {self.stage_name!r}: the replica pool is closed")
             self._check_id_free(request_id)
-            replica = self._pick(
-                sticky_key if sticky_key is not None else request_id, revision, host
+            replica, held = self._pick(
+                sticky_key if sticky_key is not None else request_id, revision, host, adapter
             )
             try:
                 replica.client.check_health()
@@ -422,7 +465,7 @@ class StageReplicaPool:
                 self._evict(replica, f"health check failed: {_describe(e)}")
                 continue
             pool_request = PoolRequest(
-                self, request_id, replica.replica_id, replica.address, work or 1.0
+                self, request_id, replica.replica_id, replica.address, work or 1.0, adapter
             )
             # Bound before sending: the first output may arrive before the send returns.
             replica.requests[request_id] = pool_request
@@ -443,6 +486,9 @@ class StageReplicaPool:
                 raise
             if pool_request.finished or self._requests.get(request_id) is pool_request:
                 pool_request._submitted = True
+                if adapter is not None:
+                    replica.adapters_sent[adapter] = time.monotonic()
+                    self._adapter_placed(adapter, held)
                 return pool_request
             # The replica was lost while the request was being sent: it never ran there.
 
@@ -467,7 +513,7 @@ class StageReplicaPool:
         any replica answers alike, such as an LLM stage's tokenize); NoLiveReplicaError
         when there is none, TimeoutError past ``timeout``."""
         self._claim_loop()
-        replica = self._pick(f"utility:{method}", None, None)
+        replica, _ = self._pick(f"utility:{method}", None, None)
         return await replica.client.collective_rpc_async(method, timeout=timeout, kwargs=kwargs)
 
     async def close(self) -> None:
@@ -520,7 +566,18 @@ class StageReplicaPool:
                     f"aborted on replica {replica.replica_id}"
                 )
 
-    def _pick(self, sticky_key: str, revision: str | None, host: str | None) -> _Replica:
+    def _adapter_placed(self, adapter: str, held: bool) -> None:
+        if self.on_adapter_placed is None:
+            return
+        try:
+            self.on_adapter_placed(self.stage_name, adapter, held)
+        except Exception:
+            logger.exception("stage %r: on_adapter_placed failed", self.stage_name)
+
+    def _pick(
+        self, sticky_key: str, revision: str | None, host: str | None, adapter: str | None = None
+    ) -> tuple[_Replica, bool]:
+        """The replica for a request, and whether it holds ``adapter`` already."""
         live = [
             replica
             for replica in self._replicas.values()
@@ -545,21 +602,28 @@ class StageReplicaPool:
                 f"{limit} request(s) in flight"
             )
         fitted = costs([r.calibration for r in open_])
-        candidates = [
-            ReplicaCandidate(
-                r.replica_id,
-                len(r.requests),
-                r.address,
-                outstanding_work=r.outstanding_work,
-                seconds_per_request=per_request,
-                seconds_per_work=per_work,
+        candidates = []
+        for r, (per_request, per_work) in zip(open_, fitted, strict=True):
+            held, capacity = r.adapters_held() if adapter is not None else (set(), 0)
+            candidates.append(
+                ReplicaCandidate(
+                    r.replica_id,
+                    len(r.requests),
+                    r.address,
+                    outstanding_work=r.outstanding_work,
+                    seconds_per_request=per_request,
+                    seconds_per_work=per_work,
+                    holds_adapter=adapter in held,
+                    adapter_room=capacity > len(held),
+                )
             )
-            for r, (per_request, per_work) in zip(open_, fitted, strict=True)
-        ]
+        if adapter is not None:
+            candidates = adapter_affinity(candidates)
         chosen, self._policy_state = choose_replica(
             self.policy, candidates, self._policy_state, sticky_key
         )
-        return self._replicas[chosen]
+        holds = next(c.holds_adapter for c in candidates if c.replica_id == chosen)
+        return self._replicas[chosen], holds
 
     async def _read(self, replica: _Replica) -> None:
         try:
