@@ -39,12 +39,14 @@ import numpy as np
 
 from omni_runtime.config import STEP_CACHE_OFF, ConnectorConfig
 from omni_runtime.connectors import ConnectorError, StageConnectors
+from omni_runtime.diffusion.adapters import AdapterLoadError, DiTAdapters
 from omni_runtime.diffusion.previews import PartialImages, partial_steps
 from omni_runtime.diffusion.step_cache import StepCacheTier, step_cache
 from omni_runtime.engine.stage.stage_core_client import request_id_in_flight_error
 from omni_runtime.engine.stage.stage_core_types import (
     MAX_PARTIAL_IMAGES,
     InvalidStageRequestError,
+    StageAdapter,
     StageDiffusionCoreOutput,
     StageDiffusionCoreRequest,
     StageError,
@@ -106,6 +108,9 @@ class DiffusionEngineConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=
     step_cache_default: str = STEP_CACHE_OFF
     # The stage's torchCompile: the transformer's repeated blocks compiled (regionally).
     torch_compile: bool = False
+    # The LoRA adapters the engine holds injected at once (the stage's adapter capacity,
+    # least recently used evicted); 0: the stage takes none.
+    max_loras: int = 0
 
 
 class DiffusionParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -301,6 +306,32 @@ class DiffusionEngineBase(abc.ABC):
         None: it runs alone (this engine batches nothing, or the request cannot be)."""
         return None
 
+    def adapter_ready(self, request: StageDiffusionCoreRequest) -> bool:
+        """Whether ``request`` can run now without waiting for its LoRA adapter to be read
+        (safe from any thread). Where it must wait, the read starts (if not under way): a
+        scheduler runs other requests meanwhile, and is told when a read ends through
+        :meth:`notify_adapter_reads`. An engine without adapters has nothing to wait on."""
+        return True
+
+    def notify_adapter_reads(self, on_read: Callable[[], None] | None) -> None:
+        """Have ``on_read`` called (from another thread) each time an adapter's read ends
+        (never, in an engine that reads none)."""
+        return None
+
+    def held_adapters(self) -> list[str]:
+        """The LoRA adapters the engine holds, least recently used first."""
+        return []
+
+    def _use_adapter(self, adapter: StageAdapter | None) -> None:
+        """Set the model up for the next run's adapter (None: its weights alone), on the
+        engine's thread; InvalidRequestError or AdapterLoadError if it cannot be."""
+        if adapter is not None:
+            raise InvalidRequestError(
+                f"model: this stage ({type(self).__name__}) takes no LoRA adapters "
+                f"(asked for {adapter.name!r})",
+                "model",
+            )
+
     def execute_batch(
         self, requests: Sequence[StageDiffusionCoreRequest], emit: PartialEmit | None = None
     ) -> list[StageDiffusionCoreOutput]:
@@ -338,6 +369,14 @@ class DiffusionEngineBase(abc.ABC):
         ids = [request.request_id for request, _ in runnable]
         start = time.perf_counter()
         self._fetch_time = 0.0
+        refused = self._adapter_refusal([request for request, _ in runnable])
+        if refused is not None:
+            for request, _ in runnable:
+                self._discard(request)
+                answers[request.request_id] = StageDiffusionCoreOutput(
+                    request_id=request.request_id, error=refused
+                )
+            runnable, ids = [], []
         try:
             if runnable:
                 outputs = self._run_batch(
@@ -389,11 +428,26 @@ class DiffusionEngineBase(abc.ABC):
             return StageDiffusionCoreOutput(request_id=request_id, aborted=True)
         start = time.perf_counter()
         self._fetch_time = 0.0
+        refused = self._adapter_refusal([request])
+        if refused is not None:
+            self._discard(request)
+            return StageDiffusionCoreOutput(request_id=request_id, error=refused)
         try:
             made = self._run(request, params, should_abort, emit)
         except Exception as e:  # a request that breaks the pipeline must not kill the stage
             return _failure(request_id, e)
         return self._made(request_id, made, time.perf_counter() - start)
+
+    def _adapter_refusal(self, requests: Sequence[StageDiffusionCoreRequest]) -> StageError | None:
+        """The model set up for the adapter of ``requests`` (of one batch: one adapter),
+        or why they cannot run with it: the error each of them gets."""
+        if not requests:
+            return None
+        try:
+            self._use_adapter(requests[0].adapter)
+        except (InvalidRequestError, AdapterLoadError) as e:
+            return e.error
+        return None
 
     def _made(self, request_id: str, made: np.ndarray, elapsed: float) -> StageDiffusionCoreOutput:
         """The output of a request that ran: its images, or its sound (``makes_audio``)."""
@@ -495,6 +549,39 @@ class DiffusionEngine(DiffusionEngineBase):
         # deep inside the pipeline.
         train_steps = getattr(self.pipeline.scheduler.config, "num_train_timesteps", None)
         self.max_steps = int(train_steps) - 1 if train_steps else None
+        # LoRA adapters go into a DiT's transformer (a pipeline with diffusers' transformer
+        # LoRA loader); any other pipeline refuses them by name when asked.
+        self._adapters: DiTAdapters | None = None
+        if config.max_loras > 0 and _takes_loras(self.pipeline):
+            self._adapters = DiTAdapters(self.pipeline, config.max_loras)
+
+    def adapter_ready(self, request: StageDiffusionCoreRequest) -> bool:
+        return self._adapters is None or self._adapters.ready(request.adapter)
+
+    def notify_adapter_reads(self, on_read: Callable[[], None] | None) -> None:
+        if self._adapters is not None:
+            self._adapters.notify_reads(on_read)
+
+    def held_adapters(self) -> list[str]:
+        return self._adapters.held if self._adapters is not None else []
+
+    def _use_adapter(self, adapter: StageAdapter | None) -> None:
+        if self._adapters is None:
+            if adapter is not None and self.config.max_loras > 0:
+                raise InvalidRequestError(
+                    f"model: this stage's pipeline ({type(self.pipeline).__name__}) takes no "
+                    f"LoRA adapters: they go into a DiT's transformer (asked for "
+                    f"{adapter.name!r})",
+                    "model",
+                )
+            super()._use_adapter(adapter)
+            return
+        self._adapters.activate(adapter)
+
+    def close(self) -> None:
+        if self._adapters is not None:
+            self._adapters.close()
+        super().close()
 
     def describe(self) -> dict[str, Any]:
         """Plain facts about the loaded pipeline (answered over collective_rpc)."""
@@ -759,7 +846,10 @@ class DiffusionEngine(DiffusionEngineBase):
         shared = msgspec.structs.asdict(params)
         for own in ("seed", "negative_prompt"):
             del shared[own]
-        return (upstream, negative, tuple(sorted(shared.items())))
+        # One adapter at one scale per pipeline call: LoRA scales are the transformer's.
+        adapter = request.adapter
+        lora = (adapter.name, adapter.source, adapter.scale) if adapter is not None else None
+        return (upstream, negative, tuple(sorted(shared.items())), lora)
 
     def _run_batch(
         self,
@@ -1020,6 +1110,16 @@ def _failure(request_id: str, error: Exception) -> StageDiffusionCoreOutput:
     failure = f"the pipeline failed: {type(error).__name__}: {error}"
     return StageDiffusionCoreOutput(
         request_id=request_id, error=StageError(StageErrorCode.STAGE_FAILED, failure)
+    )
+
+
+def _takes_loras(pipeline: Any) -> bool:
+    """Whether LoRA adapters can go into the pipeline's transformer (a DiT pipeline with
+    diffusers' LoRA loader)."""
+    return (
+        getattr(pipeline, "transformer", None) is not None
+        and callable(getattr(pipeline, "load_lora_into_transformer", None))
+        and "transformer" in getattr(pipeline, "_lora_loadable_modules", ())
     )
 
 

@@ -163,6 +163,7 @@ def diffusion_engine_config(
         max_batch=stage.max_num_seqs or 1,
         torch_compile=bool(stage.torch_compile),
         num_threads=stage.num_threads,
+        max_loras=pipeline.adapter_capacity(stage),
     )
 
 

@@ -3,6 +3,10 @@
 What upstream stages handed off for a request arrives as named hand-offs (connector handles)
 and goes on to the core as they are: the core fetches each, straight from the producer onto
 its own device (the router and this process never carry the arrays).
+
+A request's LoRA adapter goes on to the core too, which loads it on first use and keeps its
+stage's capacity of them (least recently used evicted); ``adapters`` mirrors that cache as
+requests are sent, and forgets an adapter whose load the core says failed.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from omni_runtime.connectors import StageConnectors
 from omni_runtime.engine.stage.stage_core_client import StageCoreClientBase
 from omni_runtime.engine.stage.stage_core_types import (
     HandOff,
+    StageAdapter,
     StageDiffusionCoreOutput,
     StageDiffusionCoreOutputs,
     StageDiffusionCoreRequest,
@@ -36,9 +41,12 @@ class StageDiffusionFrontend(StageFrontend):
     ) -> None:
         super().__init__(pipeline, stage, client, connectors)
         # Unique: the stage server refuses an id in flight before it gets here. In the
-        # order sent: the core runs one request at a time, first come first served. Each
-        # with its spans, while tracing, and its hand-offs.
-        self._in_flight: dict[str, tuple[RequestSpans | None, dict[str, HandOff]]] = {}
+        # order sent: the core runs one request at a time, first come first served (but
+        # for one whose adapter is being read, which lets those behind it go first). Each
+        # with its spans, while tracing, its hand-offs and its adapter.
+        self._in_flight: dict[
+            str, tuple[RequestSpans | None, dict[str, HandOff], StageAdapter | None]
+        ] = {}
 
     @property
     def in_flight(self) -> int:
@@ -53,10 +61,13 @@ class StageDiffusionFrontend(StageFrontend):
         if request.messages is not None:
             error = StageError.bad_request("messages: a diffusion stage takes a prompt", "messages")
             return [refusal(request_id, error)]
+        adapter_error = self.adapter_refusal(request)
+        if adapter_error is not None:
+            return [refusal(request_id, adapter_error)]
         spans = RequestSpans.of(self.stage, request)
         if spans is not None:
             spans.queued()
-        self._in_flight[request_id] = (spans, request.inputs)
+        self._in_flight[request_id] = (spans, request.inputs, request.adapter)
         try:
             await self.client.add_request_async(
                 StageDiffusionCoreRequest(
@@ -65,11 +76,15 @@ class StageDiffusionFrontend(StageFrontend):
                     params=request.params,
                     images=request.images,
                     inputs=request.inputs,
+                    adapter=request.adapter,
                 )
             )
         except BaseException:
             self._in_flight.pop(request_id, None)
             raise
+        if request.adapter is not None and self.adapters is not None:
+            # The core loads it when the request runs, evicting as this does.
+            self.adapters.use(request.adapter.name)
         return []
 
     async def next_outputs(self) -> list[StageServerOutput]:
@@ -91,7 +106,7 @@ class StageDiffusionFrontend(StageFrontend):
                 partial_index=output.partial_index,
                 progress=output.progress,
             )
-        spans, inputs = self._in_flight.pop(output.request_id, (None, {}))
+        spans, inputs, adapter = self._in_flight.pop(output.request_id, (None, {}, None))
         result = StageServerOutput(
             request_id=output.request_id,
             finished=True,
@@ -104,6 +119,9 @@ class StageDiffusionFrontend(StageFrontend):
         elif output.error is not None:
             result.finish_reason = "error"
             result.error = output.error
+            if adapter is not None and self.adapters is not None and output.error.param == "model":
+                # The core could not load it (the error names its file): not held there.
+                self.adapters.discard(adapter.name)
         else:
             result.finish_reason = "stop"
         if spans is not None:

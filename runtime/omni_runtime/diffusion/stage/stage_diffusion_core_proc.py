@@ -27,7 +27,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, Final, Literal
 
 import msgspec
 import zmq
@@ -55,6 +55,10 @@ logger = logging.getLogger(__name__)
 
 # How long the last messages (an engine_dead notice above all) may take to leave on exit.
 _LINGER_MS = 2000
+# Put on the input queue as an adapter's read ends: the busy loop, which may be waiting
+# with nothing runnable but requests whose adapters were being read, looks again.
+_ADAPTER_READ: Final = "adapter-read"
+_InputKind = StageCoreRequestType | Literal["adapter-read"] | None
 
 
 class StageProcHandshake(msgspec.Struct, gc=False):
@@ -87,7 +91,8 @@ class StageDiffusionCoreProc:
             self._ctx.term()
             raise
         # (None, None) asks the busy loop to return.
-        self._input_queue: queue.Queue[tuple[StageCoreRequestType | None, Any]] = queue.Queue()
+        self._input_queue: queue.Queue[tuple[_InputKind, Any]] = queue.Queue()
+        self.engine.notify_adapter_reads(lambda: self._input_queue.put((_ADAPTER_READ, None)))
         self._output_queue: queue.Queue[StageDiffusionCoreOutputs | None] = queue.Queue()
 
         input_socket = self._ctx.socket(zmq.PULL)
@@ -117,16 +122,19 @@ class StageDiffusionCoreProc:
         Requests run in the order they came, each with those behind it that share its
         batch key (``engine.batch_key``), up to the engine's ``max_batch``: a request that
         comes while a batch runs waits for the next one rather than join it part way, as
-        a pipeline call runs its requests' steps together from the first to the last.
+        a pipeline call runs its requests' steps together from the first to the last. A
+        request whose LoRA adapter is still being read (``engine.adapter_ready``) lets
+        those behind it go first, until the read ends.
         """
         waiting: collections.deque[StageDiffusionCoreRequest] = collections.deque()
         stopping = False
         while waiting or not stopping:
             # Whatever has come, without waiting; then, with nothing to run, wait.
             while not stopping:
+                runnable = any(self.engine.adapter_ready(request) for request in waiting)
                 try:
                     kind, payload = (
-                        self._input_queue.get_nowait() if waiting else self._input_queue.get()
+                        self._input_queue.get_nowait() if runnable else self._input_queue.get()
                     )
                 except queue.Empty:
                     break
@@ -141,13 +149,23 @@ class StageDiffusionCoreProc:
                         )
                     )
             if waiting:
-                self._execute(self._next_batch(waiting))
+                # Stopping, nothing more will come: a request waiting on its adapter's
+                # read runs anyway (the engine waits for the read).
+                batch = self._next_batch(waiting, any_request=stopping)
+                if batch:
+                    self._execute(batch)
 
     def _next_batch(
-        self, waiting: collections.deque[StageDiffusionCoreRequest]
+        self, waiting: collections.deque[StageDiffusionCoreRequest], any_request: bool = False
     ) -> list[StageDiffusionCoreRequest]:
-        """The first waiting request and those behind it of its batch key, taken out."""
-        first = waiting.popleft()
+        """The first waiting request that can run now (``any_request``: the first, ready or
+        not) and those behind it of its batch key, taken out; none if none can."""
+        first = next((r for r in waiting if self.engine.adapter_ready(r)), None)
+        if first is None:
+            if not any_request:
+                return []
+            first = waiting[0]
+        waiting.remove(first)
         batch = [first]
         key = self.engine.batch_key(first) if self.max_batch > 1 else None
         if key is None:
@@ -238,6 +256,8 @@ class StageDiffusionCoreProc:
                             StageDiffusionCoreOutputs(outputs=[refusal], timestamp=time.time())
                         )
                         continue
+                    # Its adapter's read starts now, while the busy loop runs what is ahead.
+                    self.engine.adapter_ready(payload)
                 self._input_queue.put((kind, payload))
         except zmq.ContextTerminated:
             socket.close(linger=0)

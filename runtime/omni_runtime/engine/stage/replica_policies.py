@@ -65,10 +65,8 @@ class ReplicaCandidate:
     outstanding_work: float = 0.0
     seconds_per_work: float = 1.0
     seconds_per_request: float = 0.0
-    # LoRA affinity: whether the replica holds the request's adapter loaded, and whether it
-    # has a free adapter slot (loading one there evicts nothing).
+    # LoRA affinity: whether the replica holds the request's adapter loaded.
     holds_adapter: bool = False
-    adapter_room: bool = False
 
     @property
     def outstanding_seconds(self) -> float:
@@ -144,22 +142,22 @@ ADAPTER_AFFINITY_SLACK = 2
 
 
 def adapter_affinity(
-    candidates: Sequence[ReplicaCandidate], slack: int = ADAPTER_AFFINITY_SLACK
+    candidates: Sequence[ReplicaCandidate], adapter: str, slack: int = ADAPTER_AFFINITY_SLACK
 ) -> list[ReplicaCandidate]:
-    """The candidates a request with an adapter should choose among, before the policy
-    picks one of them: those that hold it, else those with a free adapter slot, among the
-    ones within ``slack`` requests of the least loaded; all of them where none is."""
+    """The candidates a request with ``adapter`` should choose among, before the policy
+    picks one of them: among the ones within ``slack`` requests of the least loaded, those
+    that hold it; where none does, the adapter's home among them (highest random weight of
+    the adapter's name and the replica's, as sticky keys are placed), so that each adapter
+    keeps to a few replicas and every router sends it to the same ones."""
     if not candidates:
         return []
     bound = min(c.in_flight for c in candidates) + slack
     near = [c for c in candidates if c.in_flight <= bound]
-    for tier in (
-        [c for c in near if c.holds_adapter],
-        [c for c in near if c.adapter_room],
-    ):
-        if tier:
-            return tier
-    return list(candidates)
+    holders = [c for c in near if c.holds_adapter]
+    if holders:
+        return holders
+    home = max(near, key=lambda c: (rendezvous_score(adapter, c.sticky_name), c.replica_id))
+    return [home]
 
 
 def rendezvous_score(key: str, replica: str) -> int:

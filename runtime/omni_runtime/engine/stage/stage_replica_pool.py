@@ -604,7 +604,7 @@ class StageReplicaPool:
         fitted = costs([r.calibration for r in open_])
         candidates = []
         for r, (per_request, per_work) in zip(open_, fitted, strict=True):
-            held, capacity = r.adapters_held() if adapter is not None else (set(), 0)
+            held = r.adapters_held()[0] if adapter is not None else set()
             candidates.append(
                 ReplicaCandidate(
                     r.replica_id,
@@ -614,11 +614,10 @@ class StageReplicaPool:
                     seconds_per_request=per_request,
                     seconds_per_work=per_work,
                     holds_adapter=adapter in held,
-                    adapter_room=capacity > len(held),
                 )
             )
         if adapter is not None:
-            candidates = adapter_affinity(candidates)
+            candidates = adapter_affinity(candidates, adapter)
         chosen, self._policy_state = choose_replica(
             self.policy, candidates, self._policy_state, sticky_key
         )
