@@ -204,6 +204,7 @@ def start_frontend(
                     model,
                     encoder=encoder,
                     speech=pipeline.speech_stage(stage),
+                    adapter_capacity=pipeline.adapter_capacity(stage),
                     # A traced stage's spans need the core's scheduling events.
                     log_stats=tracing.enabled(),
                     startup_timeout=startup_timeout,

@@ -16,6 +16,13 @@ talker, fed those (it fetches them itself), its frames of codes for code2wav: wh
 the request finishes, or, where the pipeline streams between stages (asyncChunk), a chunk
 every ``chunk_frames`` frames as an output of its own, each with the frames before it that
 code2wav decodes it after (its left context), the rest when it finishes.
+
+A request may name a LoRA adapter (``StageServerRequest.adapter``) where the stage takes
+them: its first request has the client load it into the engine (resolved, checked, loaded
+by vLLM's add_lora, concurrent first requests waiting on one load), and a bad adapter
+refuses that request alone, naming what is wrong. Requests with different adapters share
+the engine's batches (vLLM's multi-LoRA). ``adapters`` mirrors the engine's cache of them,
+which evicts the least recently used as the mirror does.
 """
 
 from __future__ import annotations
@@ -25,7 +32,7 @@ import logging
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -50,9 +57,15 @@ from omni_runtime.engine.stage.stage_core_types import (
     StageServerOutput,
     StageServerRequest,
 )
-from omni_runtime.engine.stage.stage_llm_core_client import StageLLMCoreClientBase
+from omni_runtime.engine.stage.stage_llm_core_client import (
+    AdapterLoadError,
+    StageLLMCoreClientBase,
+)
 from omni_runtime.engine.stage.stage_llm_request_builder import InvalidLLMRequestError
 from omni_runtime.stage_server.frontend import RequestSpans, StageFrontend, refusal
+
+if TYPE_CHECKING:
+    from vllm.lora.request import LoRARequest
 
 
 class _UnusableInputs(Exception):
@@ -117,6 +130,11 @@ class StageLLMFrontend(StageFrontend):
         # Keyed by id, which is unique: the stage server refuses an id in flight before it
         # gets here.
         self._requests: dict[str, _Request] = {}
+        # Requests waiting for their adapter to load (not yet in _requests): whether an
+        # abort came for them meanwhile.
+        self._loading: dict[str, bool] = {}
+        # Adapter name -> the source and LoRARequest it was last loaded as.
+        self._loras: dict[str, tuple[str, LoRARequest]] = {}
         # request id -> (connector, key, when) of hidden states put and maybe not fetched,
         # so that an abort after the handoff still frees them.
         self._handoffs: OrderedDict[str, list[tuple[str, str, float]]] = OrderedDict()
@@ -146,7 +164,7 @@ class StageLLMFrontend(StageFrontend):
 
     @property
     def in_flight(self) -> int:
-        return len(self._requests)
+        return len(self._requests) + len(self._loading)
 
     frontend_methods = frozenset({"tokenize", "detokenize"})
 
@@ -175,6 +193,24 @@ class StageLLMFrontend(StageFrontend):
                 break
             message = f"{name}: an LLM stage takes text (prompt or messages)"
             return [refusal(request_id, StageError.bad_request(message, name))]
+        # A request without an adapter runs as the client says on a stage that serves
+        # them (a zero adapter where vLLM's kernels need one).
+        lora_request = self.client.base_lora if self.adapters is not None else None
+        if request.adapter is not None:
+            refused = self.adapter_refusal(request)
+            if refused is not None:
+                return [refusal(request_id, refused)]
+            self._loading[request_id] = False
+            try:
+                lora_request = await self._lora_request(request)
+            except AdapterLoadError as e:
+                return [refusal(request_id, e.error)]
+            finally:
+                aborted = self._loading.pop(request_id)
+            if aborted:
+                return [
+                    StageServerOutput(request_id=request_id, finished=True, finish_reason="abort")
+                ]
         builder = self.client.request_builder
         try:
             if talker:
@@ -187,6 +223,7 @@ class StageLLMFrontend(StageFrontend):
                     params=request.params,
                     images=request.images,
                     audios=request.audios,
+                    lora_request=lora_request,
                 )
         except InvalidLLMRequestError as e:
             return [refusal(request_id, e.error)]
@@ -231,6 +268,10 @@ class StageLLMFrontend(StageFrontend):
         return converted
 
     async def abort(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            if request_id in self._loading:
+                # Answered as aborted once its adapter's load is over (add).
+                self._loading[request_id] = True
         running = [i for i in request_ids if i in self._requests]
         if running:
             await self.client.abort_requests_async(running)
@@ -241,6 +282,33 @@ class StageLLMFrontend(StageFrontend):
         for request_id in request_ids:
             for connector, key, _ in self._handoffs.pop(request_id, ()):
                 self.connectors.get(connector).release(key)
+
+    async def _lora_request(self, request: StageServerRequest) -> LoRARequest:
+        """vLLM's LoRARequest of the request's adapter, loaded into the engine unless this
+        replica holds it already. AdapterLoadError where it cannot run."""
+        adapter = request.adapter
+        assert adapter is not None
+        assert self.adapters is not None
+        held = self._loras.get(adapter.name)
+        if adapter.name in self.adapters and held is not None and held[0] == adapter.source:
+            self.adapters.use(adapter.name)
+            return held[1]
+        if self.client.vllm_config.lora_config is None:
+            # The stage's process started its engine without the capacity the pipeline
+            # gives it (start_stage_llm_client's adapter_capacity).
+            raise AdapterLoadError(
+                f"stage {self.stage.name!r}: its engine was started without LoRA; adapter "
+                f"{adapter.name!r} cannot run on it",
+                StageErrorCode.STAGE_FAILED,
+            )
+        # Loaded (and checked) before any request names it; the engine reloads an
+        # adapter it evicted from the same files by itself.
+        lora = await self.client.load_adapter_async(adapter)
+        self._loras[adapter.name] = (adapter.source, lora)
+        # The engine's cache over max_cpu_loras evicts the least recently used as this
+        # mirror does, so what it evicts is not the mirror's to tell the engine.
+        self.adapters.use(adapter.name)
+        return lora
 
     def _detokenizer(self, request: StageLLMCoreRequest) -> IncrementalDetokenizer:
         params = request.sampling_params

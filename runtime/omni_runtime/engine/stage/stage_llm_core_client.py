@@ -16,29 +16,51 @@ overridden on each client, each a line that hands vLLM's method to a helper of t
 The clients do not start their cores: ``launch_stage_llm_cores`` does, and a client adopts
 what it started (``proc_manager``, ``coordinator``); ``start_stage_llm_client`` does both
 from the pipeline schema. An instance belongs to the event loop it is first used in.
+
+LoRA adapters: ``load_adapter_async`` makes a request's StageAdapter into vLLM's
+LoRARequest, resolving its source to local files and loading them into every core with
+vLLM's ``add_lora`` utility before any request names it. The load is where vLLM validates
+an adapter (its rank, its target modules, its weights); the same failure inside a model
+step would end the engine and every request on it, so a bad adapter is refused here, as
+the request that named it. Where vLLM's CPU kernels would apply an adapter to requests
+without one that share its batch (``lora_needs_zero_adapter``), the first load also loads
+a zero adapter made from it (``base_lora``), which those requests run with.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
+import json
+import logging
+import shutil
+import tempfile
+import time
+import weakref
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 from urllib.parse import urlsplit
 
+import msgspec
 from vllm import envs
 from vllm.config import VllmConfig
+from vllm.lora.request import LoRARequest
 from vllm.v1.engine.coordinator import DPCoordinator
 from vllm.v1.engine.core_client import AsyncMPClient, DPLBAsyncMPClient
 from vllm.v1.engine.exceptions import EngineDeadError
 from vllm.v1.executor import Executor
 from vllm.v1.serial_utils import MsgpackDecoder
 
+from omni_runtime.adapters import AdapterSourceError, resolve_source
 from omni_runtime.config import StageConfig
 from omni_runtime.engine.stage.stage_core_client import StageCoreClientBase, StageCoreDeadError
 from omni_runtime.engine.stage.stage_core_types import (
+    StageAdapter,
     StageCoreRequest,
     StageError,
+    StageErrorCode,
     StageLLMCoreOutputs,
     StageLLMCoreRequest,
 )
@@ -47,7 +69,10 @@ from omni_runtime.engine.stage.stage_llm_core_proc_manager import (
     StageLLMCoreProcManager,
     launch_stage_llm_cores,
 )
-from omni_runtime.engine.stage.stage_llm_engine_config import make_stage_llm_vllm_config
+from omni_runtime.engine.stage.stage_llm_engine_config import (
+    lora_needs_zero_adapter,
+    make_stage_llm_vllm_config,
+)
 from omni_runtime.engine.stage.stage_llm_request_builder import (
     InvalidLLMRequestError,
     StageLLMRequestBuilder,
@@ -55,8 +80,99 @@ from omni_runtime.engine.stage.stage_llm_request_builder import (
 from omni_runtime.families import EncoderRecipe, SpeechStage
 from omni_runtime.net import advertised_host
 
+logger = logging.getLogger(__name__)
 _T = TypeVar("_T")
 _WILDCARD_HOSTS = frozenset({"", "*", "0.0.0.0", "::"})
+# What vLLM's engine core puts before the message of a utility call that raised.
+_ADD_LORA_FAILED = "Call to add_lora method failed: "
+# The files of a PEFT adapter vLLM reads. vLLM falls back to a pickled
+# adapter_model.bin where the safetensors file is missing; requiring it keeps that away.
+ADAPTER_CONFIG_FILE = "adapter_config.json"
+ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
+
+
+class AdapterLoadError(Exception):
+    """A request's LoRA adapter that the stage did not load: its source or files are bad
+    (BAD_REQUEST, the message naming the source or file and what is wrong), or the engine
+    failed otherwise (STAGE_FAILED). ``error`` is the request's refusal, param "model"
+    (the request's field that chose the adapter)."""
+
+    def __init__(self, message: str, code: StageErrorCode = StageErrorCode.BAD_REQUEST) -> None:
+        super().__init__(message)
+        self.code = code
+
+    @property
+    def error(self) -> StageError:
+        return StageError(self.code, str(self), "model")
+
+
+@dataclass(frozen=True)
+class AdapterLoad:
+    """One load of an adapter into a stage's engine: how long it took to resolve its
+    source, and how long the engine's add_lora took."""
+
+    name: str
+    path: str
+    resolve_seconds: float
+    add_lora_seconds: float
+
+
+# The zero adapter's name: ':' is outside adapter names (ADAPTER_NAME_PATTERN), so no
+# pipeline's adapter has it.
+ZERO_ADAPTER_NAME = "omni:zero"
+
+# vLLM keys the adapters it holds by an int id it leaves to the caller; the name keys
+# them everywhere else (a LoRARequest compares and hashes by name). One id per name for
+# the life of the process keeps the two keys in step.
+_LORA_INT_IDS: dict[str, int] = {}
+
+
+def lora_int_id(name: str) -> int:
+    """vLLM's id of the adapter named ``name`` in this process (from 1, stable)."""
+    return _LORA_INT_IDS.setdefault(name, len(_LORA_INT_IDS) + 1)
+
+
+def adapter_dir(source: str) -> Path:
+    """The local directory of an LLM stage's adapter ``source``, fetched where it is a hub
+    id, with PEFT's two files present and readable (the weights' header only).
+    AdapterSourceError names the source or the file and what is wrong; blocking I/O."""
+    path = resolve_source(source)
+    if not path.is_dir():
+        raise AdapterSourceError(
+            f"{path}: an llm stage's adapter is a directory holding {ADAPTER_CONFIG_FILE} "
+            f"and {ADAPTER_WEIGHTS_FILE}, not a file"
+        )
+    config, weights = path / ADAPTER_CONFIG_FILE, path / ADAPTER_WEIGHTS_FILE
+    for file in (config, weights):
+        if not file.is_file():
+            raise AdapterSourceError(f"{file}: missing (a PEFT adapter directory holds it)")
+    try:
+        settings = json.loads(config.read_bytes())
+    except (OSError, ValueError) as e:
+        raise AdapterSourceError(f"{config}: not a readable JSON adapter config: {e}") from None
+    if not isinstance(settings, dict):
+        raise AdapterSourceError(f"{config}: expected a JSON object (PEFT's LoraConfig)")
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(weights), framework="pt"):
+            pass
+    except Exception as e:  # safetensors raises its own error kinds, and OSError
+        raise AdapterSourceError(f"{weights}: not a readable safetensors file: {e}") from None
+    return path
+
+
+def write_zero_adapter(adapter: Path, target: Path) -> None:
+    """An adapter at ``target`` shaped as the one at ``adapter`` (its config, its tensors'
+    names and shapes), every weight zero: it fits the model wherever ``adapter`` does, and
+    changes nothing."""
+    from safetensors.torch import load_file, save_file
+
+    target.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(adapter / ADAPTER_CONFIG_FILE, target / ADAPTER_CONFIG_FILE)
+    tensors = load_file(str(adapter / ADAPTER_WEIGHTS_FILE))
+    zeros = {name: tensor.new_zeros(tensor.shape) for name, tensor in tensors.items()}
+    save_file(zeros, str(target / ADAPTER_WEIGHTS_FILE))
 
 
 class UpstreamResult(Protocol):
@@ -89,6 +205,7 @@ class StageLLMCoreClientBase(StageCoreClientBase):
             kwargs: dict[str, Any] | None = None,
         ) -> Any: ...
         async def call_utility_all_async(self, method: str, *args: Any) -> list[Any]: ...
+        async def add_lora_async(self, lora_request: LoRARequest) -> bool: ...
         def _ensure_output_queue_task(self) -> None: ...
         def start_engine_core_monitor(self) -> None: ...
         def shutdown(self, timeout: float | None = None) -> None: ...
@@ -104,6 +221,17 @@ class StageLLMCoreClientBase(StageCoreClientBase):
     client_addresses: dict[str, str]
     # The host a downstream stage pulls this stage's handoffs from.
     _core_host: str
+    # Adapter loads in progress, by (name, source): concurrent first requests of one
+    # adapter wait on one load.
+    _adapter_loads: dict[tuple[str, str], asyncio.Future[LoRARequest]]
+    # name -> the path the engine last loaded it from.
+    _adapter_paths: dict[str, str]
+    # Every load this client made, oldest first (what bench/ and tests read).
+    adapter_load_log: list[AdapterLoad]
+    # What a request without an adapter runs with on an engine that serves adapters: None
+    # (vLLM's own way), or the zero adapter (lora_needs_zero_adapter) once one is loaded.
+    base_lora: LoRARequest | None
+    _zero_adapter: asyncio.Future[LoRARequest] | None
 
     @staticmethod
     def make_async_mp_client(
@@ -195,10 +323,15 @@ class StageLLMCoreClientBase(StageCoreClientBase):
         prompt_token_ids: Sequence[int] | None = None,
         params: Mapping[str, Any] | None = None,
         additional_information: dict[str, Any] | None = None,
+        adapter: StageAdapter | None = None,
     ) -> None:
         """Build a request with :attr:`request_builder` and add it. A request the builder
-        refuses is answered like one the core refuses: an output with ``error`` set."""
+        refuses is answered like one the core refuses: an output with ``error`` set, as is
+        one whose ``adapter`` does not load (load_adapter_async)."""
         try:
+            lora = self.base_lora
+            if adapter is not None:
+                lora = await self.load_adapter_async(adapter)
             request = self.request_builder.build(
                 request_id,
                 prompt=prompt,
@@ -206,12 +339,108 @@ class StageLLMCoreClientBase(StageCoreClientBase):
                 prompt_token_ids=prompt_token_ids,
                 params=params,
                 additional_information=additional_information,
+                lora_request=lora,
             )
+        except AdapterLoadError as e:
+            self._refuse(request_id, e.error)
+            return
         except InvalidLLMRequestError as e:
             self.check_health()
             self._refuse(request_id, e.error)
             return
         await self.add_request_async(request)
+
+    async def load_adapter_async(self, adapter: StageAdapter) -> LoRARequest:
+        """vLLM's LoRARequest of ``adapter``, loaded into the engine (every core), to be
+        given to the request builder. Resolves the source in a thread (a hub id is
+        fetched), checks PEFT's files, then has the engine load them (vLLM's add_lora,
+        which checks the rank and target modules against the engine's), so that a bad
+        adapter never reaches a model step. Concurrent calls for one adapter share one load;
+        a failed load is not remembered (the next request tries again, and finds files
+        fixed since). AdapterLoadError says why it failed; StageCoreDeadError when the
+        core is gone."""
+        key = (adapter.name, adapter.source)
+        pending = self._adapter_loads.get(key)
+        if pending is None:
+            pending = asyncio.ensure_future(self._load_adapter(adapter))
+            self._adapter_loads[key] = pending
+            pending.add_done_callback(functools.partial(self._adapter_loaded, key))
+        # Shielded: one waiter that gives up must not cancel the load the others wait on.
+        return await asyncio.shield(pending)
+
+    def _adapter_loaded(self, key: tuple[str, str], load: asyncio.Future[LoRARequest]) -> None:
+        if self._adapter_loads.get(key) is load:
+            del self._adapter_loads[key]
+        if not load.cancelled():
+            # Retrieved here, so that a failure whose waiters all went away is not logged
+            # as never retrieved.
+            load.exception()
+
+    async def _load_adapter(self, adapter: StageAdapter) -> LoRARequest:
+        started = time.perf_counter()
+        try:
+            path = str(await asyncio.to_thread(adapter_dir, adapter.source))
+        except AdapterSourceError as e:
+            raise AdapterLoadError(f"adapter {adapter.name!r}: {e}") from None
+        resolved = time.perf_counter()
+        lora = LoRARequest(
+            lora_name=adapter.name, lora_int_id=lora_int_id(adapter.name), lora_path=path
+        )
+        previous = self._adapter_paths.get(adapter.name)
+        # An adapter of the same name from other files (another revision's source) replaces
+        # the weights the engine holds under the name's id. Only this call says so: a
+        # request's LoRARequest saying it would reload the files at every step.
+        load = (
+            lora if previous in (None, path) else msgspec.structs.replace(lora, load_inplace=True)
+        )
+        try:
+            await self._until_core_dies(self.add_lora_async(load))
+        except StageCoreDeadError:
+            raise
+        except Exception as e:
+            message = str(e)
+            if not message.startswith(_ADD_LORA_FAILED):
+                raise AdapterLoadError(
+                    f"adapter {adapter.name!r}: the engine did not load it: {message}",
+                    StageErrorCode.STAGE_FAILED,
+                ) from None
+            reason = " ".join(message.removeprefix(_ADD_LORA_FAILED).split())
+            raise AdapterLoadError(
+                f"adapter {adapter.name!r} ({path}): the engine cannot load it: {reason}"
+            ) from None
+        self._adapter_paths[adapter.name] = path
+        self.adapter_load_log.append(
+            AdapterLoad(adapter.name, path, resolved - started, time.perf_counter() - resolved)
+        )
+        if self.base_lora is None and lora_needs_zero_adapter():
+            # Before the request with this adapter goes in: from then on, requests without
+            # one share batches with it.
+            if self._zero_adapter is None or self._zero_adapter.done():
+                self._zero_adapter = asyncio.ensure_future(self._load_zero_adapter(Path(path)))
+            try:
+                self.base_lora = await asyncio.shield(self._zero_adapter)
+            except (AdapterLoadError, OSError) as e:
+                raise AdapterLoadError(
+                    f"adapter {adapter.name!r}: the zero adapter that requests without an "
+                    f"adapter need beside it did not load: {e}",
+                    StageErrorCode.STAGE_FAILED,
+                ) from None
+        return lora
+
+    async def _load_zero_adapter(self, like: Path) -> LoRARequest:
+        directory = Path(tempfile.mkdtemp(prefix="omni-zero-lora-"))
+        # The engine reads it again after evicting it: kept as long as the client.
+        weakref.finalize(self, shutil.rmtree, directory, ignore_errors=True)
+        await asyncio.to_thread(write_zero_adapter, like, directory)
+        zero = LoRARequest(ZERO_ADAPTER_NAME, lora_int_id(ZERO_ADAPTER_NAME), str(directory))
+        try:
+            await self._until_core_dies(self.add_lora_async(zero))
+        except StageCoreDeadError:
+            raise
+        except Exception as e:
+            raise AdapterLoadError(str(e), StageErrorCode.STAGE_FAILED) from None
+        logger.info("requests without an adapter run with a zero adapter (%s)", directory)
+        return zero
 
     async def get_outputs_async(self) -> StageLLMCoreOutputs:
         if self.outputs_queue.empty():
@@ -258,6 +487,11 @@ class StageLLMCoreClientBase(StageCoreClientBase):
         """
         self.stage = metadata
         self.proc_manager = proc_manager
+        self._adapter_loads = {}
+        self._adapter_paths = {}
+        self.adapter_load_log = []
+        self.base_lora = None
+        self._zero_adapter = None
         self.client_addresses = dict(client_addresses or {})
         self._core_host = self._resolve_core_host(self.client_addresses)
         try:
@@ -423,18 +657,21 @@ def start_stage_llm_client(
     *,
     encoder: EncoderRecipe | None = None,
     speech: SpeechStage | None = None,
+    adapter_capacity: int = 0,
     log_stats: bool = False,
     startup_timeout: float = DEFAULT_STARTUP_TIMEOUT,
 ) -> StageLLMCoreClient | DPLBStageLLMCoreClient:
     """Start the cores of the LLM stage ``stage`` serving ``model`` and return its client;
     ``encoder``: the stage encodes prompts for its model family's DiT, by this recipe;
-    ``speech``: it is the thinker or the talker of a family that speaks.
+    ``speech``: it is the thinker or the talker of a family that speaks;
+    ``adapter_capacity``: the LoRA adapters a replica holds loaded
+    (``PipelineConfig.adapter_capacity``; 0: none, vLLM's LoRA off).
 
     Blocks until the cores are ready (about 10 s for a small model on CPU); raises
     StageCoreStartupError, with nothing left running, if they are not.
     """
     _refuse_insecure_serialization()  # before anything is started
-    vllm_config = make_stage_llm_vllm_config(stage, model, encoder, speech)
+    vllm_config = make_stage_llm_vllm_config(stage, model, encoder, speech, adapter_capacity)
     executor_class = Executor.get_class(vllm_config)
     launch = launch_stage_llm_cores(
         vllm_config, executor_class, log_stats, startup_timeout=startup_timeout

@@ -14,6 +14,11 @@ a stage adds:
   Every refusal is answered from the busy loop, in order with the requests before it, so
   that the answer can say whether the id is still in flight (a refused duplicate must not
   end the first request's binding in a data parallel client).
+- A request naming a LoRA adapter the engine has not loaded from those files yet has it
+  loaded first (vLLM's add_lora, which checks it), on the busy loop before the request
+  joins the scheduler, and is refused if that fails: inside a model step the same failure
+  would end the engine. The stage's clients load adapters before their requests
+  (StageLLMCoreClientBase.load_adapter_async); this guards the core from any other caller.
 - Aborting a request yields an output (finish_reason ABORT), as the stage contract asks.
 - ``run_stage_core`` is its own process entry (vLLM's ``run_engine_core`` constructs
   vLLM's classes): SIGTERM, SIGINT or the death of the parent stop the busy loop cleanly,
@@ -44,6 +49,7 @@ from vllm import envs
 from vllm.config import VllmConfig
 from vllm.exceptions import VLLMValidationError
 from vllm.logger import configure_logging
+from vllm.lora.request import LoRARequest
 from vllm.tasks import POOLING_TASKS
 from vllm.transformers_utils.config import maybe_register_config_serialize_by_value
 from vllm.utils.network_utils import make_zmq_socket
@@ -95,6 +101,38 @@ class _Refused:
 class StageLLMCoreProc(EngineCoreProc):  # type: ignore[misc]
     """vLLM's engine-core process wrapper, speaking the LLM stage's wire types."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # LoRA id -> the path add_lora loaded and checked it from. An adapter vLLM evicted
+        # since is loaded again in a step from the same files, which were found good.
+        self._checked_loras: dict[int, str] = {}
+        super().__init__(*args, **kwargs)
+
+    def add_lora(self, lora_request: LoRARequest | list[Any]) -> bool:
+        """vLLM's (a utility call, on the busy loop), remembering what loaded."""
+        if not isinstance(lora_request, LoRARequest):
+            # A utility call's arguments arrive as decoded msgpack; vLLM converts them by
+            # the method's annotations, which this module's postponed annotations leave as
+            # strings it cannot read.
+            lora_request = msgspec.convert(lora_request, LoRARequest)
+        loaded: bool = super().add_lora(lora_request)
+        self._checked_loras[lora_request.lora_int_id] = lora_request.lora_path
+        return loaded
+
+    def _lora_refusal(self, lora_request: LoRARequest) -> StageError | None:
+        """Why a request's adapter cannot run (it fails to load), or None once loaded."""
+        if self._checked_loras.get(lora_request.lora_int_id) == lora_request.lora_path:
+            return None
+        try:
+            self.add_lora(lora_request)
+        except Exception as e:  # whatever loading raised, the request is what fails
+            logger.warning("adapter %s did not load: %s", lora_request.lora_name, e)
+            return StageError.bad_request(
+                f"lora_request: adapter {lora_request.lora_name!r} ({lora_request.lora_path}) "
+                f"cannot be loaded: {' '.join(str(e).split())}",
+                "model",
+            )
+        return None
+
     def preprocess_add_request(self, request: StageLLMCoreRequest) -> tuple[Request, int]:
         """vLLM's preprocessing, building a StageLLMRequest instead of vLLM's Request."""
         if self.mm_receiver_cache is not None and request.mm_features:
@@ -122,13 +160,20 @@ class StageLLMCoreProc(EngineCoreProc):  # type: ignore[misc]
             error = request_id_in_flight_error(request_id)
             self._send_error_output(request_id, request.client_index, error, still_in_flight=True)
             return
+        # A streaming session's id stays bound to this core whatever its next chunk.
+        held = existing is not None
         if isinstance(request, _Refused):
-            # A streaming session's id stays bound to this core whatever its next chunk.
-            held = existing is not None
             self._send_error_output(
                 request_id, request.client_index, request.error, still_in_flight=held
             )
             return
+        if request.lora_request is not None:
+            lora_error = self._lora_refusal(request.lora_request)
+            if lora_error is not None:
+                self._send_error_output(
+                    request_id, request.client_index, lora_error, still_in_flight=held
+                )
+                return
         super().add_request(request, request_wave)
 
     def abort_requests(self, request_ids: list[str]) -> None:

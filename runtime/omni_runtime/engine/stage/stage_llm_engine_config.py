@@ -6,7 +6,11 @@ arguments through (the schema already refuses the ones that have a field of thei
 generate runner, ``hidden_states`` the pooling runner with the ``embed`` conversion, whose
 ``token_embed`` task returns each prompt token's hidden state after the final norm.
 ``devices`` is not an engine argument: whoever starts the stage's process places it
-(CUDA_VISIBLE_DEVICES), and vLLM uses what it sees.
+(CUDA_VISIBLE_DEVICES), and vLLM uses what it sees. A stage that takes LoRA adapters
+(``PipelineConfig.adapter_capacity``) turns vLLM's LoRA on, sized by that capacity: as many
+adapters in one batch (``max_loras``) as the replica holds loaded (``max_cpu_loras``), so
+that every adapter it holds can run at once; on vLLM's CPU platform one more, for the zero
+adapter that requests without one run with there (``lora_needs_zero_adapter``).
 """
 
 from __future__ import annotations
@@ -21,14 +25,32 @@ from typing import Any
 import pydantic
 from vllm.config import VllmConfig
 from vllm.engine.arg_utils import EngineArgs
+from vllm.platforms import current_platform
 from vllm.usage.usage_lib import UsageContext
 
 from omni_runtime.config import StageConfig
-from omni_runtime.config.models import ENGINE_ARG_FIELDS
+from omni_runtime.config.models import DEFAULT_MAX_LORA_RANK, ENGINE_ARG_FIELDS
 from omni_runtime.engine.models import STEP_STATE_ENV, hf_overrides, step_state_worker
 from omni_runtime.families import MODEL_INDEX, EncoderRecipe, SpeechStage
 
 _ENGINE_ARG_NAMES = frozenset(field.name for field in dataclasses.fields(EngineArgs))
+
+
+def lora_needs_zero_adapter() -> bool:
+    """Whether requests without an adapter must run with a zero adapter on an engine that
+    serves LoRA adapters here.
+
+    vLLM's CPU LoRA kernels (the torch ops behind PunicaWrapperCPU) index the stacked
+    adapter weights with each row's adapter slot, and a row without an adapter has slot
+    -1, which Python reads as the last slot: in a batch that mixes requests with and
+    without adapters, the latter get the last slot's adapter applied, silently (vLLM
+    0.32's lora/ops/torch_ops: ``lora_b_weights[lora_indices_tensor]``, unmasked). Slots
+    fill from the first, so the last holds an adapter only once every slot has held one: a
+    stage's first adapter load also loads a zero adapter, which those requests run with
+    from then on, keeping them exact while they share batches; its slot is one more than
+    the adapters a replica holds."""
+    wrapper: str = current_platform.get_punica_wrapper()
+    return wrapper.endswith(".PunicaWrapperCPU")
 
 
 class StageLLMConfigError(ValueError):
@@ -40,6 +62,7 @@ def make_stage_llm_engine_args(
     model: str,
     encoder: EncoderRecipe | None = None,
     speech: SpeechStage | None = None,
+    adapter_capacity: int = 0,
 ) -> EngineArgs:
     """vLLM's engine arguments for ``stage`` serving ``model`` (a path or hub id).
 
@@ -47,7 +70,10 @@ def make_stage_llm_engine_args(
     checkpoint loads only its text encoder (and the tokenizer or processor beside it),
     with the architecture that returns the layer the family's DiT reads. A stage of a
     speaking family (``speech``: Qwen3-Omni's thinker or talker) runs its part's
-    architecture, which keeps state per request (engine.models.step_state)."""
+    architecture, which keeps state per request (engine.models.step_state).
+    ``adapter_capacity``: how many LoRA adapters a replica holds loaded
+    (``PipelineConfig.adapter_capacity``); 0, the stage takes none and vLLM's LoRA stays
+    off."""
     if stage.type != "llm":
         raise StageLLMConfigError(f"type: stage {stage.stage_id} is a {stage.type} stage")
     unknown = sorted(set(stage.engine_args) - _ENGINE_ARG_NAMES)
@@ -63,6 +89,21 @@ def make_stage_llm_engine_args(
         args.update(runner="pooling", convert="embed")
     else:
         args.update(runner="generate")
+    if adapter_capacity > 0:
+        if "max_cpu_loras" in stage.engine_args:
+            # The stage's replica keeps a mirror of vLLM's adapter cache, which the router
+            # reads: both must hold the same number.
+            raise StageLLMConfigError(
+                "engineArgs.max_cpu_loras: set by the stage's maxLoras (the adapters a "
+                "replica holds loaded); leave it out"
+            )
+        slots = adapter_capacity + 1 if lora_needs_zero_adapter() else adapter_capacity
+        args.update(
+            enable_lora=True,
+            max_loras=slots,
+            max_cpu_loras=slots,
+            max_lora_rank=stage.max_lora_rank or DEFAULT_MAX_LORA_RANK,
+        )
     if encoder is not None and encoder.context_kv:
         # The thinker prefills each prompt whole (its attention spans the whole context)
         # and keeps no cache to share between prompts; its forward walks each prompt's
@@ -143,8 +184,10 @@ def make_stage_llm_vllm_config(
     model: str,
     encoder: EncoderRecipe | None = None,
     speech: SpeechStage | None = None,
+    adapter_capacity: int = 0,
 ) -> VllmConfig:
-    """The VllmConfig of ``stage``: what StageLLMCoreProcManager and the clients take.
+    """The VllmConfig of ``stage``: what StageLLMCoreProcManager and the clients take
+    (``adapter_capacity`` as make_stage_llm_engine_args takes it).
 
     An engine of one worker (no tensor or pipeline parallelism) runs its worker inside the
     engine-core process (vLLM's uniprocess executor), unless ``engineArgs`` names a
@@ -158,7 +201,7 @@ def make_stage_llm_vllm_config(
         )
     if encoder is not None and os.path.isfile(os.path.join(model, MODEL_INDEX)):
         model = encoder_model_view(model, encoder)
-    engine_args = make_stage_llm_engine_args(stage, model, encoder, speech)
+    engine_args = make_stage_llm_engine_args(stage, model, encoder, speech, adapter_capacity)
     try:
         vllm_config = engine_args.create_engine_config(usage_context=UsageContext.ENGINE_CONTEXT)
     except (ValueError, OSError) as e:

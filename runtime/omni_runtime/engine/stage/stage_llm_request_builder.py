@@ -33,6 +33,7 @@ import numpy as np
 from vllm import PoolingParams, SamplingParams
 from vllm.config import VllmConfig
 from vllm.exceptions import VLLMValidationError
+from vllm.lora.request import LoRARequest
 from vllm.renderers import renderer_from_config
 from vllm.renderers.params import ChatParams
 from vllm.v1.engine import EngineCoreRequest
@@ -87,6 +88,8 @@ class StageLLMRequestBuilder:
         """``think_tokens``: an encoder in think mode (its family's), the most tokens of its
         plans; ``speech``: the stage is the thinker or the talker of a family that speaks."""
         self.model_config = vllm_config.model_config
+        # Set where the engine serves LoRA adapters.
+        self.lora_config = vllm_config.lora_config
         self.encoder = encoder
         self.speech = speech
         self.think_tokens = think_tokens
@@ -128,14 +131,22 @@ class StageLLMRequestBuilder:
         additional_information: dict[str, Any] | None = None,
         images: Sequence[np.ndarray] = (),
         audios: Sequence[np.ndarray] = (),
+        lora_request: LoRARequest | None = None,
     ) -> StageLLMCoreRequest:
         """The request for one prompt: give exactly one of ``prompt`` (text),
         ``messages`` (chat, through the chat template) or ``prompt_token_ids``; ``images``
         (uint8 RGB each) only to a family's encoder that takes them, ``audios`` (float32
         mono samples) only to a thinker that hears, placed by the messages' input_audio
-        parts."""
+        parts; ``lora_request``: the LoRA adapter to generate with, loaded into the
+        engine already (StageLLMCoreClientBase.load_adapter_async)."""
         if not isinstance(request_id, str) or not request_id:
             raise InvalidLLMRequestError("request_id: a non-empty string is required", "request_id")
+        if lora_request is not None and self.lora_config is None:
+            raise InvalidLLMRequestError(
+                f"model: this stage's engine serves no LoRA adapters (adapter "
+                f"{lora_request.lora_name!r})",
+                "model",
+            )
         params = dict(params or {})
         thinks = False
         speaks = False
@@ -175,7 +186,7 @@ class StageLLMRequestBuilder:
             stage_params.extra_kwargs = {THINK_TOKENS: self.think_tokens}
         try:
             request = self.input_processor.process_inputs(
-                request_id, engine_input, stage_params, self._tasks
+                request_id, engine_input, stage_params, self._tasks, lora_request=lora_request
             )
         except (VLLMValidationError, ValueError) as e:
             # The renderer checked the prompt but for one thing vLLM leaves to this step: a
