@@ -168,6 +168,7 @@ def example_files() -> list[Any]:
             "qwen-image-edit-plus-pipeline.yaml",
             "z-image-turbo-pipeline.yaml",
             "qwen3-omni-pipeline.yaml",
+            "z-image-adapters-pipeline.yaml",
         )
     ]
 

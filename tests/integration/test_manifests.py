@@ -183,11 +183,12 @@ def test_base_rbac_is_least_privilege(base: list[dict[str, Any]]) -> None:
 def rendered_examples() -> list[dict[str, Any]]:
     objects: list[dict[str, Any]] = []
     for path in sorted(EXAMPLES.glob("*.yaml")):
-        doc = yaml.safe_load(path.read_text())
-        if doc.get("kind") != "OmniPipeline":
-            continue
-        spec = OmniPipelineSpec.model_validate(doc["spec"])
-        objects += render(doc["metadata"]["name"], "demo", "0000", spec, default_image="img")
+        # An example may bring what its pipeline mounts (a PersistentVolumeClaim) beside it.
+        for doc in yaml.safe_load_all(path.read_text()):
+            if not doc or doc.get("kind") != "OmniPipeline":
+                continue
+            spec = OmniPipelineSpec.model_validate(doc["spec"])
+            objects += render(doc["metadata"]["name"], "demo", "0000", spec, default_image="img")
     assert objects, f"no OmniPipeline under {EXAMPLES.relative_to(REPO)}"
     return objects
 

@@ -146,9 +146,27 @@ def _read(path: Path) -> Any:
             raise PipelineConfigError([(where, _too_deep())], source=where)
         return data
     try:
-        return yaml.load(text, Loader=_StrictSafeLoader)
+        documents = [d for d in yaml.load_all(text, Loader=_StrictSafeLoader) if d is not None]
     except yaml.YAMLError as error:
         raise PipelineConfigError([(where, _describe_yaml_error(error))], source=where) from None
+    if len(documents) <= 1:
+        return documents[0] if documents else None
+    # A manifest that brings what its pipeline mounts (a PersistentVolumeClaim) beside it,
+    # as `kubectl apply -f` takes it: the one OmniPipeline is the pipeline.
+    pipelines = [d for d in documents if isinstance(d, Mapping) and d.get("kind") == "OmniPipeline"]
+    if len(pipelines) != 1:
+        raise PipelineConfigError(
+            [
+                (
+                    where,
+                    f"the file holds {len(documents)} YAML documents and {len(pipelines)} "
+                    "OmniPipeline(s); give one pipeline, or a manifest with exactly one "
+                    "OmniPipeline",
+                )
+            ],
+            source=where,
+        )
+    return pipelines[0]
 
 
 # Far deeper than any pipeline (about 6 levels, engineArgs included), far shallower than

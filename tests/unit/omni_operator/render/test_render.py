@@ -827,3 +827,30 @@ def test_the_video_stores_password_reaches_the_router_from_its_secret() -> None:
     pipeline = next(iter(config["data"].values()))
     assert "redis://redis.demo.svc:6379/0" in pipeline
     assert "redis-auth" not in pipeline
+
+
+def test_adapters_example_mounts_its_claim_where_its_sources_are() -> None:
+    documents = list(yaml.safe_load_all((EXAMPLES / "z-image-adapters-pipeline.yaml").read_text()))
+    claim = next(d for d in documents if d["kind"] == "PersistentVolumeClaim")
+    manifest = next(d for d in documents if d["kind"] == "OmniPipeline")
+    spec = OmniPipelineSpec.model_validate(manifest["spec"])
+    objects = _by_key(_render(spec, "z-image-loras"))
+    pod = objects[("Deployment", "z-image-loras-encoder-dit")]["spec"]["template"]["spec"]
+    volume = next(v for v in pod["volumes"] if v["name"] == "loras")
+    assert volume["persistentVolumeClaim"]["claimName"] == claim["metadata"]["name"]
+    mounts = {m["mountPath"]: m for m in _container_of(pod)["volumeMounts"]}
+    assert mounts["/loras"]["readOnly"] is True
+    # Every adapter that is a path in the pod lies under the claim's mount.
+    paths = [a.source for a in spec.adapters or () if a.source.startswith("/")]
+    assert paths
+    assert all(path.startswith("/loras/") for path in paths)
+    # The stages' config carries the adapters as declared: each replica loads from it.
+    config = next(o for k, o in objects.items() if k[0] == "ConfigMap")
+    loaded = load_pipeline(json.loads(config["data"]["pipeline.json"]))
+    assert [a.name for a in loaded.adapters or ()] == ["ink-wash", "pixel-art", "film-grain"]
+    assert loaded.adapter_capacity(loaded.stage(1)) == 4
+
+
+def _container_of(pod: dict[str, Any]) -> dict[str, Any]:
+    container: dict[str, Any] = pod["containers"][0]
+    return container

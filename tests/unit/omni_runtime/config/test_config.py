@@ -863,3 +863,57 @@ def test_a_stage_finds_its_hand_off_connector_in_its_own_config() -> None:
     assert pipeline.output_connector(0) == "tcp_a"
     assert pipeline.output_connector(1) == "shm"
     assert pipeline.output_connector(2) is None
+
+
+def test_a_manifest_with_its_claim_loads_its_one_pipeline(tmp_path: Path) -> None:
+    claim = {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "c"}}
+    pipeline = {
+        "apiVersion": "omni.dev/v1alpha1",
+        "kind": "OmniPipeline",
+        "metadata": {"name": "p"},
+        "spec": {"model": "m", "stages": [{"stageId": 0, "type": "llm"}]},
+    }
+    path = tmp_path / "manifest.yaml"
+    path.write_text(yaml.safe_dump_all([claim, pipeline]))
+    assert load_pipeline(path).model == "m"
+    path.write_text(yaml.safe_dump_all([claim, pipeline, pipeline]))
+    with pytest.raises(PipelineConfigError, match="3 YAML documents and 2 OmniPipeline"):
+        load_pipeline(path)
+
+
+def test_adapter_capacity_follows_declarations_and_max_loras() -> None:
+    spec = {
+        "model": "m",
+        "stages": [
+            {"stageId": 0, "name": "chat", "type": "llm"},
+            {"stageId": 1, "name": "dit", "type": "diffusion", "maxLoras": 2},
+            {"stageId": 2, "name": "other", "type": "llm"},
+        ],
+        "adapters": [{"name": "pirate", "stage": "chat", "source": "/loras/pirate"}],
+    }
+    pipeline = PipelineConfig.model_validate(spec)
+    assert [pipeline.adapter_capacity(s) for s in pipeline.stages] == [4, 2, 0]
+    # Unset adapters stay out of the dump, so a pipeline without any keeps its revision.
+    assert "adapters" not in dump_pipeline(
+        PipelineConfig.model_validate({**spec, "adapters": None})
+    )
+
+
+@pytest.mark.parametrize(
+    ("adapter", "where", "says"),
+    [
+        ({"source": "https://example.com/a.safetensors"}, "adapters[0].source", "not a URL"),
+        ({"scale": 0.5}, "adapters[0].scale", "leave scale at 1"),
+        ({"name": "m"}, "adapters[0].name", "served model name"),
+    ],
+)
+def test_llm_adapters_take_no_url_or_scale(adapter: dict[str, Any], where: str, says: str) -> None:
+    spec = {
+        "model": "m",
+        "stages": [{"stageId": 0, "name": "chat", "type": "llm"}],
+        "adapters": [{"name": "pirate", "stage": "chat", "source": "/loras/pirate", **adapter}],
+    }
+    with pytest.raises(ValueError, match="adapters") as refused:
+        PipelineConfig.model_validate(spec)
+    assert where in str(refused.value)
+    assert says in str(refused.value)
