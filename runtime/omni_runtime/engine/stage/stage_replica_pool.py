@@ -259,9 +259,10 @@ class _Replica:
     # Its requests' time against their work, from its execution times (None: nothing
     # ran yet).
     calibration: WorkCalibration | None = None
-    # Adapters sent here (name -> when), which the replica holds from then on as far as the
-    # pool knows until its own report (StageLoad.adapters) says otherwise.
-    adapters_sent: dict[str, float] = field(default_factory=dict)
+    # Adapters sent here since the replica's last report: name -> (when, the report then
+    # current). The replica holds them from then on as far as the pool knows, until a
+    # newer report (StageLoad.adapters) says what it holds.
+    adapters_sent: dict[str, tuple[float, object]] = field(default_factory=dict)
 
     def adapters_held(self) -> tuple[set[str], int]:
         """The adapters the replica holds, and how many it holds at most (0: unknown), from
@@ -269,9 +270,18 @@ class _Replica:
         load = getattr(self.client, "load", None)
         reported = set(getattr(load, "adapters", None) or ())
         capacity = int(getattr(load, "max_adapters", 0) or 0)
-        # A report older than a send cannot know of it; one newer has the replica's word.
+        # A report made before a send cannot know of it; a newer one has the replica's
+        # word (it may have evicted it already). A replica that never reports: a while.
         recent = time.monotonic() - ADAPTER_REPORT_LAG_S
-        return reported | {n for n, t in self.adapters_sent.items() if t > recent}, capacity
+        sent = {
+            name
+            for name, (when, report) in self.adapters_sent.items()
+            if report is load and when > recent
+        }
+        return reported | sent, capacity
+
+    def adapter_sent(self, name: str) -> None:
+        self.adapters_sent[name] = (time.monotonic(), getattr(self.client, "load", None))
 
     @property
     def accepting(self) -> bool:
@@ -487,7 +497,7 @@ class StageReplicaPool:
             if pool_request.finished or self._requests.get(request_id) is pool_request:
                 pool_request._submitted = True
                 if adapter is not None:
-                    replica.adapters_sent[adapter] = time.monotonic()
+                    replica.adapter_sent(adapter)
                     self._adapter_placed(adapter, held)
                 return pool_request
             # The replica was lost while the request was being sent: it never ran there.
