@@ -139,6 +139,7 @@ def create_app(
                 takes_image=family.dit.takes_image if family is not None else True,
                 requires_image=family is not None and family.dit.requires_image,
                 sized_by_image=family is not None and family.dit.sized_by_image,
+                adapters=serving.adapters if serving.adapters.takes_adapters else None,
             )
             videos.start()
             app.state.videos = videos

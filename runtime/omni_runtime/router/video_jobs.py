@@ -31,6 +31,7 @@ from typing import Any, Literal
 
 from omni_runtime.config import VideoJobsConfig
 from omni_runtime.families.base import VideoRecipe
+from omni_runtime.router.adapters import AdapterCatalog
 from omni_runtime.router.job_store import JobStore, JobStoreError, QueueFullError, VideoJob
 from omni_runtime.router.orchestrator import PipelineError, PipelineOrchestrator, PipelineRequest
 from omni_runtime.router.protocol import (
@@ -110,8 +111,11 @@ class VideoJobs:
         sized_by_image: bool = False,
         owner: str | None = None,
         clock: Callable[[], float] = time.time,
+        adapters: AdapterCatalog | None = None,
     ) -> None:
         self.store = store
+        # The pipeline's LoRA adapters, which a job's model may name (None: it takes none).
+        self.adapters = adapters
         self.orchestrator = orchestrator
         self.config = config
         self.recipe = recipe
@@ -159,7 +163,12 @@ class VideoJobs:
     async def create(self, body: VideoCreateRequest, input_bytes: list[bytes]) -> VideoJob:
         """A new queued job; RequestError naming the field if the body is bad, 429 past the
         pipeline's limit of active jobs."""
-        if body.model is not None and body.model != self.model_name:
+        model = self.model_name
+        if self.adapters is not None and body.model is not None:
+            # The job keeps the name the caller gave: its run picks the adapters by it.
+            if self.adapters.pick(body.model):
+                model = body.model
+        elif body.model is not None and body.model != self.model_name:
             raise RequestError(
                 404,
                 f"model: {body.model!r} is not served here; this router serves "
@@ -203,7 +212,7 @@ class VideoJobs:
             id=new_job_id(self.clock()),
             created_at=now,
             status="queued",
-            model=self.model_name,
+            model=model,
             prompt=body.prompt,
             size=size,
             seconds=f"{frames / fps:g}",
@@ -330,6 +339,13 @@ class VideoJobs:
             await self._produce(job, started)
         except asyncio.CancelledError:
             raise  # deleted, taken, or this replica shuts down: nothing to record
+        except RequestError as e:
+            # Its adapter was unloaded (POST /v1/unload_lora_adapter) while it queued.
+            await self._end(
+                job.id,
+                status="failed",
+                error={"code": "invalid_request_error", "message": e.message},
+            )
         except PipelineError as e:
             if e.status == 503 and not started[0]:
                 # The stages went away before it began (a rollout, a lost replica): back
@@ -373,6 +389,7 @@ class VideoJobs:
             diffusion_params={**params, "report_progress": True},
             images=images,
             sticky_key=user,
+            adapters=self.adapters.pick(job.model) if self.adapters is not None else {},
         )
         frames = None
         written = 0.0

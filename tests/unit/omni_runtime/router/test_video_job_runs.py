@@ -12,10 +12,14 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import pytest
+
+from omni_runtime.config import PipelineConfig
 from omni_runtime.config.models import VideoJobsConfig
 from omni_runtime.families import FAMILIES
+from omni_runtime.router.adapters import AdapterCatalog
 from omni_runtime.router.job_store import SqliteJobStore
-from omni_runtime.router.protocol import RouterLimits, VideoCreateRequest
+from omni_runtime.router.protocol import RequestError, RouterLimits, VideoCreateRequest
 from omni_runtime.router.video_jobs import VideoJobs
 
 
@@ -25,6 +29,7 @@ class _Stages:
 
     def __init__(self) -> None:
         self.request_ids: list[str] = []
+        self.adapters: list[dict[int, Any]] = []
         self.started = asyncio.Event()
 
     def choose_revision(self) -> str:
@@ -32,12 +37,15 @@ class _Stages:
 
     async def run(self, request: Any, timeout: float) -> AsyncIterator[Any]:
         self.request_ids.append(request.request_id)
+        self.adapters.append(request.adapters)
         self.started.set()
         await asyncio.Event().wait()  # under way until its router stops
         yield None  # pragma: no cover
 
 
-def _jobs(store: SqliteJobStore, stages: _Stages) -> VideoJobs:
+def _jobs(
+    store: SqliteJobStore, stages: _Stages, adapters: AdapterCatalog | None = None
+) -> VideoJobs:
     recipe = FAMILIES["wan2.2"].dit.video
     assert recipe is not None
     return VideoJobs(
@@ -47,6 +55,7 @@ def _jobs(store: SqliteJobStore, stages: _Stages) -> VideoJobs:
         recipe,
         model_name="tiny-wan",
         limits=RouterLimits(),
+        adapters=adapters,
     )
 
 
@@ -71,3 +80,32 @@ def test_a_run_given_back_and_run_again_asks_the_stages_under_a_new_id(tmp_path:
     # The same attempt (a stop costs none), but a request id of its own.
     assert second[0].startswith(f"{job_id}-1-")
     assert first != second
+
+
+def test_a_job_naming_an_adapter_runs_with_it(tmp_path: Path) -> None:
+    pipeline = PipelineConfig.model_validate(
+        {
+            "model": "/models/wan2.2",
+            "family": "wan2.2",
+            "stages": [{"stageId": 0, "name": "dit", "type": "diffusion"}],
+            "adapters": [{"name": "ink", "stage": "dit", "source": "/loras/ink.safetensors"}],
+        }
+    )
+    adapters = AdapterCatalog(pipeline, "tiny-wan")
+
+    async def scenario() -> tuple[str, list[dict[int, Any]]]:
+        stages = _Stages()
+        jobs = _jobs(SqliteJobStore(tmp_path), stages, adapters)
+        jobs.start()
+        with pytest.raises(RequestError) as unknown:
+            await jobs.create(VideoCreateRequest(prompt="a fox", model="tiny-wan:pop"), [])
+        assert unknown.value.status == 404
+        job = await jobs.create(VideoCreateRequest(prompt="a fox", model="tiny-wan:ink"), [])
+        await asyncio.wait_for(stages.started.wait(), 10)
+        await jobs.close()
+        return job.model, stages.adapters
+
+    model, picked = asyncio.run(scenario())
+    # The job says what the caller asked for, and its run carries the DiT's adapter.
+    assert model == "tiny-wan:ink"
+    assert [{stage: a.name for stage, a in run.items()} for run in picked] == [{0: "ink"}]
