@@ -13,7 +13,13 @@ PEFT adapters of ``omni_runtime.tiny_models.llm_lora``:
 - a mixed batch: ``--concurrency`` requests at once spread over no adapter and both
   adapters, against the same number without adapters, in generated tokens per second.
 
+``--shape qwen2-0.5b`` runs it on a model of Qwen2-0.5B's shape instead (24 layers, hidden
+896, MLP 4864; random weights, the tiny tokenizer, built once under
+~/.cache/omni-operator/bench-models): the adapter's ops cost about the same per layer on
+both, so the tiny model's microsecond matmuls overstate their share of a real step.
+
     .venv/bin/python bench/llm_adapters.py [--tokens 16] [--repeat 20] [--concurrency 6]
+                                           [--shape tiny|qwen2-0.5b] [--compiled]
 """
 
 from __future__ import annotations
@@ -42,6 +48,42 @@ from omni_runtime.tiny_models import LLM_SUBDIR, ensure_tiny_models
 from omni_runtime.tiny_models.llm_lora import ATTN_LORA, MLP_LORA, build_llm_loras
 
 PROMPT = "draw a red cat in a garden"
+BENCH_MODELS = Path.home() / ".cache" / "omni-operator" / "bench-models"
+
+
+def qwen2_half_b_shaped(tiny_llm: Path) -> Path:
+    """A Qwen2 of Qwen2-0.5B's layer shapes with random weights and the tiny LLM's
+    tokenizer (its 384-token vocabulary keeps the LM head small), built once."""
+    import shutil
+
+    import torch
+    from transformers import AutoConfig, AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    path = BENCH_MODELS / "qwen2-0.5b-shaped"
+    if (path / "config.json").exists():
+        return path
+    staging = path.with_name(path.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llm)
+    tokenizer.save_pretrained(staging)
+    config = Qwen2Config(
+        vocab_size=AutoConfig.from_pretrained(tiny_llm).vocab_size,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+        dtype="float32",
+    )
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(config).save_pretrained(staging)
+    staging.rename(path)
+    return path
 
 
 class Bench:
@@ -91,7 +133,6 @@ def stage(**fields: Any) -> StageConfig:
             "type": "llm",
             "dtype": "float32",
             "maxModelLen": 512,
-            "enforceEager": True,
             **fields,
         }
     )
@@ -99,11 +140,14 @@ def stage(**fields: Any) -> StageConfig:
 
 async def measure(args: argparse.Namespace) -> dict[str, Any]:
     model = ensure_tiny_models(DEFAULT_MODELS_DIR) / LLM_SUBDIR
+    if args.shape == "qwen2-0.5b":
+        model = qwen2_half_b_shaped(model)
     figures: dict[str, Any] = {"tokens": args.tokens, "repeat": args.repeat}
     with tempfile.TemporaryDirectory(prefix="bench-loras-") as scratch:
         loras = build_llm_loras(Path(scratch), model)
         names = [ATTN_LORA, MLP_LORA]
-        plain, lora_stage = stage(), stage(maxLoras=2)
+        eager = {"enforceEager": not args.compiled}
+        plain, lora_stage = stage(**eager), stage(maxLoras=2, **eager)
         declared = [{"name": n, "stage": "chat", "source": str(loras[n])} for n in names]
         concurrency = args.concurrency
         for label, config, adapters in (
@@ -156,6 +200,10 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=16, help="tokens generated per request")
     parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument("--concurrency", type=int, default=6)
+    parser.add_argument(
+        "--compiled", action="store_true", help="vLLM's torch.compile'd model, not eager"
+    )
+    parser.add_argument("--shape", choices=("tiny", "qwen2-0.5b"), default="tiny")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     # vLLM's CPU build sizes its KV cache from this (GiB); unset, it refuses to start.
@@ -165,6 +213,7 @@ def main() -> None:
         print(json.dumps(figures, indent=2))
         return
     ms = 1000.0
+    print(f"model: {args.shape}, {'compiled' if args.compiled else 'eager'}")
     print(
         f"engine start: {figures['plain_startup_s']:.1f} s without LoRA, "
         f"{figures['lora_startup_s']:.1f} s with (maxLoras 2)"
