@@ -190,7 +190,13 @@ def test_audio_reaches_the_caller_while_the_talker_still_speaks(
     assert talking_at_first_audio == 1
     assert first_audio is not None
     assert first_audio < 0.6 * total
-    assert b"".join(pieces) == whole
+    # The same samples as the whole answer's, within one PCM level: chunks of one answer
+    # waiting together decode as one batch (code2wav_engine.batch_key), and how many wait
+    # depends on the machine's load; CPU convolutions of a batch of two may differ from
+    # two of one in the last bit, which can turn a rounding.
+    streamed = np.frombuffer(b"".join(pieces), "<i2").astype(np.int32)
+    assert len(streamed) == len(whole) // 2
+    assert np.abs(streamed - np.frombuffer(whole, "<i2")).max() <= 1
 
 
 def test_a_client_gone_mid_stream_frees_every_stage_and_connector(
