@@ -12,7 +12,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
-from omni_runtime.families import read_checkpoint_family
+from omni_runtime.families import family_of_model_name, read_checkpoint_family
 
 from .errors import PipelineConfigError, join_path
 from .models import PipelineConfig
@@ -58,7 +58,7 @@ def load_pipeline(
     if model is not None:
         data = {**data, "model": model}
     try:
-        return with_checkpoint_family(PipelineConfig.model_validate(data))
+        return PipelineConfig.model_validate(with_checkpoint_family(data))
     except ValidationError as error:
         # `from None`: pydantic's own dump is what this error exists to replace.
         found = PipelineConfigError.from_validation_error(error, PipelineConfig, source=origin)
@@ -70,19 +70,30 @@ def load_pipeline(
         raise PipelineConfigError(issues, source=origin) from None
 
 
-def with_checkpoint_family(config: PipelineConfig) -> PipelineConfig:
-    """``config`` with its family filled in from the DiT's checkpoint, where it names none
-    and the checkpoint is a local directory whose model_index.json gives a known family."""
-    if config.family is not None:
-        return config
-    for stage in config.stages:
-        if stage.type == "diffusion":
-            family = read_checkpoint_family(config.stage_model(stage))
-            if family is not None:
-                return PipelineConfig.model_validate(
-                    {**dump_pipeline(config), "family": family.name}
-                )
-    return config
+def with_checkpoint_family(data: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``data`` (a pipeline, not yet validated) with its family read from its checkpoints,
+    where it names none and its model's name gives none: a stage's own model or the
+    pipeline's, a local directory whose model_index.json or config.json names a known
+    family. Read before validation, so that the family's topology gives its stages their
+    types and its rules apply, as they do to a model whose name gives its family."""
+    model = data.get("model")
+    if data.get("family") is not None or (
+        isinstance(model, str) and family_of_model_name(model) is not None
+    ):
+        return data
+    stages = data.get("stages")
+    paths = [
+        stage["model"]
+        for stage in (stages if isinstance(stages, list) else [])
+        if isinstance(stage, Mapping) and isinstance(stage.get("model"), str)
+    ]
+    if isinstance(model, str):
+        paths.append(model)
+    for path in paths:
+        family = read_checkpoint_family(path)
+        if family is not None:
+            return {**data, "family": family.name}
+    return data
 
 
 def dump_pipeline(config: PipelineConfig) -> dict[str, Any]:

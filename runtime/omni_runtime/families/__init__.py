@@ -115,12 +115,27 @@ def family_of_model_name(model: str) -> Family | None:
 
 
 def read_checkpoint_family(path: str) -> Family | None:
-    """The family of the diffusers checkpoint at ``path`` (its model_index.json's class);
-    None if ``path`` is no local checkpoint or its pipeline is of no known family."""
-    index = os.path.join(os.path.expanduser(os.path.expandvars(path)), MODEL_INDEX)
-    try:
-        with open(index, encoding="utf-8") as f:
-            class_name = json.load(f).get("_class_name")
-    except (OSError, ValueError, AttributeError):
+    """The family of the checkpoint at ``path``: its model_index.json's pipeline class (a
+    diffusers checkpoint), else its config.json's architectures (a transformers model that
+    holds every stage); None if ``path`` is no local checkpoint or names no known family."""
+    root = os.path.expanduser(os.path.expandvars(path))
+    class_name = _read_json_field(os.path.join(root, MODEL_INDEX), "_class_name")
+    if isinstance(class_name, str):
+        return family_of_pipeline_class(class_name)
+    architectures = _read_json_field(os.path.join(root, "config.json"), "architectures")
+    if not isinstance(architectures, list):
         return None
-    return family_of_pipeline_class(class_name) if isinstance(class_name, str) else None
+    for family in FAMILIES.values():
+        if any(name in family.architectures for name in architectures):
+            return family
+    return None
+
+
+def _read_json_field(path: str, name: str) -> object:
+    """``name`` of the JSON object in the file at ``path``; None where there is none."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return data.get(name) if isinstance(data, dict) else None

@@ -67,6 +67,7 @@ class BagelFamily(Family):
 
 BAGEL = BagelFamily(
     name="bagel",
+    architectures=("BagelForConditionalGeneration",),
     encoder=EncoderRecipe(
         # A prompt is framed as BAGEL frames a text in its context.
         template="<|im_start|>{}<|im_end|>",

@@ -326,6 +326,10 @@ class Family:
     topology: tuple[TopologyStage, ...]
     # Hub ids of the family's public checkpoints (for docs and examples).
     hub_ids: tuple[str, ...] = ()
+    # The ``architectures`` a checkpoint's config.json names where one transformers model
+    # holds every stage of the family (Qwen3-Omni's): a local checkpoint whose path names
+    # no family is known by it.
+    architectures: tuple[str, ...] = ()
     # Other names a model's path or hub id may carry for the family (lower case, "-" for
     # "_"): Qwen-Image-Edit-Plus is published as Qwen-Image-Edit-2509 and -2511.
     aliases: tuple[str, ...] = ()

@@ -40,6 +40,7 @@ class Qwen3OmniFamily(Family):
 
 QWEN3_OMNI = Qwen3OmniFamily(
     name="qwen3-omni",
+    architectures=("Qwen3OmniMoeForConditionalGeneration",),
     encoder=None,
     dit=DiTRecipe(
         pipeline_class="Qwen3OmniMoeCode2Wav",

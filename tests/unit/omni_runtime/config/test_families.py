@@ -303,3 +303,41 @@ def test_num_threads_is_a_diffusion_stages_alone() -> None:
         path.startswith("stages[0]") and "only diffusion stages take numThreads" in message
         for path, message in caught.value.issues
     ), caught.value.issues
+
+
+def test_a_transformers_checkpoint_names_its_family(tmp_path: Path) -> None:
+    # A Qwen3-Omni checkpoint under a path that names no family: its config.json's
+    # architecture gives it, so its stages get the family's types and rules (not a generic
+    # LLM, LLM, diffusers pipeline that fails when code2wav looks for model_index.json).
+    checkpoint = tmp_path / "my-speaker"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text(
+        json.dumps({"architectures": ["Qwen3OmniMoeForConditionalGeneration"]})
+    )
+    config = load_pipeline(
+        {
+            "model": str(checkpoint),
+            "stages": [
+                {"stageId": 0},
+                {"stageId": 1, "inputConnectors": {"from_stage_0": "shm"}},
+                {"stageId": 2, "inputConnectors": {"from_stage_1": "shm"}},
+            ],
+            "connectors": {"shm": {"name": "SharedMemoryConnector"}},
+        }
+    )
+    assert config.family == "qwen3-omni"
+    assert [(s.name, s.type) for s in config.stages] == [
+        ("thinker", "llm"),
+        ("talker", "llm"),
+        ("code2wav", "diffusion"),
+    ]
+    # An architecture of no family's (a plain LLM) names none.
+    (checkpoint / "config.json").write_text(json.dumps({"architectures": ["Qwen2ForCausalLM"]}))
+    assert read_checkpoint_family(str(checkpoint)) is None
+
+
+def test_every_family_architecture_is_one_familys() -> None:
+    seen: dict[str, str] = {}
+    for family in FAMILIES.values():
+        for architecture in family.architectures:
+            assert seen.setdefault(architecture, family.name) == family.name
