@@ -114,6 +114,10 @@ class TalkerPrompt:
         vocab = config.text_config.vocab_size
         sampling.allowed_token_ids = [*range(vocab - 1024), config.codec_eos_token_id]
         sampling.stop_token_ids = [config.codec_eos_token_id]
+        # The checkpoint's generation_config.json is the thinker's: its end-of-text ids would
+        # join the talker's stops, and where one of them is also a code (a small codebook's)
+        # the answer would end mid-sentence. The codec's end alone ends speech.
+        sampling.ignore_eos = True
         sampling.detokenize = False
         inputs = TalkerInputs(
             rows.tobytes(),
