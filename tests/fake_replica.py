@@ -30,6 +30,9 @@ class FakeReplica(StageCoreClientBase):
         self.dead_on_send = False
         self.shut_down = False
         self.hold_sends: asyncio.Event | None = None
+        # What a utility call answers, by method (a test sets them); the calls made.
+        self.utility_answers: dict[str, Any] = {}
+        self.utility_calls: list[tuple[str, dict[str, Any]]] = []
         self._outputs: asyncio.Queue[StageCoreOutputs | BaseException] = asyncio.Queue()
 
     async def add_request_async(self, request: StageCoreRequest) -> None:
@@ -66,7 +69,11 @@ class FakeReplica(StageCoreClientBase):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        raise NotImplementedError
+        self.check_health()
+        if method not in self.utility_answers:
+            raise NotImplementedError(method)
+        self.utility_calls.append((method, dict(kwargs or {})))
+        return self.utility_answers[method]
 
     def check_health(self) -> None:
         if self.dead is not None:

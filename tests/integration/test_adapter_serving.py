@@ -145,7 +145,7 @@ def test_bad_adapter_requests_are_refused_naming_the_field(client: openai.OpenAI
     assert "lora_scale" in str(unscaled.value)
 
 
-def test_an_adapter_loaded_at_run_time_serves_then_a_bad_file_fails_alone(
+def test_an_adapter_loaded_at_run_time_serves_and_a_bad_file_is_refused_at_load(
     client: openai.OpenAI, tiny_models: Path, loras: dict[str, Path], tmp_path: Path
 ) -> None:
     http = client._client  # the official client's httpx client: same base URL and auth
@@ -158,15 +158,17 @@ def test_an_adapter_loaded_at_run_time_serves_then_a_bad_file_fails_alone(
     assert_same_image(generate(client, "mono"), reference(tiny_models, loras["z-image-mono"]))
     corrupt = tmp_path / "corrupt.safetensors"
     corrupt.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not a header}" + bytes(64))
-    assert (
-        http.post(
-            f"{base}/load_lora_adapter", json={"lora_name": "broken", "lora_path": str(corrupt)}
-        ).status_code
-        == 200
-    )
-    with pytest.raises(openai.BadRequestError) as broken:
-        generate(client, "broken")
-    assert str(corrupt) in str(broken.value)
+    # As vLLM's endpoint: what cannot load is refused at load time, naming the file, and is
+    # not served; a missing file alike.
+    for name, path in (("broken", corrupt), ("missing", tmp_path / "nowhere.safetensors")):
+        refused = http.post(
+            f"{base}/load_lora_adapter", json={"lora_name": name, "lora_path": str(path)}
+        )
+        assert refused.status_code == 400, refused.text
+        assert refused.json()["error"]["param"] == "lora_path"
+        assert str(path) in refused.json()["error"]["message"]
+        with pytest.raises(openai.NotFoundError):
+            generate(client, name)
     # The replica serves on, with and without adapters.
     assert_same_image(generate(client, "mono"), reference(tiny_models, loras["z-image-mono"]))
     assert http.post(f"{base}/unload_lora_adapter", json={"lora_name": "mono"}).status_code == 200
@@ -252,5 +254,13 @@ async def test_served_completions_with_adapters_equal_pefts_merged_model(
     ]
     assert served == expected
     assert expected[0] != expected[2], "the adapter must change the answer"
+    # A run-time load of what vLLM cannot load (no adapter_config.json there) is refused
+    # at load time, naming the path, as vLLM's own endpoint refuses it.
+    refused = http.post(
+        f"{root}/v1/load_lora_adapter",
+        json={"lora_name": "nothing", "lora_path": str(tiny_models / LLM_SUBDIR)},
+    )
+    assert refused.status_code == 400, refused.text
+    assert str(tiny_models / LLM_SUBDIR) in refused.json()["error"]["message"]
     with pytest.raises(openai.NotFoundError):
         await complete(f"{CHAT}:{WIDE_LORA}", CHAT_PROMPTS[0])

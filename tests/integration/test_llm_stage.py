@@ -5,7 +5,9 @@ running the same weights."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -662,6 +664,25 @@ async def test_startup_failure_is_reported_and_leaves_nothing(
     assert "(ValueError: Available memory" in str(info.value)
     assert "VLLM_CPU_KVCACHE_SPACE" in str(info.value)
     assert set(children()) - before == set()  # nothing it started survived
+
+
+async def test_an_engine_that_cannot_run_a_request_is_not_ready_and_says_why(
+    llm_path: str, tmp_path: Path
+) -> None:
+    """The tiny LLM with 8 heads of 16 instead of 4 of 32 (the same weights' shapes): vLLM's
+    CPU attention has no kernel for head size 16, which its first forward pass finds.
+    Without the warm-up the stage said ready and its first request killed the engine."""
+    model = tmp_path / "head-dim-16"
+    shutil.copytree(llm_path, model)
+    config = json.loads((model / "config.json").read_text())
+    config.update(num_attention_heads=8, num_key_value_heads=4, head_dim=16)
+    (model / "config.json").write_text(json.dumps(config))
+    before = set(children())
+    with pytest.raises(StageCoreStartupError) as info:
+        start_stage_llm_client(TEXT_STAGE, str(model))
+    assert "StageWarmUpError: the engine cannot run a request" in str(info.value)
+    assert "head_dim=16" in str(info.value)
+    assert set(children()) - before == set()
 
 
 async def test_startup_past_its_deadline_is_reported_and_leaves_nothing(llm_path: str) -> None:

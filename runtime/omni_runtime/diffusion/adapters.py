@@ -339,6 +339,25 @@ class DiTAdapters:
                 future.add_done_callback(self._read_ended)
             return future.done()
 
+    def check(self, adapter: StageAdapter) -> None:
+        """Read ``adapter`` now and check it against the DiT, without injecting it (a load
+        at run time, which must refuse what cannot load: vLLM's /v1/load_lora_adapter).
+        The read is kept for the first request that names it. AdapterLoadError naming the
+        file if it cannot be loaded."""
+        self.ready(adapter)
+        with self._lock:
+            if self._sources.get(adapter.name) == adapter.source:
+                return
+            future = self._reads[_held_key(adapter)]
+        try:
+            future.result()
+        except BaseException:
+            with self._lock:
+                # Tried again by the next load or request (a file since fixed loads).
+                if self._reads.get(_held_key(adapter)) is future:
+                    del self._reads[_held_key(adapter)]
+            raise
+
     def _read_ended(self, _future: concurrent.futures.Future[ReadAdapter]) -> None:
         on_read = self._on_read
         if on_read is not None:

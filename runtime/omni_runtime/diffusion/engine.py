@@ -322,6 +322,12 @@ class DiffusionEngineBase(abc.ABC):
         """The LoRA adapters the engine holds, least recently used first."""
         return []
 
+    def check_adapter(self, name: str, source: str, scale: float) -> str | None:
+        """Why adapter ``name`` from ``source`` cannot load into this engine, or None once
+        it is read and checked (kept for its first request): a utility call, for a load at
+        run time that refuses what cannot load."""
+        return f"this stage ({type(self).__name__}) takes no LoRA adapters"
+
     def _use_adapter(self, adapter: StageAdapter | None) -> None:
         """Set the model up for the next run's adapter (None: its weights alone), on the
         engine's thread; InvalidRequestError or AdapterLoadError if it cannot be."""
@@ -564,6 +570,15 @@ class DiffusionEngine(DiffusionEngineBase):
 
     def held_adapters(self) -> list[str]:
         return self._adapters.held if self._adapters is not None else []
+
+    def check_adapter(self, name: str, source: str, scale: float) -> str | None:
+        if self._adapters is None:
+            return super().check_adapter(name, source, scale)
+        try:
+            self._adapters.check(StageAdapter(name, source, scale))
+        except AdapterLoadError as e:
+            return str(e)
+        return None
 
     def _use_adapter(self, adapter: StageAdapter | None) -> None:
         if self._adapters is None:

@@ -130,6 +130,11 @@ class AdapterCatalog:
     def add(self, name: str, source: str, stage_name: str | None, scale: float) -> CatalogEntry:
         """Serve adapter ``name`` from ``source`` on a stage (None: the one stage that takes
         adapters). The replicas load it on first use. RequestError names the field."""
+        return self.insert(self.entry(name, source, stage_name, scale))
+
+    def entry(self, name: str, source: str, stage_name: str | None, scale: float) -> CatalogEntry:
+        """What ``add`` would serve, checked but not served yet (a load at run time first
+        has a replica load it). RequestError names the field."""
         if not ADAPTER_NAME_PATTERN_RE.fullmatch(name):
             raise RequestError(
                 400,
@@ -158,17 +163,27 @@ class AdapterCatalog:
                     "scale: vLLM applies an llm stage's adapter at its trained scale",
                     param="scale",
                 )
-        entry = CatalogEntry(stage, StageAdapter(name, source, scale), declared=False)
         with self._lock:
-            if name in self._entries:
-                raise RequestError(
-                    400,
-                    f"lora_name: the adapter {name!r} has already been loaded; unload it "
-                    "first to load it from elsewhere",
-                    param="lora_name",
-                )
-            self._entries[name] = entry
+            self._check_free(name)
+        return CatalogEntry(stage, StageAdapter(name, source, scale), declared=False)
+
+    def insert(self, entry: CatalogEntry) -> CatalogEntry:
+        """Serve ``entry`` (from :meth:`entry`) from now on; RequestError if its name was
+        taken meanwhile."""
+        with self._lock:
+            self._check_free(entry.adapter.name)
+            self._entries[entry.adapter.name] = entry
         return entry
+
+    def _check_free(self, name: str) -> None:
+        # Under the lock, held by the caller.
+        if name in self._entries:
+            raise RequestError(
+                400,
+                f"lora_name: the adapter {name!r} has already been loaded; unload it first "
+                "to load it from elsewhere",
+                param="lora_name",
+            )
 
     def remove(self, name: str) -> None:
         """Stop serving adapter ``name``, added at run time; RequestError names the field."""

@@ -292,7 +292,7 @@ def create_app(
         @app.post("/v1/load_lora_adapter")
         async def load_lora_adapter(request: Request) -> Response:
             body = parse_body(LoadLoraAdapterRequest, await read_json(request, serving.limits))
-            return serving.load_adapter(body)
+            return await serving.load_adapter(body)
 
         @app.post("/v1/unload_lora_adapter")
         async def unload_lora_adapter(request: Request) -> Response:

@@ -60,6 +60,8 @@ _AUDIO_TTL_S = 0
 # A tokenize call is milliseconds of a stage server's time; one far past that has lost its
 # replica (which the pool notices on its own).
 _TOKENIZER_TIMEOUT_S = 30.0
+# A load at run time reads the adapter's files, and may fetch them from the hub first.
+_ADAPTER_LOAD_TIMEOUT_S = 300.0
 
 logger = logging.getLogger(__name__)
 
@@ -307,11 +309,36 @@ class OpenAIServing:
             ],
         }
 
-    def load_adapter(self, body: LoadLoraAdapterRequest) -> Response:
-        """vLLM's /v1/load_lora_adapter: the adapter is served from now on; each replica of
-        its stage loads it on its first request (a bad file fails that request, naming it)."""
+    async def load_adapter(self, body: LoadLoraAdapterRequest) -> Response:
+        """vLLM's /v1/load_lora_adapter: a replica of its stage loads the adapter now, and
+        one it cannot load is refused (a 400 naming the file, as vLLM's); it is served from
+        then on, and each other replica loads it on its first request."""
         scale = 1.0 if body.scale is None else float(body.scale)
-        entry = self.adapters.add(body.lora_name, body.lora_path, body.stage, scale)
+        entry = self.adapters.entry(body.lora_name, body.lora_path, body.stage, scale)
+        pool = self.pools[entry.stage.stage_id]
+        adapter = entry.adapter
+        try:
+            answer: dict[str, Any] = await pool.call_utility(
+                "load_adapter",
+                {"name": adapter.name, "source": adapter.source, "scale": adapter.scale},
+                timeout=_ADAPTER_LOAD_TIMEOUT_S,
+            )
+        except NoLiveReplicaError as e:
+            raise PipelineError(
+                503,
+                f"no replica of stage {entry.stage.name!r} is up to load the adapter on: {e}",
+                kind="service_unavailable",
+                retry_after=5.0,
+            ) from None
+        except TimeoutError:
+            raise PipelineError(
+                504,
+                f"lora_path: the adapter did not load within {_ADAPTER_LOAD_TIMEOUT_S:g} s",
+                kind="timeout",
+            ) from None
+        if "error" in answer:
+            raise RequestError(400, f"lora_path: {answer['error']}", "lora_path")
+        self.adapters.insert(entry)
         logger.info(
             "adapter %r of stage %r added from %s", body.lora_name, entry.stage.name, body.lora_path
         )

@@ -87,6 +87,14 @@ class StageDiffusionFrontend(StageFrontend):
             self.adapters.use(request.adapter.name)
         return []
 
+    async def load_adapter(self, adapter: StageAdapter) -> str | None:
+        # The core reads and checks it against its DiT; its first request injects it.
+        why: str | None = await self.client.collective_rpc_async(
+            "check_adapter",
+            kwargs={"name": adapter.name, "source": adapter.source, "scale": adapter.scale},
+        )
+        return why
+
     async def next_outputs(self) -> list[StageServerOutput]:
         outputs = await self.client.get_outputs_async()
         assert isinstance(outputs, StageDiffusionCoreOutputs)

@@ -23,6 +23,7 @@ from omni_runtime.config import PipelineConfig, StageConfig
 from omni_runtime.connectors import StageConnectors
 from omni_runtime.engine.stage.stage_core_client import StageCoreClientBase
 from omni_runtime.engine.stage.stage_core_types import (
+    StageAdapter,
     StageError,
     StageServerOutput,
     StageServerRequest,
@@ -252,14 +253,29 @@ class StageFrontend(ABC):
     def check_health(self) -> None:
         self.client.check_health()
 
-    # Utility methods this frontend answers itself, from what it holds (the tokenizer);
-    # the stage server sends any other utility call to the core's collective_rpc.
-    frontend_methods: frozenset[str] = frozenset()
+    # Utility methods this frontend answers itself, from what it holds (the tokenizer, the
+    # adapters); the stage server sends any other utility call to the core's collective_rpc.
+    frontend_methods: frozenset[str] = frozenset({"load_adapter"})
 
     async def frontend_call(self, method: str, kwargs: dict[str, Any]) -> dict[str, Any]:
         """The answer to one of ``frontend_methods``: a result, or ``{"error", "param"}``
         for input the stage refuses (a router answers it with a 400)."""
-        raise NotImplementedError(method)
+        if method != "load_adapter":
+            raise NotImplementedError(method)
+        adapter = StageAdapter(
+            str(kwargs.get("name")), str(kwargs.get("source")), float(kwargs.get("scale", 1.0))
+        )
+        if self.adapters is None:
+            error = self.adapter_refusal(StageServerRequest(request_id="", adapter=adapter))
+            assert error is not None
+            return {"error": error.message, "param": "stage"}
+        why = await self.load_adapter(adapter)
+        return {} if why is None else {"error": why, "param": "lora_path"}
+
+    async def load_adapter(self, adapter: StageAdapter) -> str | None:
+        """Load ``adapter`` now (a load at run time, which refuses what cannot load, as
+        vLLM's /v1/load_lora_adapter does); why it cannot be loaded, or None."""
+        return f"stage {self.stage.name!r} cannot load adapters"
 
     def shutdown(self) -> None:
         self.client.shutdown()

@@ -50,6 +50,7 @@ from omni_runtime.connectors import (
 from omni_runtime.engine.models import context_hand_off
 from omni_runtime.engine.stage.stage_core_types import (
     HandOff,
+    StageAdapter,
     StageError,
     StageErrorCode,
     StageLLMCoreOutput,
@@ -166,10 +167,12 @@ class StageLLMFrontend(StageFrontend):
     def in_flight(self) -> int:
         return len(self._requests) + len(self._loading)
 
-    frontend_methods = frozenset({"tokenize", "detokenize"})
+    frontend_methods = StageFrontend.frontend_methods | {"tokenize", "detokenize"}
 
     async def frontend_call(self, method: str, kwargs: dict[str, Any]) -> dict[str, Any]:
         """vLLM's /tokenize and /detokenize, with this stage's tokenizer and template."""
+        if method not in ("tokenize", "detokenize"):
+            return await super().frontend_call(method, kwargs)
         builder = self.client.request_builder
         try:
             if method == "tokenize":
@@ -202,7 +205,7 @@ class StageLLMFrontend(StageFrontend):
                 return [refusal(request_id, refused)]
             self._loading[request_id] = False
             try:
-                lora_request = await self._lora_request(request)
+                lora_request = await self._lora_request(request.adapter)
             except AdapterLoadError as e:
                 return [refusal(request_id, e.error)]
             finally:
@@ -283,11 +286,16 @@ class StageLLMFrontend(StageFrontend):
             for connector, key, _ in self._handoffs.pop(request_id, ()):
                 self.connectors.get(connector).release(key)
 
-    async def _lora_request(self, request: StageServerRequest) -> LoRARequest:
-        """vLLM's LoRARequest of the request's adapter, loaded into the engine unless this
-        replica holds it already. AdapterLoadError where it cannot run."""
-        adapter = request.adapter
-        assert adapter is not None
+    async def load_adapter(self, adapter: StageAdapter) -> str | None:
+        try:
+            await self._lora_request(adapter)
+        except AdapterLoadError as e:
+            return str(e)
+        return None
+
+    async def _lora_request(self, adapter: StageAdapter) -> LoRARequest:
+        """vLLM's LoRARequest of ``adapter``, loaded into the engine unless this replica
+        holds it already. AdapterLoadError where it cannot run."""
         assert self.adapters is not None
         held = self._loras.get(adapter.name)
         if adapter.name in self.adapters and held is not None and held[0] == adapter.source:

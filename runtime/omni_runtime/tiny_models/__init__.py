@@ -30,10 +30,14 @@ are random. Under one root:
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ._common import HIDDEN_SIZE, SEED, VOCAB_SIZE
 from ._tokenizer import CHATML_TEMPLATE, build_qwen_tokenizer
@@ -59,9 +63,11 @@ __all__ = [
     "QWEN_IMAGE_EDIT_SUBDIR",
     "QWEN_IMAGE_SUBDIR",
     "SUBDIRS",
+    "TINY_MODELS",
     "VOCAB_SIZE",
     "WAN_SUBDIR",
     "Z_IMAGE_SUBDIR",
+    "TinyModel",
     "ensure_tiny_models",
 ]
 
@@ -76,19 +82,61 @@ WAN_SUBDIR = "wan2.2"
 HUNYUAN_VIDEO_SUBDIR = "hunyuan-video-1.5"
 HUNYUAN_VIDEO_I2V_SUBDIR = "hunyuan-video-1.5-i2v"
 QWEN3_OMNI_SUBDIR = "qwen3-omni"
-SUBDIRS = (
-    LLM_SUBDIR,
-    DIFFUSION_SUBDIR,
-    QWEN_IMAGE_SUBDIR,
-    QWEN_IMAGE_EDIT_SUBDIR,
-    QWEN_IMAGE_EDIT_PLUS_SUBDIR,
-    Z_IMAGE_SUBDIR,
-    BAGEL_SUBDIR,
-    WAN_SUBDIR,
-    HUNYUAN_VIDEO_SUBDIR,
-    HUNYUAN_VIDEO_I2V_SUBDIR,
-    QWEN3_OMNI_SUBDIR,
+
+
+class _Staging:
+    """Where one build writes (``staging / subdir``), and what several builds share."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def __truediv__(self, subdir: str) -> Path:
+        return self.root / subdir
+
+    @functools.cached_property
+    def qwen_tokenizer(self) -> Any:
+        """The Qwen2 tokenizer the Qwen-Image, Z-Image, BAGEL and HunyuanVideo encoders share."""
+        return build_qwen_tokenizer(model_max_length=MAX_POSITIONS)
+
+
+@dataclass(frozen=True)
+class TinyModel:
+    """One line of the registry: the directories a build writes under the root, and it."""
+
+    subdirs: tuple[str, ...]
+    build: Callable[[_Staging], None]
+
+
+# Every tiny model, one line each, in build order (a build may read one built before it).
+TINY_MODELS: tuple[TinyModel, ...] = (
+    TinyModel((LLM_SUBDIR,), lambda s: build_chat_llm(s / LLM_SUBDIR)),
+    TinyModel(
+        (DIFFUSION_SUBDIR,), lambda s: build_stable_diffusion(s / DIFFUSION_SUBDIR, s / LLM_SUBDIR)
+    ),
+    # One text encoder and VAE under three pipelines, as the real checkpoints share them.
+    TinyModel(
+        (QWEN_IMAGE_SUBDIR, QWEN_IMAGE_EDIT_SUBDIR, QWEN_IMAGE_EDIT_PLUS_SUBDIR),
+        lambda s: build_qwen_image(
+            s / QWEN_IMAGE_SUBDIR,
+            s / QWEN_IMAGE_EDIT_SUBDIR,
+            s / QWEN_IMAGE_EDIT_PLUS_SUBDIR,
+            s.qwen_tokenizer,
+        ),
+    ),
+    TinyModel((Z_IMAGE_SUBDIR,), lambda s: build_z_image(s / Z_IMAGE_SUBDIR, s.qwen_tokenizer)),
+    TinyModel((BAGEL_SUBDIR,), lambda s: build_bagel(s / BAGEL_SUBDIR, s.qwen_tokenizer)),
+    TinyModel((WAN_SUBDIR,), lambda s: build_wan(s / WAN_SUBDIR)),
+    TinyModel(
+        (HUNYUAN_VIDEO_SUBDIR,),
+        lambda s: build_hunyuan_video(s / HUNYUAN_VIDEO_SUBDIR, s.qwen_tokenizer),
+    ),
+    TinyModel(
+        (HUNYUAN_VIDEO_I2V_SUBDIR,),
+        lambda s: build_hunyuan_video_i2v(s / HUNYUAN_VIDEO_I2V_SUBDIR, s / HUNYUAN_VIDEO_SUBDIR),
+    ),
+    TinyModel((QWEN3_OMNI_SUBDIR,), lambda s: build_qwen3_omni(s / QWEN3_OMNI_SUBDIR)),
 )
+SUBDIRS = tuple(subdir for model in TINY_MODELS for subdir in model.subdirs)
 _MARKER = "omni-tiny-models.json"
 # Bump when what is built changes, so that old directories are rebuilt.
 _RECIPE_VERSION = 13
@@ -112,22 +160,9 @@ def ensure_tiny_models(root: str | Path) -> Path:
     # Build beside the target and move into place, so an interrupted build never leaves a
     # directory that looks complete.
     with tempfile.TemporaryDirectory(dir=root, prefix=".building-") as tmp:
-        staging = Path(tmp)
-        build_chat_llm(staging / LLM_SUBDIR)
-        build_stable_diffusion(staging / DIFFUSION_SUBDIR, staging / LLM_SUBDIR)
-        qwen_tokenizer = build_qwen_tokenizer(model_max_length=MAX_POSITIONS)
-        build_qwen_image(
-            staging / QWEN_IMAGE_SUBDIR,
-            staging / QWEN_IMAGE_EDIT_SUBDIR,
-            staging / QWEN_IMAGE_EDIT_PLUS_SUBDIR,
-            qwen_tokenizer,
-        )
-        build_z_image(staging / Z_IMAGE_SUBDIR, qwen_tokenizer)
-        build_bagel(staging / BAGEL_SUBDIR, qwen_tokenizer)
-        build_wan(staging / WAN_SUBDIR)
-        build_hunyuan_video(staging / HUNYUAN_VIDEO_SUBDIR, qwen_tokenizer)
-        build_hunyuan_video_i2v(staging / HUNYUAN_VIDEO_I2V_SUBDIR, staging / HUNYUAN_VIDEO_SUBDIR)
-        build_qwen3_omni(staging / QWEN3_OMNI_SUBDIR)
+        staging = _Staging(Path(tmp))
+        for model in TINY_MODELS:
+            model.build(staging)
         for sub in SUBDIRS:
             _readable_by_all(staging / sub)
             shutil.rmtree(root / sub, ignore_errors=True)

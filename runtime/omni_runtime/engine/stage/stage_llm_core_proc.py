@@ -19,6 +19,10 @@ a stage adds:
   joins the scheduler, and is refused if that fails: inside a model step the same failure
   would end the engine. The stage's clients load adapters before their requests
   (StageLLMCoreClientBase.load_adapter_async); this guards the core from any other caller.
+- Before it says ready, the core runs one forward pass of a few tokens through every layer,
+  attention included (``_initialize_kv_caches``): an engine that cannot run a request (a
+  head size vLLM's CPU attention lacks) fails to start and says why, instead of saying
+  ready and dying on its first request.
 - Aborting a request yields an output (finish_reason ABORT), as the stage contract asks.
 - ``run_stage_core`` is its own process entry (vLLM's ``run_engine_core`` constructs
   vLLM's classes): SIGTERM, SIGINT or the death of the parent stop the busy loop cleanly,
@@ -88,6 +92,22 @@ class StageLLMRequest(Request):  # type: ignore[misc]
         return scheduled
 
 
+class StageWarmUpError(RuntimeError):
+    """The engine loaded but could not run its warm-up pass: it would fail every request."""
+
+
+# Tokens of the warm-up pass: a few, so that attention runs over more than one position.
+WARM_UP_TOKENS = 8
+
+
+def warm_up_worker(worker: Any) -> None:
+    """One dummy forward pass on ``worker`` (a vLLM worker) with attention metadata built,
+    as the runner's own warm-up builds it for a compiled model; no request sees its
+    tokens (a model that keeps per-request state is told the step is nobody's)."""
+    runner = worker.model_runner
+    runner._dummy_run(min(WARM_UP_TOKENS, runner.max_num_tokens), force_attention=True)
+
+
 @dataclass(frozen=True)
 class _Refused:
     """A request the core will not run, queued as an ADD so that the busy loop answers it
@@ -106,6 +126,18 @@ class StageLLMCoreProc(EngineCoreProc):  # type: ignore[misc]
         # since is loaded again in a step from the same files, which were found good.
         self._checked_loras: dict[int, str] = {}
         super().__init__(*args, **kwargs)
+
+    def _initialize_kv_caches(self, vllm_config: VllmConfig) -> Any:
+        """vLLM's, then the warm-up pass. vLLM's own profiling run proves the memory, not
+        the kernels: on a CPU, or where the model runs eagerly, it runs no attention at all."""
+        kv_cache_config = super()._initialize_kv_caches(vllm_config)
+        try:
+            self.model_executor.collective_rpc(warm_up_worker)
+        except Exception as e:
+            raise StageWarmUpError(
+                f"the engine cannot run a request: {type(e).__name__}: {e}"
+            ) from e
+        return kv_cache_config
 
     def add_lora(self, lora_request: LoRARequest | list[Any]) -> bool:
         """vLLM's (a utility call, on the busy loop), remembering what loaded."""

@@ -341,3 +341,31 @@ def test_every_family_architecture_is_one_familys() -> None:
     for family in FAMILIES.values():
         for architecture in family.architectures:
             assert seen.setdefault(architecture, family.name) == family.name
+
+
+def test_import_linter_forbids_every_family_module_to_the_generic_layers() -> None:
+    # import-linter reads pyproject.toml as it is: its list of family modules must be the
+    # package's, so that a new family's room is closed to the generic layers as it lands.
+    import importlib
+    import pkgutil
+    import tomllib
+
+    import omni_runtime.families as families
+
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[4] / "pyproject.toml").read_text())
+    (contract,) = (
+        c
+        for c in pyproject["tool"]["importlinter"]["contracts"]
+        if c["name"].startswith("Only the family registry")
+    )
+    modules = {
+        f"{families.__name__}.{module.name}"
+        for module in pkgutil.iter_modules(families.__path__)
+        if module.name != "base"
+    }
+    assert set(contract["forbidden_modules"]) == modules
+    # Each of them is a family's room: it defines a family the registry lists.
+    registered = {id(family) for family in FAMILIES.values()}
+    for name in modules:
+        module = importlib.import_module(name)
+        assert any(id(value) in registered for value in vars(module).values()), name

@@ -160,6 +160,10 @@ def test_a_declared_adapter_is_not_unloaded_and_an_unknown_one_is_a_404() -> Non
 def test_the_app_lists_adapters_and_serves_vllms_load_paths() -> None:
     pipeline = PipelineConfig.model_validate(PIPELINE)
     pools = {stage.stage_id: StageReplicaPool(stage.name) for stage in pipeline.stages}
+    dit = FakeReplica("dit")
+    # The replica's frontend loads what it is given (the real ones: test_adapter_serving).
+    dit.utility_answers["load_adapter"] = {}
+    pools[1].add_replica(dit, "10.0.0.1:1")
     with TestClient(create_app(pipeline, pools)) as http:
         models = http.get("/v1/models").json()["data"]
         assert [(m["id"], m.get("parent"), m.get("stage")) for m in models] == [
@@ -173,6 +177,9 @@ def test_the_app_lists_adapters_and_serves_vllms_load_paths() -> None:
         )
         assert loaded.status_code == 200, loaded.text
         assert loaded.text == "Success: LoRA adapter 'pop' added successfully."
+        assert dit.utility_calls == [
+            ("load_adapter", {"name": "pop", "source": "/loras/pop.safetensors", "scale": 0.3})
+        ]
         assert "pop" in [m["id"] for m in http.get("/v1/models").json()["data"]]
         again = http.post(
             "/v1/load_lora_adapter",
@@ -391,3 +398,26 @@ async def test_affinity_serves_more_requests_where_their_adapter_is_loaded(
         assert hit_rate > 0.85, hit_rate
     else:
         assert hit_rate < 0.65, hit_rate
+
+
+def test_a_load_the_replica_cannot_load_is_refused_and_not_served() -> None:
+    pipeline = PipelineConfig.model_validate(PIPELINE)
+    pools = {stage.stage_id: StageReplicaPool(stage.name) for stage in pipeline.stages}
+    with TestClient(create_app(pipeline, pools)) as http:
+        body = {"lora_name": "pop", "lora_path": "/loras/pop.safetensors"}
+        # No replica to load it on: refused for now, not served unchecked.
+        unplaced = http.post("/v1/load_lora_adapter", json=body)
+        assert unplaced.status_code == 503
+        assert "Retry-After" in unplaced.headers
+        dit = FakeReplica("dit")
+        dit.utility_answers["load_adapter"] = {
+            "error": "adapter 'pop' (/loras/pop.safetensors): not a readable safetensors file",
+            "param": "lora_path",
+        }
+        pools[1].add_replica(dit, "10.0.0.1:1")
+        refused = http.post("/v1/load_lora_adapter", json=body)
+        assert refused.status_code == 400
+        error = refused.json()["error"]
+        assert error["param"] == "lora_path"
+        assert "/loras/pop.safetensors" in error["message"]
+        assert "pop" not in [m["id"] for m in http.get("/v1/models").json()["data"]]
