@@ -28,8 +28,9 @@ from pydantic import (
 from omni_runtime.config import PipelineConfig, RouterConfig, StageConfig
 from omni_runtime.config.loader import strip_kubernetes_fields
 from omni_runtime.config.models import CAMEL_CASE_CONFIG
+from omni_runtime.pod_contract import API_GROUP
 
-GROUP = "omni.dev"
+GROUP = API_GROUP
 VERSION = "v1alpha1"
 API_VERSION = f"{GROUP}/{VERSION}"
 KIND = "OmniPipeline"

@@ -35,6 +35,7 @@ from omni_runtime.config.models import (
     STEP_CACHE_TIER_PATTERN,
     VLLM_DEFAULT_GPU_MEMORY_UTILIZATION,
 )
+from omni_runtime.config.names import DNS_1035_LABEL_PATTERN, DNS_LABEL_PATTERN
 from omni_runtime.families import FAMILIES
 
 from .api import (
@@ -74,8 +75,6 @@ _FROM_STAGE_KEY = "^from_stage_(0|[1-9][0-9]{0,8})$"
 _GPU_IDS = "^(0|[1-9][0-9]*)(,(0|[1-9][0-9]*))*$"
 # Roughly what devices allows (its own rule is exact), cheaply enough to guard others.
 _DEVICES_FORM = "^(cpu|[0-9,]*)$"
-_DNS_LABEL = "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
-_DNS_1035_LABEL = "^[a-z]([-a-z0-9]*[a-z0-9])?$"
 _GPU_RESOURCE = "nvidia.com/gpu"
 _DEVICES_ALLOWED = "'cpu', '' (same as cpu), or comma-separated GPU ids such as '0' or '0,1'"
 _OTHER_CONNECTORS = "use a TCPConnector or MooncakeTransferEngineConnector"
@@ -150,7 +149,7 @@ def build_crd() -> dict[str, Any]:
             {
                 # The pipeline's Service is named after it, and Service names are DNS-1035.
                 "rule": f"size(self.metadata.name) <= {MAX_NAME_LENGTH} && "
-                f"self.metadata.name.matches('{_DNS_1035_LABEL}')",
+                f"self.metadata.name.matches('{DNS_1035_LABEL_PATTERN}')",
                 "messageExpression": "'\\'' + self.metadata.name + '\\' names the "
                 "pipeline\\'s Service, so it must be a DNS-1035 label: at most 63 lower-case "
                 "letters, digits and \\'-\\', starting with a letter and ending with a letter "
@@ -681,7 +680,7 @@ def _add_stage_rules(stage: dict[str, Any]) -> None:
     _validations(
         name,
         _rule(
-            f"self.matches('{_DNS_LABEL}')",
+            f"self.matches('{DNS_LABEL_PATTERN}')",
             message_expression=_message(
                 "name '%s' is not a DNS label: use lower-case letters, digits and '-', "
                 "starting and ending with a letter or digit (e.g. thinker, stage-0)",

@@ -31,7 +31,9 @@ from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-READINESS_GATE = "omni.dev/revision-complete"
+from .api import GROUP
+
+READINESS_GATE = f"{GROUP}/revision-complete"
 RELEASED_REASON = "RevisionComplete"
 
 

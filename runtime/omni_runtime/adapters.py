@@ -33,6 +33,8 @@ import urllib.request
 from collections import OrderedDict
 from pathlib import Path
 
+from omni_runtime.paths import cache_dir
+
 __all__ = [
     "ADAPTER_NAME_PATTERN",
     "ADAPTER_SOURCE_FORMS",
@@ -91,8 +93,7 @@ def is_url(source: str) -> bool:
 
 def adapter_cache_dir() -> Path:
     """Where fetched adapters are kept: ``$OMNI_CACHE_DIR/adapters``."""
-    cache = os.environ.get("OMNI_CACHE_DIR") or str(Path.home() / ".cache" / "omni-operator")
-    return Path(cache) / "adapters"
+    return cache_dir() / "adapters"
 
 
 def resolve_source(source: str, cache_dir: Path | None = None) -> Path:

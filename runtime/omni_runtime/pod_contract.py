@@ -33,7 +33,10 @@ DRAIN_TIMEOUT_ENV = "OMNI_DRAIN_TIMEOUT_S"
 # the operator writes it into pods as it is ("30").
 DEFAULT_DRAIN_TIMEOUT_S = 30
 REVISION_ENV = "OMNI_PIPELINE_REVISION"
-ANNOTATION_CONFIG_HASH = "omni.dev/config-hash"
+# The API group of OmniPipeline, and the prefix of every label and annotation the operator
+# sets (defined here, once: the runtime reads some of them).
+API_GROUP = "omni.dev"
+ANNOTATION_CONFIG_HASH = f"{API_GROUP}/config-hash"
 NAMESPACE_ENV = "OMNI_NAMESPACE"
 # Per stage, the CUDA_VISIBLE_DEVICES its engine sees, where one process runs several
 # stages on a pod's GPUs (the operator maps each stage's devices into the pod's numbering).

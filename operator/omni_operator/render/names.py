@@ -11,7 +11,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..api import API_VERSION, KIND
+from omni_runtime.config.names import is_dns_1035_label
+
+from ..api import API_VERSION, GROUP, KIND
 from ..placement import PlacementGroup
 
 FIELD_MANAGER = "omni-operator"
@@ -24,10 +26,10 @@ OPERATOR_POD_LABEL_VALUE = "omni-operator"
 MANAGED_BY = "omni-operator"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 LABEL_PART_OF = "app.kubernetes.io/part-of"
-LABEL_PIPELINE = "omni.dev/pipeline"
-LABEL_COMPONENT = "omni.dev/component"
-LABEL_GROUP = "omni.dev/placement-group"
-LABEL_STAGES = "omni.dev/stages"
+LABEL_PIPELINE = f"{GROUP}/pipeline"
+LABEL_COMPONENT = f"{GROUP}/component"
+LABEL_GROUP = f"{GROUP}/placement-group"
+LABEL_STAGES = f"{GROUP}/stages"
 COMPONENT_CONFIG = "config"
 COMPONENT_STAGES = "stages"
 COMPONENT_ROUTER = "router"
@@ -37,7 +39,6 @@ COMPONENT_VIDEO_STORE = "video-store"
 VIDEO_STORE_PORT = 6379
 _MAX_NAME = 63
 _HASH_CHARS = 8
-_DNS_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
 _LABEL_VALUE = re.compile(r"([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?")
 
 
@@ -70,7 +71,7 @@ def object_name(*parts: str) -> str:
     """``parts`` joined by '-' as an RFC 1035 label (what a Service name must be): as is
     when it is one, else cleaned, cut, and suffixed with a hash of the full name."""
     full = "-".join(parts)
-    if len(full) <= _MAX_NAME and _DNS_LABEL.fullmatch(full):
+    if len(full) <= _MAX_NAME and is_dns_1035_label(full):
         return full
     cleaned = re.sub(r"[^a-z0-9-]+", "-", full.lower()).strip("-")
     if not cleaned[:1].isalpha():

@@ -41,6 +41,7 @@ from omni_runtime.families import (
 from omni_runtime.families.base import VideoRecipe
 
 from .errors import PipelineConfigError
+from .names import is_dns_label
 from .topologies import STAGE_TYPES, StageType
 
 LLMOutput = Literal["text", "hidden_states"]
@@ -56,8 +57,6 @@ NonNegativeInt = Annotated[StrictInt, Field(ge=0)]
 CPU = "cpu"
 _GPU_ID = re.compile(r"[0-9]+")
 _FROM_STAGE = re.compile(r"from_stage_(0|[1-9][0-9]*)")
-# Stage names end up in Kubernetes object names and labels.
-_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 _DEVICES_ALLOWED = "'cpu', '' (same as cpu), or comma-separated GPU ids such as '0' or '0,1'"
 
 # GPU memory admission. Stages whose devices share a GPU id run on that GPU together, so
@@ -488,7 +487,8 @@ class StageConfig(_Model):
     @field_validator("name")
     @classmethod
     def _check_name(cls, value: str) -> str:
-        if not _DNS_LABEL.fullmatch(value):
+        # Stage names end up in Kubernetes object names and labels.
+        if not is_dns_label(value):
             raise ValueError(
                 f"{value!r} is not a valid name: use at most 63 lower-case letters, digits "
                 "and '-', starting and ending with a letter or digit (e.g. thinker, stage-0)"

@@ -32,7 +32,6 @@ import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -48,6 +47,7 @@ from omni_runtime.connectors.base import (
     token_matches,
 )
 from omni_runtime.net import advertised_host
+from omni_runtime.paths import cache_dir
 
 if TYPE_CHECKING:
     import torch
@@ -88,8 +88,7 @@ def mooncake_library_path() -> str | None:
     explicit = os.environ.get(LIBRARY_PATH_ENV)
     if explicit is not None:
         return explicit or None
-    cache = Path(os.environ.get("OMNI_CACHE_DIR") or Path.home() / ".cache" / "omni-operator")
-    root = cache / "mooncake-libs" / "current"
+    root = cache_dir() / "mooncake-libs" / "current"
     if not (root / ".complete").is_file():
         return None
     # Debian splits these packages between /usr/lib and /lib. Resolved, so that a child

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 from omni_runtime.config.credentials import API_KEY_FILE_ENV
+from omni_runtime.paths import cache_dir
 from omni_runtime.pod_contract import HEALTH_PORT
 from omni_runtime.process_logging import drop_torchvision_notice
 
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
     from omni_runtime.config import PipelineConfig
     from omni_runtime.router.auth import ApiKeys
 
-DEFAULT_CACHE_DIR = Path(os.environ.get("OMNI_CACHE_DIR", Path.home() / ".cache" / "omni-operator"))
+DEFAULT_CACHE_DIR = cache_dir()
 DEFAULT_MODELS_DIR = DEFAULT_CACHE_DIR / "tiny-models"
 # Pipeline files may name the tiny models as $OMNI_TINY_MODELS/llm (examples/ do).
 TINY_MODELS_ENV = "OMNI_TINY_MODELS"

@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import re
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
@@ -32,6 +31,7 @@ from fastapi import FastAPI
 
 from omni_runtime import tracing
 from omni_runtime.config import PipelineConfig
+from omni_runtime.config.names import is_dns_label
 from omni_runtime.engine.stage.stage_replica_pool import StageReplicaPool
 from omni_runtime.kube import KubeClient, KubeConfig, load_kube_config
 from omni_runtime.pod_contract import drain_timeout_from_env
@@ -48,9 +48,6 @@ logger = logging.getLogger("omni_runtime.router")
 REPLICAS_ENV_PREFIX = "OMNI_REPLICAS_"
 DISCOVERY_NAMESPACE_ENV = "OMNI_DISCOVERY_NAMESPACE"
 STAGE_SERVICE_ENV_PREFIX = "OMNI_STAGE_SERVICE_"
-# A DNS-1123 label: what namespaces are, and the widest rule for Service names (newer
-# apiservers relax theirs from DNS-1035 to it; the apiserver stays the judge).
-_LABEL_RE = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
 
 
 class ReplicaAddressError(ValueError):
@@ -138,7 +135,7 @@ def parse_stage_services(
                 f"{DISCOVERY_NAMESPACE_ENV}): the namespace of the stages' Services"
             )
         return None
-    if len(namespace) > 63 or not _LABEL_RE.fullmatch(namespace):
+    if not is_dns_label(namespace):
         raise DiscoveryConfigError(
             f"--discover-namespace {namespace!r}: not a namespace name "
             "(lowercase letters, digits and '-', at most 63)"
@@ -160,7 +157,9 @@ def parse_stage_services(
 
 
 def _service(value: str, where: str) -> str:
-    if len(value) > 63 or not _LABEL_RE.fullmatch(value):
+    # The widest rule for Service names (newer apiservers relax theirs from DNS-1035 to
+    # DNS-1123; the apiserver stays the judge).
+    if not is_dns_label(value):
         raise DiscoveryConfigError(
             f"{where}: {value!r} is not a Service name (lowercase letters, digits and '-', "
             "starting and ending with a letter or digit, at most 63)"

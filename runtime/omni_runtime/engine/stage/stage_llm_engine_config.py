@@ -32,6 +32,7 @@ from omni_runtime.config import StageConfig
 from omni_runtime.config.models import DEFAULT_MAX_LORA_RANK, ENGINE_ARG_FIELDS
 from omni_runtime.engine.models import STEP_STATE_ENV, hf_overrides, step_state_worker
 from omni_runtime.families import MODEL_INDEX, EncoderRecipe, SpeechStage
+from omni_runtime.paths import cache_dir
 
 _ENGINE_ARG_NAMES = frozenset(field.name for field in dataclasses.fields(EngineArgs))
 
@@ -160,8 +161,7 @@ def encoder_model_view(checkpoint: str, encoder: EncoderRecipe) -> str:
         for name in sorted(os.listdir(source)):
             links.setdefault(name, os.path.join(source, name))
     key = hashlib.sha256(repr(sorted(links.items())).encode()).hexdigest()[:16]
-    cache = os.environ.get("OMNI_CACHE_DIR") or os.path.expanduser("~/.cache/omni-operator")
-    views = os.path.join(cache, "encoder-views")
+    views = os.fspath(cache_dir() / "encoder-views")
     view = os.path.join(views, key)
     if os.path.isdir(view):
         return view
