@@ -91,9 +91,10 @@ async def measure(args: argparse.Namespace) -> dict[str, object]:
             for i in range(args.repeat + 1):
                 request_id = f"bench-{i}"
                 t0 = time.perf_counter()
-                await client.add_prompt_async(
+                request = client.request_builder.build(
                     request_id, prompt="draw a red cat in a garden", params=params
                 )
+                await client.add_request_async(request)
                 result = (await collect_results(client, [request_id], timeout=60))[request_id]
                 latencies.append(time.perf_counter() - t0)
                 assert result.error is None, result.error

@@ -457,8 +457,10 @@ async def run_in_process(
                     sampler.start()
                 request_id = f"bench-{index}"
                 start = time.perf_counter()
-                await llm.add_prompt_async(
-                    request_id, messages=[{"role": "user", "content": PROMPT}]
+                await llm.add_request_async(
+                    llm.request_builder.build(
+                        request_id, messages=[{"role": "user", "content": PROMPT}]
+                    )
                 )
                 encoded = (await collect_results(llm, [request_id], REQUEST_TIMEOUT_S))[request_id]
                 if encoded.error is not None or encoded.hidden_states is None:

@@ -17,10 +17,13 @@ from vllm.v1.engine import FinishReason
 
 from omni_runtime.engine.stage.stage_core_client import StageCoreClientBase, StageCoreDeadError
 from omni_runtime.engine.stage.stage_core_types import (
+    StageAdapter,
     StageError,
     StageLLMCoreOutput,
     StageLLMCoreOutputs,
 )
+from omni_runtime.engine.stage.stage_llm_core_client import AdapterLoadError
+from omni_runtime.engine.stage.stage_llm_request_builder import InvalidLLMRequestError
 
 
 async def outputs_until_dead(
@@ -94,17 +97,21 @@ async def collect_results(
     return results
 
 
-# The LLM core's introspection utilities (StageLLMCoreProc.stage_info, describe_request),
-# called as vLLM calls any core utility: on every data parallel core.
-async def stage_info(client: Any, timeout: float = 30) -> list[dict[str, Any]]:
-    """Facts each core reports about itself, one entry per data parallel rank."""
-    async with asyncio.timeout(timeout):
-        answers: list[dict[str, Any]] = await client.call_utility_all_async("stage_info")
-    return answers
+async def add_prompt(
+    client: Any, request_id: str, *, adapter: StageAdapter | None = None, **build: Any
+) -> None:
+    """Build a request with an LLM client's request builder (``build``: its prompt, params,
+    ...) and add it. A request the builder refuses, or whose ``adapter`` does not load, is
+    answered as a core answers one it refuses: an output with ``error`` set."""
+    try:
+        lora = client.base_lora if adapter is None else await client.load_adapter_async(adapter)
+        request = client.request_builder.build(request_id, lora_request=lora, **build)
+    except (AdapterLoadError, InvalidLLMRequestError) as e:
+        client.outputs_queue.put_nowait(StageLLMCoreOutputs.refusal(request_id, e.error))
+        return
+    await client.add_request_async(request)
 
 
-async def describe_request(client: Any, request_id: str, timeout: float = 30) -> Any:
-    """A running request's state on its core (None if no core has it unfinished)."""
-    async with asyncio.timeout(timeout):
-        answers = await client.call_utility_all_async("describe_request", request_id)
-    return next((answer for answer in answers if answer is not None), None)
+def core_pids(client: Any) -> list[int]:
+    """The pids of an LLM client's cores, one per data parallel rank."""
+    return [process.pid for process in client.proc_manager.processes]

@@ -15,7 +15,7 @@ import pytest
 import torch
 from peft import PeftModel
 from safetensors.torch import load_file, save_file
-from stage_outputs import collect_results
+from stage_outputs import add_prompt, collect_results
 from transformers import AutoModelForCausalLM
 from vllm.lora.request import LoRARequest
 from vllm.v1.engine import FinishReason
@@ -415,11 +415,9 @@ async def test_the_client_alone_runs_a_request_with_an_adapter(
 ) -> None:
     params = {"ignore_eos": True}
     adapter = StageAdapter(MLP_LORA, str(loras[MLP_LORA]))
-    await lora_client.add_prompt_async(
-        "client-mlp", prompt=PROMPTS[2], params=params, adapter=adapter
-    )
+    await add_prompt(lora_client, "client-mlp", prompt=PROMPTS[2], params=params, adapter=adapter)
     missing = StageAdapter(MISSING, str(loras[MISSING]))
-    await lora_client.add_prompt_async("client-missing", prompt=PROMPTS[2], adapter=missing)
+    await add_prompt(lora_client, "client-missing", prompt=PROMPTS[2], adapter=missing)
     results = await collect_results(lora_client, ["client-mlp", "client-missing"], DEADLINE_S)
     assert results["client-mlp"].error is None
     assert results["client-mlp"].token_ids == reference(

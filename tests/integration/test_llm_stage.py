@@ -22,16 +22,17 @@ import pytest
 import torch
 from stage_outputs import (
     StageLLMResult,
+    add_prompt,
     collect_results,
-    describe_request,
+    core_pids,
     outputs_until_dead,
-    stage_info,
 )
 from transformers import AutoModel, AutoModelForCausalLM
 from vllm import PoolingParams, SamplingParams
 from vllm.lora.request import LoRARequest
 from vllm.v1.engine import FinishReason
 from vllm.v1.engine.core_client import AsyncMPClient
+from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
 from omni_runtime.config import PipelineConfig, StageConfig
 from omni_runtime.connectors import StageConnectors
@@ -53,6 +54,7 @@ from omni_runtime.engine.stage.stage_llm_core_client import (
     StageLLMCoreClient,
     start_stage_llm_client,
 )
+from omni_runtime.engine.stage.stage_llm_core_proc import StageLLMRequest
 from omni_runtime.engine.stage.stage_llm_engine_config import StageLLMConfigError
 from omni_runtime.stage_server.llm_frontend import StageLLMFrontend
 from omni_runtime.tiny_models import DIFFUSION_SUBDIR, HIDDEN_SIZE, LLM_SUBDIR
@@ -157,7 +159,7 @@ def hf_greedy(model: Any, prompt_token_ids: list[int], max_new_tokens: int) -> l
 
 
 async def run(client: LLMClient, request_id: str, **prompt: Any) -> StageLLMResult:
-    await client.add_prompt_async(request_id, **prompt)
+    await add_prompt(client, request_id, **prompt)
     return (await collect_results(client, [request_id], timeout=DEADLINE_S))[request_id]
 
 
@@ -273,7 +275,7 @@ async def test_eight_concurrent_requests_all_finish(text_client: LLMClient) -> N
         request_id = f"concurrent-{index}"
         ids.append(request_id)
         params = {"max_tokens": lengths[index % 4], "ignore_eos": True}
-        await text_client.add_prompt_async(request_id, prompt=PROMPTS[index % 3], params=params)
+        await add_prompt(text_client, request_id, prompt=PROMPTS[index % 3], params=params)
     results = await collect_results(text_client, ids, timeout=DEADLINE_S)
     for index, request_id in enumerate(ids):
         result = results[request_id]
@@ -286,7 +288,7 @@ async def test_eight_concurrent_requests_all_finish(text_client: LLMClient) -> N
 
 async def test_streaming_deltas_arrive_in_order(text_client: LLMClient, hf_model: Any) -> None:
     params = {"max_tokens": 12, "ignore_eos": True}
-    await text_client.add_prompt_async("stream", prompt=PROMPTS[0], params=params)
+    await add_prompt(text_client, "stream", prompt=PROMPTS[0], params=params)
     deltas: list[list[int]] = []
     finished_at: int | None = None
     deadline = time.monotonic() + DEADLINE_S
@@ -309,21 +311,27 @@ async def test_streaming_deltas_arrive_in_order(text_client: LLMClient, hf_model
     assert [token for delta in deltas for token in delta] == hf_greedy(hf_model, prompt_ids, 12)
 
 
-async def test_abort_and_additional_information_on_the_scheduled_request(
+async def test_additional_information_reaches_the_scheduled_request(
     text_client: LLMClient,
 ) -> None:
+    """What a stage request carries beyond vLLM's fields survives the wire (msgpack, as the
+    client sends it) and lands on the request the core's scheduler holds."""
     info = {"source_stage": 0, "note": "handoff"}
-    await text_client.add_prompt_async(
-        "long",
-        prompt=PROMPTS[1],
-        params={"max_tokens": 400, "ignore_eos": True},
-        additional_information=info,
+    request = text_client.request_builder.build(
+        "info", prompt=PROMPTS[1], additional_information=info
+    )
+    wire = MsgpackDecoder(StageLLMCoreRequest).decode(MsgpackEncoder().encode(request))
+    scheduled = StageLLMRequest.from_stage_request(wire, None)
+    assert scheduled.additional_information == info
+    assert scheduled.request_id == "info"
+
+
+async def test_abort_answers_a_running_request(text_client: LLMClient) -> None:
+    await add_prompt(
+        text_client, "long", prompt=PROMPTS[1], params={"max_tokens": 400, "ignore_eos": True}
     )
     first = await text_client.get_outputs_async()
     assert first.outputs[0].request_id == "long"
-    scheduled = await describe_request(text_client, "long")
-    assert scheduled is not None
-    assert scheduled["additional_information"] == info
     await text_client.abort_requests_async(["long"])
     result = StageLLMResult("long")
     result.add(first.outputs[0])
@@ -333,7 +341,6 @@ async def test_abort_and_additional_information_on_the_scheduled_request(
                 result.add(output)
     assert result.aborted
     assert len(result.token_ids) < 400
-    assert await describe_request(text_client, "long") is None
     await run_good(text_client, "after-abort")
 
 
@@ -457,11 +464,11 @@ async def test_a_request_id_in_flight_is_refused_and_the_first_goes_on(
     # vLLM's scheduler asserts on a duplicate id, which would end the core.
     # Long enough to be running still when both duplicates arrive, on a busy machine too.
     params = {"max_tokens": 256, "ignore_eos": True}
-    await text_client.add_prompt_async("twice", prompt="a red cat", params=params)
+    await add_prompt(text_client, "twice", prompt="a red cat", params=params)
     # Each refused by the core: through the stage's client, straight through vLLM's
     # transport, and one the core would refuse anyway (refused in its input thread, it is
     # still answered as a duplicate, in order with the first).
-    await text_client.add_prompt_async("twice", prompt="a blue dog", params=params)
+    await add_prompt(text_client, "twice", prompt="a blue dog", params=params)
     duplicate = text_client.request_builder.build("twice", prompt="a blue dog", params=params)
     await AsyncMPClient.add_request_async(text_client, duplicate)
     await text_client.add_request_async(_core_request(text_client, "twice", max_tokens=0))
@@ -553,14 +560,12 @@ async def test_hidden_states_condition_the_diffusion_stage(
 async def test_cores_report_themselves_and_run_collective_rpc(
     text_client: LLMClient, encode_client: LLMClient
 ) -> None:
-    (text_info,) = await stage_info(text_client)
-    (encode_info,) = await stage_info(encode_client)
-    assert (text_info["runner"], encode_info["runner"]) == ("generate", "pooling")
-    assert "token_embed" in encode_info["supported_tasks"]
-    # Pickle stays off in the cores as well as here.
-    assert text_info["insecure_serialization"] is False
-    assert encode_info["insecure_serialization"] is False
-    assert text_info["pid"] == text_client.proc_manager.processes[0].pid  # type: ignore[union-attr]
+    # The cores run in processes of their own, their runner as the stage configures it.
+    assert os.getpid() not in core_pids(text_client)
+    assert (
+        "token_embed"
+        in (await encode_client.collective_rpc_async("get_supported_tasks", timeout=10))[0]
+    )
     assert await text_client.collective_rpc_async("get_supported_tasks", timeout=10) == [
         ["generate"]
     ]
@@ -572,7 +577,7 @@ async def test_cores_report_themselves_and_run_collective_rpc(
 @pytest.mark.asyncio(loop_scope="function")
 async def test_killed_core_fails_in_flight_requests_fast(doomed_client: LLMClient) -> None:
     params = {"max_tokens": 400, "ignore_eos": True}
-    await doomed_client.add_prompt_async("in-flight", prompt="a red cat", params=params)
+    await add_prompt(doomed_client, "in-flight", prompt="a red cat", params=params)
     await doomed_client.get_outputs_async()  # it is running
     assert doomed_client.proc_manager is not None
     os.kill(doomed_client.proc_manager.processes[0].pid, signal.SIGKILL)
@@ -583,7 +588,7 @@ async def test_killed_core_fails_in_flight_requests_fast(doomed_client: LLMClien
     assert "thinker" in str(death)
     assert type(death.__cause__).__name__ == "EngineDeadError"
     with pytest.raises(StageCoreDeadError):
-        await doomed_client.add_prompt_async("after-death", prompt="a red cat")
+        await add_prompt(doomed_client, "after-death", prompt="a red cat")
     with pytest.raises(StageCoreDeadError):
         async with asyncio.timeout(10):
             await doomed_client.collective_rpc_async("get_supported_tasks")
@@ -596,7 +601,7 @@ async def test_sigint_answers_in_flight_requests_and_exits_cleanly(
     doomed_client: LLMClient,
 ) -> None:
     params = {"max_tokens": 400, "ignore_eos": True}
-    await doomed_client.add_prompt_async("in-flight", prompt="a red cat", params=params)
+    await add_prompt(doomed_client, "in-flight", prompt="a red cat", params=params)
     result = StageLLMResult("in-flight")
     for output in (await doomed_client.get_outputs_async()).outputs:
         result.add(output)
@@ -746,12 +751,11 @@ async def test_data_parallel_client_serves_across_both_engines(
     data_parallel_client: LLMClient,
 ) -> None:
     assert isinstance(data_parallel_client, DPLBStageLLMCoreClient)
-    infos = await stage_info(data_parallel_client)
-    assert sorted(info["engine_index"] for info in infos) == [0, 1]
-    assert len({info["pid"] for info in infos}) == 2
+    assert len(set(core_pids(data_parallel_client))) == 2
     ids = [f"dp-{index}" for index in range(8)]
     for request_id in ids:
-        await data_parallel_client.add_prompt_async(
+        await add_prompt(
+            data_parallel_client,
             request_id,
             prompt="a red cat",
             params={"max_tokens": 8, "ignore_eos": True, "temperature": 0.0},
@@ -765,8 +769,8 @@ async def test_data_parallel_client_serves_across_both_engines(
     # the core's refusals do not end the id's binding to it, even one the core refuses for
     # another reason as well.
     params = {"max_tokens": 400, "ignore_eos": True}
-    await data_parallel_client.add_prompt_async("dp-twice", prompt="a red cat", params=params)
-    await data_parallel_client.add_prompt_async("dp-twice", prompt="a red cat", params=params)
+    await add_prompt(data_parallel_client, "dp-twice", prompt="a red cat", params=params)
+    await add_prompt(data_parallel_client, "dp-twice", prompt="a red cat", params=params)
     invalid = _core_request(data_parallel_client, "dp-twice", max_tokens=0)
     await data_parallel_client.add_request_async(invalid)
     finals: list[Any] = []

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from stage_outputs import collect_results, stage_info
+from stage_outputs import add_prompt, collect_results, core_pids
 from vllm.v1.engine import FinishReason
 
 from omni_runtime.config import StageConfig
@@ -146,10 +146,10 @@ async def test_hidden_states_are_the_penultimate_layer(
 
     # The model ran in the core's process, which vLLM spawned: only the entry point can
     # have registered the architecture there.
-    assert all(info["pid"] != os.getpid() for info in await stage_info(encoder))
+    assert os.getpid() not in core_pids(encoder)
     model = AutoModel.from_pretrained(qwen3_path, dtype=torch.float32).eval()
     for index, prompt in enumerate(PROMPTS):
-        await encoder.add_prompt_async(f"prompt-{index}", prompt=prompt)
+        await add_prompt(encoder, f"prompt-{index}", prompt=prompt)
         result = (await collect_results(encoder, [f"prompt-{index}"], DEADLINE_S))[
             f"prompt-{index}"
         ]

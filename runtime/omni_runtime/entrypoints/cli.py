@@ -14,8 +14,6 @@ Errors a user can fix are printed as one clear message and exit 1; no tracebacks
 from __future__ import annotations
 
 import argparse
-import asyncio
-import json
 import os
 import sys
 import time
@@ -57,16 +55,6 @@ def main(argv: list[str] | None = None) -> int:
         "dir", type=Path, nargs="?", help=f"default: ${TINY_MODELS_ENV}, else {DEFAULT_MODELS_DIR}"
     )
     tiny.set_defaults(run=_make_tiny_models)
-
-    gen = commands.add_parser("generate", help="generate images through a diffusion stage proc")
-    gen.add_argument("--out", type=Path, default=Path("out"), help="where PNGs are written")
-    gen.add_argument("--model", help="a local diffusers pipeline directory (default: the tiny one)")
-    gen.add_argument("--prompt", action="append", help="repeatable; default: three sample prompts")
-    gen.add_argument("--size", default="128x128", help="WIDTHxHEIGHT (default 128x128)")
-    gen.add_argument("--steps", type=int, default=10)
-    gen.add_argument("--seed", type=int, default=42)
-    gen.add_argument("--inline", action="store_true", help="run the engine in this process")
-    gen.set_defaults(run=_generate)
 
     serve = commands.add_parser("serve", help="serve a pipeline locally (stages and router)")
     serve.add_argument("-f", "--file", required=True, help="pipeline YAML or JSON")
@@ -379,98 +367,6 @@ def _make_tiny_models(args: argparse.Namespace) -> int:
     root = ensure_tiny_models(target)
     print(f"tiny models in {root} ({time.perf_counter() - start:.1f} s)")
     return 0
-
-
-def _generate(args: argparse.Namespace) -> int:
-    try:
-        width, height = (int(v) for v in args.size.lower().split("x"))
-    except ValueError:
-        raise UsageError(
-            f"--size: expected WIDTHxHEIGHT, e.g. 128x128 (got {args.size!r})"
-        ) from None
-    model = args.model
-    if model is None:
-        from omni_runtime.tiny_models import DIFFUSION_SUBDIR, ensure_tiny_models
-
-        model = str(ensure_tiny_models(DEFAULT_MODELS_DIR) / DIFFUSION_SUBDIR)
-    elif not Path(model).is_dir():
-        raise UsageError(f"--model: {model} is not a directory (a local diffusers pipeline)")
-    prompts = args.prompt or [
-        "a red cat on a green hydrant",
-        "a gold sculpture of a dog",
-        "a blue boat under a bright moon",
-    ]
-    return asyncio.run(_generate_async(args, model, prompts, width, height))
-
-
-async def _generate_async(
-    args: argparse.Namespace, model: str, prompts: list[str], width: int, height: int
-) -> int:
-    from omni_runtime.diffusion.engine import DiffusionEngineConfig
-    from omni_runtime.diffusion.stage.generate import generate
-    from omni_runtime.diffusion.stage.inline_stage_diffusion_client import (
-        InlineStageDiffusionClient,
-    )
-    from omni_runtime.diffusion.stage.stage_diffusion_core_client import (
-        StageDiffusionCoreClient,
-    )
-    from omni_runtime.engine.stage.stage_core_client import StageCoreStartupError
-    from omni_runtime.engine.stage.stage_core_types import StageDiffusionCoreRequest
-    from omni_runtime.families import read_checkpoint_family
-    from omni_runtime.images import encode_png
-
-    # The whole checkpoint (its own text encoder included), run as its family's pipeline.
-    family = read_checkpoint_family(model)
-    config = DiffusionEngineConfig(model=model, family=family.name if family else None)
-    start = time.perf_counter()
-    client: InlineStageDiffusionClient | StageDiffusionCoreClient
-    try:
-        if args.inline:
-            client = InlineStageDiffusionClient(config)
-            where = "in this process"
-        else:
-            client = StageDiffusionCoreClient(config)
-            where = f"in proc pid {client.proc_manager.pid}"
-    except StageCoreStartupError as e:
-        raise UsageError(str(e)) from None
-    ready_after = time.perf_counter() - start
-    print(f"diffusion stage ready {where} ({ready_after:.1f} s): {json.dumps(client.info)}")
-    try:
-        requests = [
-            StageDiffusionCoreRequest(
-                request_id=f"image-{i}",
-                prompt=prompt,
-                params={
-                    "height": height,
-                    "width": width,
-                    "num_inference_steps": args.steps,
-                    "seed": args.seed + i,
-                },
-            )
-            for i, prompt in enumerate(prompts)
-        ]
-        start = time.perf_counter()
-        outputs = await generate(client, requests)
-        elapsed = time.perf_counter() - start
-    finally:
-        client.shutdown()
-    args.out.mkdir(parents=True, exist_ok=True)
-    failed = 0
-    for request in requests:
-        output = outputs[request.request_id]
-        if output.images is None:
-            failed += 1
-            print(f"{request.request_id}: failed: {output.error}", file=sys.stderr)
-            continue
-        for n, image in enumerate(output.images):
-            path = args.out / f"{request.request_id}-{n}.png"
-            path.write_bytes(encode_png(image))
-            print(
-                f"wrote {path.resolve()}  {image.shape[1]}x{image.shape[0]}  "
-                f"{output.execute_time:.2f} s  prompt={request.prompt!r}"
-            )
-    print(f"{len(requests) - failed}/{len(requests)} requests succeeded in {elapsed:.2f} s")
-    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -74,7 +74,6 @@ from omni_runtime.engine.stage.stage_llm_engine_config import (
     make_stage_llm_vllm_config,
 )
 from omni_runtime.engine.stage.stage_llm_request_builder import (
-    InvalidLLMRequestError,
     StageLLMRequestBuilder,
 )
 from omni_runtime.families import EncoderRecipe, SpeechStage
@@ -314,42 +313,6 @@ class StageLLMCoreClientBase(StageCoreClientBase):
             self.vllm_config, defaults, self.encoder_recipe, think_tokens, self.speech_stage
         )
 
-    async def add_prompt_async(
-        self,
-        request_id: str,
-        *,
-        prompt: str | None = None,
-        messages: Sequence[Mapping[str, str]] | None = None,
-        prompt_token_ids: Sequence[int] | None = None,
-        params: Mapping[str, Any] | None = None,
-        additional_information: dict[str, Any] | None = None,
-        adapter: StageAdapter | None = None,
-    ) -> None:
-        """Build a request with :attr:`request_builder` and add it. A request the builder
-        refuses is answered like one the core refuses: an output with ``error`` set, as is
-        one whose ``adapter`` does not load (load_adapter_async)."""
-        try:
-            lora = self.base_lora
-            if adapter is not None:
-                lora = await self.load_adapter_async(adapter)
-            request = self.request_builder.build(
-                request_id,
-                prompt=prompt,
-                messages=messages,
-                prompt_token_ids=prompt_token_ids,
-                params=params,
-                additional_information=additional_information,
-                lora_request=lora,
-            )
-        except AdapterLoadError as e:
-            self._refuse(request_id, e.error)
-            return
-        except InvalidLLMRequestError as e:
-            self.check_health()
-            self._refuse(request_id, e.error)
-            return
-        await self.add_request_async(request)
-
     async def load_adapter_async(self, adapter: StageAdapter) -> LoRARequest:
         """vLLM's LoRARequest of ``adapter``, loaded into the engine (every core), to be
         given to the request builder. Resolves the source in a thread (a hub id is
@@ -525,15 +488,6 @@ class StageLLMCoreClientBase(StageCoreClientBase):
             await vllm_add(request)
         except EngineDeadError as e:
             raise StageCoreDeadError(await self._dead_reason_async()) from e
-
-    def _refuse(self, request_id: str, error: StageError) -> None:
-        """Answer a request that never reached a core, as a core answers one it refuses.
-
-        Straight onto the outputs queue, past the data parallel client's bookkeeping
-        (process_engine_outputs): no core was chosen for it, and a binding the id may have
-        is the in-flight request's, which goes on.
-        """
-        self.outputs_queue.put_nowait(StageLLMCoreOutputs.refusal(request_id, error))
 
     async def _until_core_dies(self, call: Awaitable[_T]) -> _T:
         """Await ``call``, or raise StageCoreDeadError once the core is gone (vLLM leaves a

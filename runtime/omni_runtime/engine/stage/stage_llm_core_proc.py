@@ -218,31 +218,6 @@ class StageLLMCoreProc(EngineCoreProc):  # type: ignore[misc]
         aborted = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
         self._send_abort_outputs(aborted)
 
-    def stage_info(self) -> dict[str, Any]:
-        """Plain facts about this core (a utility call, run on the busy loop)."""
-        model_config = self.vllm_config.model_config
-        return {
-            "pid": os.getpid(),
-            "engine_index": self.engine_index,
-            "runner": model_config.runner_type,
-            "max_model_len": model_config.max_model_len,
-            "vocab_size": model_config.get_vocab_size(),
-            "hidden_size": model_config.get_hidden_size(),
-            "supported_tasks": list(self.model_executor.supported_tasks),
-            "insecure_serialization": bool(envs.VLLM_ALLOW_INSECURE_SERIALIZATION),
-        }
-
-    def describe_request(self, request_id: str) -> dict[str, Any] | None:
-        """A scheduled request's state and stage data, or None once it is finished."""
-        scheduled = self.scheduler.requests.get(request_id)
-        if scheduled is None:
-            return None
-        return {
-            "status": scheduled.status.name,
-            "num_output_tokens": scheduled.num_output_tokens,
-            "additional_information": getattr(scheduled, "additional_information", None),
-        }
-
     def process_input_sockets(
         self,
         input_addresses: list[str],

@@ -72,13 +72,6 @@ def test_validate_refuses_deep_nesting_in_one_line(tmp_path: Path, name: str, te
     assert len(result.stderr.strip().splitlines()) == 2  # the file, then the one issue
 
 
-def test_generate_rejects_a_bad_size_before_starting_anything() -> None:
-    result = omni_runtime("generate", "--size", "big")
-    assert result.returncode == 1
-    assert "--size: expected WIDTHxHEIGHT" in result.stderr
-    assert "Traceback" not in result.stderr
-
-
 def test_unwritable_models_dir_is_a_message(tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
