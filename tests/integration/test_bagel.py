@@ -298,8 +298,9 @@ def test_think_mode_served_makes_the_references_image(
     assert isinstance(parts, list)
     assert [part["type"] for part in parts] == ["text", "image_url"]
     assert isinstance(parts[0]["text"], str)
-    # Each request: the context with its plan, and the companion's without.
-    assert _thinker_served(served_thinking) == 4
+    # Each request one message to the thinker: the context with its plan, and its
+    # companion's without, run side by side.
+    assert _thinker_served(served_thinking) == 2
 
 
 def seed_request(image: np.ndarray, seed: int = SEED, steps: int = STEPS) -> dict[str, Any]:
@@ -384,8 +385,9 @@ def test_text_to_image_and_edits_on_the_images_endpoints(
     assert edited.data is not None
     # The input's size: an edit keeps it.
     assert_close_image(decoded(edited.data[0].b64_json), reference["edit"]["image"])
-    # An edit: the thinker prefilled its context and, a companion, its image-dropped one.
-    assert _thinker_served(served) == thinker_before + 3
+    # An edit: the thinker prefilled its context and, a companion in the same message,
+    # its image-dropped one.
+    assert _thinker_served(served) == thinker_before + 2
 
 
 def test_ten_jobs_in_a_row_as_the_seeds_curl_sends_them(served: str) -> None:

@@ -6,17 +6,18 @@ named inputs, by connector handles that the orchestrator passes on without ever 
 arrays. In a model family's pipeline (``omni_runtime.families``) the encoder stage gets the
 prompt text (and, for an edit, the input image, which the DiT gets too, as it gets the
 prompt text beside its handed-off inputs), and the family
-says which companion requests of the same stage the DiT needs beside it (the negative
+says which companion prompts of the same stage the DiT needs beside it (the negative
 prompt's embeddings where the DiT will run guidance, BAGEL's image-dropped context) and
-which of the DiT's inputs each one's hand-off becomes. The last stage's outputs are what
-the caller receives (streamed text, or images). Each stage's replica comes from its
-StageReplicaPool.
+which of the DiT's inputs each one's hand-off becomes: they go in the request's own
+message (``StageServerRequest.companions``), run on its replica, and come back with it.
+The last stage's outputs are what the caller receives (streamed text, or images). Each
+stage's replica comes from its StageReplicaPool.
 
 Every stage request of one caller's request (companions included) goes to replicas of one
 pipeline revision: the newest that every stage has a replica of (``router.revisions``);
 none complete is a 503 that says so. A stage that reads its input from shared memory runs
-in the pod of the replica that wrote it, and so do the companions that feed it: shared
-memory does not cross pods.
+in the pod of the replica that wrote it (the companions that feed it ran there too):
+shared memory does not cross pods.
 
 A failure in any stage fails this request only, as a PipelineError that carries the HTTP
 status the router answers with. Retries are invisible to the caller and bounded:
@@ -49,9 +50,9 @@ import collections
 import contextlib
 import itertools
 import logging
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 import numpy as np
 from opentelemetry.trace import SpanKind
@@ -60,10 +61,10 @@ from omni_runtime import tracing
 from omni_runtime.config import PipelineConfig, StageConfig
 from omni_runtime.engine.stage.replica_policies import diffusion_work
 from omni_runtime.engine.stage.stage_core_types import (
-    HandOff,
     StageAdapter,
     StageError,
     StageErrorCode,
+    StagePrompt,
     StageServerOutput,
     StageServerRequest,
     TraceContext,
@@ -74,13 +75,11 @@ from omni_runtime.engine.stage.stage_replica_pool import (
     ReplicaLostError,
     StageReplicaPool,
 )
-from omni_runtime.families import Companion
 from omni_runtime.net import address_host
 from omni_runtime.router.revisions import NoCompleteRevisionError, choose_revision
 from omni_runtime.tracing import SpanScope
 
 logger = logging.getLogger(__name__)
-_T = TypeVar("_T")
 
 # "speech": text, and audio where the request asks for it (a family that speaks).
 OutputKind = Literal["text", "image", "video", "speech"]
@@ -333,7 +332,6 @@ class PipelineOrchestrator:
     ) -> AsyncIterator[StageServerOutput]:
         upstream: StageServerOutput | None = None
         upstream_text = ""
-        companion_inputs: dict[str, HandOff] = {}
         revision = attempt.revision = self.choose_revision()
         sticky = request.sticky_key
         # The host of the replica whose output the next stage reads.
@@ -349,7 +347,7 @@ class PipelineOrchestrator:
                 return
             for index, stage in enumerate(self.stages):
                 stage_request = self._stage_request(
-                    request, attempt.number, index, upstream, upstream_text, companion_inputs
+                    request, attempt.number, index, upstream, upstream_text
                 )
                 pin = host if stage.stage_id in self._pod_local else None
                 if index == len(self.stages) - 1:
@@ -364,28 +362,12 @@ class PipelineOrchestrator:
                         yield output
                     served = True
                     return
-                companions = self._companion_requests(request, index, stage_request)
-                placed: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-                runs = [
-                    self._final_output(stage, stage_request, sticky, revision, pin, handed, placed)
-                ]
-                # Where the next stage reads them from shared memory, the companions' outputs
-                # must lie in the pod of the request's.
-                local = self.stages[index + 1].stage_id in self._pod_local
-                follow = placed if local else None
-                for _, companion_request in companions:
-                    runs.append(
-                        self._final_output(
-                            stage, companion_request, sticky, revision, pin, handed, follow=follow
-                        )
-                    )
-                results = await _all_or_none(runs)
-                upstream, upstream_text, host = results[0]
-                companion_inputs = {
-                    companion.inputs.get(name, name): hand_off
-                    for (companion, _), (output, _, _) in zip(companions, results[1:], strict=True)
-                    for name, hand_off in output.hand_offs.items()
-                }
+                # The companions go in the same message, to the same replica: their
+                # hand-offs come back among the request's, under the names the DiT reads.
+                stage_request.companions = self._companions(request, index, stage_request)
+                upstream, upstream_text, host = await self._final_output(
+                    stage, stage_request, sticky, revision, pin, handed
+                )
         finally:
             if not served and handed:
                 # Their consumer will never fetch them (a companion failed after its partner
@@ -399,7 +381,7 @@ class PipelineOrchestrator:
         """A speaking family's request: the thinker's outputs, then (for a request with a
         voice) one last output with the waveform, the thinker's finish and usage."""
         thinker = self.stages[0]
-        thinker_request = self._stage_request(request, attempt, 0, None, "", {})
+        thinker_request = self._stage_request(request, attempt, 0, None, "")
         thinker_request.audios = request.audios
         thinker_request.images = request.images
         thinker_request.stream = request.stream
@@ -552,11 +534,12 @@ class PipelineOrchestrator:
         assert final is not None
         return final, "".join(text_parts), where[-1][0]
 
-    def _companion_requests(
+    def _companions(
         self, request: PipelineRequest, index: int, stage_request: StageServerRequest
-    ) -> list[tuple[Companion, StageServerRequest]]:
-        """The companion requests of ``stage_request`` that the DiT needs, where the stage at
-        ``index`` is its family's encoder: each with its family's declaration."""
+    ) -> list[StagePrompt]:
+        """The prompts the stage at ``index`` runs beside ``stage_request`` where it is its
+        family's encoder: the companions its DiT needs (the negative prompt's embeddings,
+        BAGEL's image-dropped context), each with the DiT input its hand-off becomes."""
         stage = self.stages[index]
         family = self.pipeline.family_recipe
         if family is None or self.pipeline.encoder_recipe(stage) is None:
@@ -568,16 +551,12 @@ class PipelineOrchestrator:
             thinks=bool(stage.think),
         )
         return [
-            (
-                companion,
-                StageServerRequest(
-                    request_id=f"{stage_request.request_id}-{companion.suffix}",
-                    prompt=companion.prompt,
-                    params=dict(companion.params),
-                    images=stage_request.images if companion.with_image else [],
-                    output_connector=stage_request.output_connector,
-                    adapter=stage_request.adapter,
-                ),
+            StagePrompt(
+                suffix=companion.suffix,
+                prompt=companion.prompt,
+                with_images=companion.with_image,
+                params=dict(companion.params),
+                names=dict(companion.inputs),
             )
             for companion in companions
         ]
@@ -593,10 +572,9 @@ class PipelineOrchestrator:
         index: int,
         upstream: StageServerOutput | None,
         upstream_text: str,
-        companion_inputs: Mapping[str, HandOff],
     ) -> StageServerRequest:
-        """The request to the stage at ``index``, given its upstream's final output and text
-        and what that one's companion requests handed off, by the input each becomes."""
+        """The request to the stage at ``index``, given its upstream's final output (its
+        companions' hand-offs among its own) and text."""
         stage = self.stages[index]
         encoder = self.pipeline.encoder_recipe(stage)
         # Ids are unique per stage and attempt: a retried request must not collide with
@@ -635,7 +613,7 @@ class PipelineOrchestrator:
         if upstream is None:
             result.prompt = _prompt_text(request)
         elif upstream.hand_offs:
-            result.inputs = {**upstream.hand_offs, **companion_inputs}
+            result.inputs = dict(upstream.hand_offs)
             # The caller's prompt too, for what the DiT's pipeline encodes of it itself
             # (HunyuanVideo-1.5's ByT5 reads its quoted text); the others read none of it
             # beside handed-off embeddings.
@@ -784,18 +762,6 @@ def _prompt_text(request: PipelineRequest) -> str:
     if request.prompt is not None:
         return request.prompt
     return _last_user_text(request.messages or [])
-
-
-async def _all_or_none(runs: Sequence[Awaitable[_T]]) -> list[_T]:
-    """The results of ``runs``, run concurrently; if one fails, the others are cancelled
-    (aborting their requests) and awaited, and its error is raised."""
-    tasks = [asyncio.ensure_future(run) for run in runs]
-    try:
-        return list(await asyncio.gather(*tasks))
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _last_user_text(messages: Sequence[Mapping[str, str]]) -> str:

@@ -64,6 +64,7 @@ from omni_runtime.engine.stage.stage_llm_core_client import (
 )
 from omni_runtime.engine.stage.stage_llm_request_builder import InvalidLLMRequestError
 from omni_runtime.stage_server.frontend import RequestSpans, StageFrontend, refusal
+from omni_runtime.stage_server.prompt_groups import PromptGroups
 
 if TYPE_CHECKING:
     from vllm.lora.request import LoRARequest
@@ -139,6 +140,8 @@ class StageLLMFrontend(StageFrontend):
         # request id -> (connector, key, when) of hidden states put and maybe not fetched,
         # so that an abort after the handoff still frees them.
         self._handoffs: OrderedDict[str, list[tuple[str, str, float]]] = OrderedDict()
+        # Requests that carry companion prompts, run beside them and answered once.
+        self._groups = PromptGroups()
         self._speech = client.speech_stage
         # A talker of a pipeline that streams between stages: its chunks' size.
         self._chunk_frames = (
@@ -215,8 +218,12 @@ class StageLLMFrontend(StageFrontend):
                     StageServerOutput(request_id=request_id, finished=True, finish_reason="abort")
                 ]
         builder = self.client.request_builder
+        companions: list[tuple[str, StageLLMCoreRequest]] = []
         try:
             if talker:
+                if request.companions:
+                    message = "companions: a talker speaks one prompt at a time"
+                    return [refusal(request_id, StageError.bad_request(message, "companions"))]
                 core_request = await self._talker_request(request)
             else:
                 core_request = builder.build(
@@ -228,6 +235,20 @@ class StageLLMFrontend(StageFrontend):
                     audios=request.audios,
                     lora_request=lora_request,
                 )
+            for companion in request.companions:
+                try:
+                    built = builder.build(
+                        f"{request_id}-{companion.suffix}",
+                        prompt=companion.prompt,
+                        params=companion.params,
+                        images=request.images if companion.with_images else (),
+                        lora_request=lora_request,
+                    )
+                except InvalidLLMRequestError as e:
+                    error = e.error
+                    message = f"companion {companion.suffix!r}: {error.message}"
+                    return [refusal(request_id, StageError(error.code, message, error.param))]
+                companions.append((companion.prompt, built))
         except InvalidLLMRequestError as e:
             return [refusal(request_id, e.error)]
         except ConnectorError as e:
@@ -237,40 +258,74 @@ class StageLLMFrontend(StageFrontend):
             return [refusal(request_id, error)]
         except _UnusableInputs as e:
             return [refusal(request_id, StageError(StageErrorCode.STAGE_FAILED, str(e)))]
-        context = self._context_hand_off is not None
         speaks = talker or bool(request.params.get("speak"))
-        self._requests[request_id] = _Request(
-            self._detokenizer(core_request),
-            prompt_tokens=len(core_request.prompt_token_ids or ()),
-            output_connector=request.output_connector or self._handoff_connector,
-            prompt_token_ids=list(core_request.prompt_token_ids or ()) if context else None,
-            prompt_length=len(builder.framed_prompt_ids(request.prompt or "")) if context else 0,
-            stream=request.stream,
-            spans=RequestSpans.of(self.stage, request),
-        )
+        connector = request.output_connector or self._handoff_connector
+        state = self._track(core_request, request.prompt, connector, request.stream)
+        state.spans = RequestSpans.of(self.stage, request)
         if speaks:
-            state = self._requests[request_id]
             state.said = []
             if not talker:
                 state.spoken_prompt = list(core_request.prompt_token_ids or ())
+        for prompt, built in companions:
+            self._track(built, prompt, connector, stream=False)
+        if companions:
+            self._groups.start(request_id, {c.suffix: dict(c.names) for c in request.companions})
+        added: list[str] = []
         try:
-            await self.client.add_request_async(core_request)
+            for built in (core_request, *(built for _, built in companions)):
+                await self.client.add_request_async(built)
+                added.append(built.request_id)
         except BaseException:
-            self._requests.pop(request_id, None)
+            for built in (core_request, *(built for _, built in companions)):
+                self._requests.pop(built.request_id, None)
+            if added:
+                # The engine has them: they must not run on for nobody.
+                await asyncio.shield(self.client.abort_requests_async(added))
             raise
         return []
+
+    def _track(
+        self, core_request: StageLLMCoreRequest, prompt: str | None, connector: str, stream: bool
+    ) -> _Request:
+        """Start keeping the state of ``core_request`` as it runs."""
+        context = self._context_hand_off is not None
+        ids = list(core_request.prompt_token_ids or ())
+        builder = self.client.request_builder
+        state = _Request(
+            self._detokenizer(core_request),
+            prompt_tokens=len(ids),
+            output_connector=connector,
+            prompt_token_ids=ids if context else None,
+            prompt_length=len(builder.framed_prompt_ids(prompt or "")) if context else 0,
+            stream=stream,
+        )
+        self._requests[core_request.request_id] = state
+        return state
 
     async def next_outputs(self) -> list[StageServerOutput]:
         outputs = await self.client.get_outputs_async()
         converted: list[StageServerOutput] = []
+        failed: list[str] = []
         for output in outputs.outputs:
             assert isinstance(output, StageLLMCoreOutput)
             result = await self._convert(output)
-            if result is not None:
-                converted.append(result)
+            if result is None:
+                continue
+            answer, abort = self._groups.take(result)
+            failed += abort
+            if answer is not None:
+                converted.append(answer)
+        if failed:
+            # A companion failed (or its request did): the rest of its group runs for
+            # nobody. Their outputs are dropped as they come, their hand-offs released.
+            await self.abort(failed)
         return converted
 
     async def abort(self, request_ids: list[str]) -> None:
+        request_ids = [
+            *request_ids,
+            *(companion for i in request_ids for companion in self._groups.running(i)),
+        ]
         for request_id in request_ids:
             if request_id in self._loading:
                 # Answered as aborted once its adapter's load is over (add).
@@ -441,7 +496,9 @@ class StageLLMFrontend(StageFrontend):
             handle = await asyncio.to_thread(connector.put, key, array)
             span.set_attribute(tracing.BYTES, handle.nbytes)
         now = time.monotonic()
-        self._handoffs.setdefault(request_id, []).append((connector.name, key, now))
+        # A companion's go with its request's: releasing the request releases them.
+        owner = self._groups.owner(request_id)
+        self._handoffs.setdefault(owner, []).append((connector.name, key, now))
         # Forget records older than the connector keeps their arrays anyway.
         while self._handoffs:
             _, records = next(iter(self._handoffs.items()))

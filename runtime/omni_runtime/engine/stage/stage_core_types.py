@@ -233,6 +233,21 @@ class StageCoreRequestType(enum.Enum):
     HEALTH = b"\x04"
 
 
+class StagePrompt(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """Another prompt a stage request carries beside its own (a family's companion: the
+    negative prompt, BAGEL's image-dropped context): the stage runs it alongside the
+    request's, on the same replica, and answers once for both, with its hand-offs among
+    the request's under the names ``names`` gives them ("prompt_embeds" ->
+    "negative_prompt_embeds"). Its id is the request's, "-" and ``suffix``."""
+
+    suffix: str
+    prompt: str
+    # Whether it reads the request's images too (an edit's negative prompt does).
+    with_images: bool = False
+    params: dict[str, Any] = {}
+    names: dict[str, str] = {}
+
+
 class StageServerRequest(StageCoreRequest):
     """A request to a stage server (a stage's replica as routers reach it, over TCP).
 
@@ -270,6 +285,9 @@ class StageServerRequest(StageCoreRequest):
     # The LoRA adapter this stage runs the request with (None: none); the router picks it
     # from the request's model name.
     adapter: StageAdapter | None = None
+    # Prompts the stage runs beside this one, in one message (an LLM stage's): the request
+    # finishes when all have, and fails if one does.
+    companions: list[StagePrompt] = []
 
 
 class StageServerOutput(StageCoreOutput):

@@ -251,19 +251,37 @@ async def test_a_terminating_replica_serves_only_where_no_revision_is_complete_w
         await dit.close()
 
 
+def companion_hand_offs(request: StageServerRequest, name: str) -> dict[str, HandOff]:
+    """What a stage hands off for ``request``'s companions, under the names they ask for, as
+    a real stage does (tests/integration: a family's served images equal its pipeline's)."""
+    hand_offs = {}
+    for companion in request.companions:
+        key = f"{request.request_id}-{companion.suffix}"
+        handle = ConnectorHandle("shm", key, "float32", [1, 4], 16)
+        hand_offs[companion.names.get(name, name)] = HandOff(handle)
+    return hand_offs
+
+
 class EncodingReplica(FakeReplica):
-    """An encoder replica: answers each request with a hidden-states handle of its own."""
+    """An encoder replica: answers each request with a hidden-states handle of its own,
+    and one per companion it carries."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.requests: list[StageServerRequest] = []
 
     async def add_request_async(self, request: object) -> None:
         await super().add_request_async(request)  # type: ignore[arg-type]
+        assert isinstance(request, StageServerRequest)
+        self.requests.append(request)
         request_id = self.received[-1]
         handle = ConnectorHandle("shm", request_id, "float32", [1, 4], 16)
         self.pending.discard(request_id)
-        self.emit(
-            StageServerOutput(
-                request_id, finished=True, hand_offs={"prompt_embeds": HandOff(handle)}
-            )
-        )
+        hand_offs = {
+            "prompt_embeds": HandOff(handle),
+            **companion_hand_offs(request, "prompt_embeds"),
+        }
+        self.emit(StageServerOutput(request_id, finished=True, hand_offs=hand_offs))
 
 
 def shared_memory_family(replicas: int) -> PipelineConfig:
@@ -290,7 +308,8 @@ def shared_memory_family(replicas: int) -> PipelineConfig:
 
 async def test_a_stage_reading_shared_memory_runs_in_the_pod_of_its_input() -> None:
     """Two pods, each an encoder and a DiT: a request's encoder output, its negative
-    prompt's (a companion) and its DiT all land in one pod, whatever round-robin picks."""
+    prompt's (a companion, in the same message) and its DiT all land in one pod, whatever
+    round-robin picks."""
     encoder, dit = StageReplicaPool("encoder"), StageReplicaPool("dit")
     encoders, dits = {}, {}
     for pod in ("10.0.0.1", "10.0.0.2"):
@@ -302,8 +321,10 @@ async def test_a_stage_reading_shared_memory_runs_in_the_pod_of_its_input() -> N
         for n in range(6):
             await asyncio.wait_for(run.complete(PipelineRequest(f"r{n}", prompt="p")), 5)
         for pod in encoders:
-            served = {r for r in encoders[pod].received if not r.endswith("-negative")}
-            assert {f"{r}-negative" for r in served} <= set(encoders[pod].received)
+            served = set(encoders[pod].received)
+            assert all(
+                [c.suffix for c in r.companions] == ["negative"] for r in encoders[pod].requests
+            )
             assert set(dits[pod].received) == served
         assert all(dits[pod].received for pod in dits)  # both pods served
         # With no DiT in the encoder's pod, the request cannot run: a 503 that says why.
@@ -334,8 +355,11 @@ class ThinkerReplica(FakeReplica):
         request_id = request.request_id
         handle = ConnectorHandle("shm", request_id, "bfloat16", [2, 1, 3, 1, 2], 24)
         self.pending.discard(request_id)
-        hand_off = HandOff(handle, {"rope": 3})
-        self.emit(StageServerOutput(request_id, finished=True, hand_offs={"context_kv": hand_off}))
+        hand_offs = {
+            "context_kv": HandOff(handle, {"rope": 3}),
+            **companion_hand_offs(request, "context_kv"),
+        }
+        self.emit(StageServerOutput(request_id, finished=True, hand_offs=hand_offs))
 
 
 class RecordingDiT(AnsweringReplica):
@@ -400,10 +424,11 @@ async def test_a_bagel_edits_companion_and_its_parent_feed_one_dit_in_their_pod(
                 # The seed alone: the edit's size is the DiT's, not its context's.
                 assert by_id[parent].params == {"seed": 52}
                 assert "no_image_context_kv" in request.inputs
-                companion = request.inputs["no_image_context_kv"].handle.key
-                assert companion == f"{parent}-no-image"
-                assert by_id[companion].images == []
-                assert by_id[companion].prompt == by_id[parent].prompt
+                assert request.inputs["no_image_context_kv"].handle.key == f"{parent}-no-image"
+                (companion,) = by_id[parent].companions
+                assert companion.suffix == "no-image"
+                assert not companion.with_images
+                assert companion.prompt == by_id[parent].prompt
         assert all(dits[pod].requests for pod in dits)  # both pods served
     finally:
         await thinker.close()
@@ -411,16 +436,13 @@ async def test_a_bagel_edits_companion_and_its_parent_feed_one_dit_in_their_pod(
 
 
 class RefusingCompanionEncoder(EncodingReplica):
-    """Encodes a request, and refuses its negative prompt's companion once the request's
-    own hand-off is made (the companion fails after its partner finished)."""
+    """Fails each request as a stage fails one whose companion it could not run: the
+    request's own answer carries the companion's error."""
 
     async def add_request_async(self, request: object) -> None:
-        assert isinstance(request, StageServerRequest)
-        if not request.request_id.endswith("-negative"):
-            await super().add_request_async(request)
-            return
-        await FakeReplica.add_request_async(self, request)
-        self.answer(request.request_id, error=StageError.bad_request("negative_prompt: too long"))
+        await FakeReplica.add_request_async(self, request)  # type: ignore[arg-type]
+        error = StageError.bad_request("companion 'negative': negative_prompt: too long")
+        self.answer(self.received[-1], error=error)
 
 
 class RefusingDiT(FakeReplica):
@@ -434,10 +456,11 @@ class RefusingDiT(FakeReplica):
     [
         # Served: the DiT fetched both, nothing to release.
         (EncodingReplica, AnsweringReplica, []),
-        # The companion failed after its partner finished: the partner's hand-off goes.
-        (RefusingCompanionEncoder, AnsweringReplica, ["r"]),
-        # The DiT refused the request: both hand-offs go.
-        (EncodingReplica, RefusingDiT, ["r", "r-negative"]),
+        # The companion failed: the stage answered for both, releasing what it made.
+        (RefusingCompanionEncoder, AnsweringReplica, []),
+        # The DiT refused the request: the encoder releases the request's hand-offs, its
+        # companion's with them.
+        (EncodingReplica, RefusingDiT, ["r"]),
     ],
 )
 async def test_a_hand_off_no_stage_will_fetch_is_released_at_once(
@@ -451,14 +474,14 @@ async def test_a_hand_off_no_stage_will_fetch_is_released_at_once(
     dit.add_replica(consumer, "10.0.0.1:52001")
     run = PipelineOrchestrator(shared_memory_family(1), {0: encoder, 1: dit})
     try:
-        if released:
+        if encoder_replica is RefusingCompanionEncoder or released:
             with pytest.raises(PipelineError) as failed:
                 await asyncio.wait_for(run.complete(PipelineRequest("r", prompt="p")), 5)
             assert failed.value.status == 400
         else:
             await asyncio.wait_for(run.complete(PipelineRequest("r", prompt="p")), 5)
         assert sorted(producer.aborted) == released
-        assert producer.received == ["r", "r-negative"]
+        assert producer.received == ["r"]
     finally:
         await encoder.close()
         await dit.close()
