@@ -405,7 +405,7 @@ def _generate(args: argparse.Namespace) -> int:
 async def _generate_async(
     args: argparse.Namespace, model: str, prompts: list[str], width: int, height: int
 ) -> int:
-    from omni_runtime.diffusion.engine import DiffusionEngineConfig
+    from omni_runtime.diffusion.engine_base import DiffusionEngineConfig
     from omni_runtime.diffusion.stage.generate import generate
     from omni_runtime.diffusion.stage.inline_stage_diffusion_client import (
         InlineStageDiffusionClient,
