@@ -5,6 +5,8 @@ each family's DiTRecipe names the runner its pipeline runs through."""
 from __future__ import annotations
 
 import dataclasses
+import tomllib
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -21,6 +23,7 @@ from omni_runtime.diffusion.runners.base import PipelineRunner, import_named, ru
 from omni_runtime.families import FAMILIES, familyless_request_fields
 from omni_runtime.families.base import RequestField
 
+REPO = Path(__file__).resolve().parents[4]
 COMMON = set(DiffusionParams.__struct_fields__)
 DIFFUSERS = [name for name, family in FAMILIES.items() if family.dit.engine is None]
 FIELDS = [(family.name, field) for family in FAMILIES.values() for field in family.request_fields]
@@ -124,3 +127,18 @@ def test_the_quirky_pipelines_have_runners_of_their_own() -> None:
 def test_a_dit_with_an_engine_of_its_own_names_no_runner() -> None:
     with pytest.raises(ValueError, match="has no runner"):
         dataclasses.replace(FAMILIES["bagel"].dit, runner=FAMILIES["wan2.2"].dit.runner)
+
+
+def test_every_runner_and_engine_a_family_names_is_kept_from_the_generic_layers() -> None:
+    """The import-linter contract lists each module a DiTRecipe names by path, so that no
+    generic layer imports one."""
+    with open(REPO / "pyproject.toml", "rb") as f:
+        contracts = tomllib.load(f)["tool"]["importlinter"]["contracts"]
+    (contract,) = [c for c in contracts if c["name"].startswith("Only a family's DiTRecipe")]
+    named = {
+        path.partition(":")[0]
+        for family in FAMILIES.values()
+        for path in (family.dit.runner, family.dit.engine)
+        if path is not None
+    }
+    assert named == set(contract["forbidden_modules"])
