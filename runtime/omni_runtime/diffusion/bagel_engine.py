@@ -30,34 +30,39 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Callable
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 import msgspec
 import numpy as np
 
-from omni_runtime.diffusion.engine import (
-    MAX_IMAGES,
-    MAX_SIDE,
+from omni_runtime.diffusion.engine_base import (
     DiffusionEngineBase,
     DiffusionEngineConfig,
-    InvalidRequestError,
     PartialEmit,
     RequestAbortedError,
-    check_input_names,
-    check_sizes,
     engine_device,
-    parse_params,
     torch_dtype,
 )
+from omni_runtime.diffusion.params import (
+    MAX_IMAGES,
+    MAX_SIDE,
+    InvalidRequestError,
+    check_input_names,
+    check_sizes,
+    parse_params,
+    with_fields,
+)
 from omni_runtime.engine.stage.stage_core_types import HandOff, StageDiffusionCoreRequest
+from omni_runtime.families import FAMILIES
 
-Fraction = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
 # The inputs BAGEL's DiT takes from its thinker.
 _CONTEXTS = ("context_kv", "no_image_context_kv")
 
 
 class BagelParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
-    """The sampling parameters a BAGEL request may carry; None is BAGEL's default."""
+    """The sampling parameters every BAGEL request may carry; None is BAGEL's default.
+    Its guidance knobs are the family's request fields (``families/bagel.py``), added with
+    the bounds declared there (:data:`_PARAMS`)."""
 
     height: Annotated[int, msgspec.Meta(ge=1, le=MAX_SIDE)] | None = None
     width: Annotated[int, msgspec.Meta(ge=1, le=MAX_SIDE)] | None = None
@@ -65,14 +70,14 @@ class BagelParams(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     num_inference_steps: Annotated[int, msgspec.Meta(ge=2, le=1000)] | None = None
     seed: Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)] | None = None
     num_images: Annotated[int, msgspec.Meta(ge=1, le=MAX_IMAGES)] = 1
-    # The OpenAI-style name for the text guidance scale.
+    # The OpenAI-style name for the text guidance scale (cfg_text_scale).
     guidance_scale: Annotated[float, msgspec.Meta(ge=0.0)] | None = None
-    cfg_text_scale: Annotated[float, msgspec.Meta(ge=0.0)] | None = None
-    cfg_img_scale: Annotated[float, msgspec.Meta(ge=0.0)] | None = None
-    cfg_interval: tuple[Fraction, Fraction] | None = None
-    cfg_renorm_type: Literal["global", "channel", "text_channel"] | None = None
-    cfg_renorm_min: Fraction | None = None
-    timestep_shift: Annotated[float, msgspec.Meta(gt=0.0, le=100.0)] | None = None
+
+
+# BAGEL's guidance knobs, by name: each is the field of its inferencer's guidance that
+# bears the same name (cfg_text_scale, cfg_img_scale, cfg_interval, ...).
+_GUIDANCE = tuple(field.name for field in FAMILIES["bagel"].request_fields)
+_PARAMS = with_fields(BagelParams, FAMILIES["bagel"].request_fields)
 
 
 class BagelEngine(DiffusionEngineBase):
@@ -88,7 +93,7 @@ class BagelEngine(DiffusionEngineBase):
             torch.set_num_threads(config.num_threads)
         super().__init__(config.connectors)
         self.config = config
-        parse_params(config.default_params, "defaultSamplingParams", BagelParams)
+        parse_params(config.default_params, "defaultSamplingParams", _PARAMS)
         self.device = engine_device(config)
         # auto: bf16, as the released weights are and the reference's attention runs.
         dtype = torch_dtype("bfloat16" if config.dtype == "auto" else config.dtype)
@@ -118,10 +123,8 @@ class BagelEngine(DiffusionEngineBase):
         }
 
     def validate(self, request: StageDiffusionCoreRequest) -> BagelParams:
-        parse_params(request.params, "params", BagelParams)
-        params = parse_params(
-            {**self.config.default_params, **request.params}, "params", BagelParams
-        )
+        parse_params(request.params, "params", _PARAMS)
+        params = parse_params({**self.config.default_params, **request.params}, "params", _PARAMS)
         check_input_names(request, _CONTEXTS)
         context, no_image = (request.inputs.get(name) for name in _CONTEXTS)
         if context is not None:
@@ -142,17 +145,20 @@ class BagelEngine(DiffusionEngineBase):
                     name,
                 )
         if params.guidance_scale is not None:
-            if params.cfg_text_scale is not None:
+            if getattr(params, "cfg_text_scale", None) is not None:
                 raise InvalidRequestError(
                     "guidance_scale: give cfg_text_scale or guidance_scale (the same scale), "
                     "not both",
                     "guidance_scale",
                 )
-            params.cfg_text_scale, params.guidance_scale = params.guidance_scale, None
-        if params.cfg_interval is not None and params.cfg_interval[0] >= params.cfg_interval[1]:
+            params = msgspec.structs.replace(
+                params, cfg_text_scale=params.guidance_scale, guidance_scale=None
+            )
+        interval = getattr(params, "cfg_interval", None)
+        if interval is not None and interval[0] >= interval[1]:
             raise InvalidRequestError(
                 f"cfg_interval: expected [low, high] with low < high in [0, 1], got "
-                f"{list(params.cfg_interval)}",
+                f"{list(interval)}",
                 "cfg_interval",
             )
         check_sizes(params, self.size_multiple, self.max_side)
@@ -234,12 +240,7 @@ class BagelEngine(DiffusionEngineBase):
         guidance = default_guidance(edit)
         overrides: dict[str, Any] = {
             "num_timesteps": params.num_inference_steps,
-            "timestep_shift": params.timestep_shift,
-            "cfg_text_scale": params.cfg_text_scale,
-            "cfg_img_scale": params.cfg_img_scale,
-            "cfg_interval": params.cfg_interval,
-            "cfg_renorm_type": params.cfg_renorm_type,
-            "cfg_renorm_min": params.cfg_renorm_min,
+            **{name: getattr(params, name) for name in _GUIDANCE},
         }
         guidance = dataclasses.replace(
             guidance, **{k: v for k, v in overrides.items() if v is not None}

@@ -28,16 +28,15 @@ from typing import Any
 
 import numpy as np
 
-from omni_runtime.diffusion.engine import (
+from omni_runtime.diffusion.engine_base import (
     DiffusionEngineBase,
     DiffusionEngineConfig,
-    InvalidRequestError,
     PartialEmit,
     RequestAbortedError,
-    check_input_names,
     engine_device,
     torch_dtype,
 )
+from omni_runtime.diffusion.params import InvalidRequestError, check_input_names
 from omni_runtime.engine.stage.stage_core_types import StageDiffusionCoreRequest
 
 FAMILY = "qwen3-omni"

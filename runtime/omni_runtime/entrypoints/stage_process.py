@@ -62,7 +62,7 @@ from omni_runtime.stage_server.probes import start_probe_server
 from omni_runtime.stage_server.server import StageServer
 
 if TYPE_CHECKING:
-    from omni_runtime.diffusion.engine import DiffusionEngineConfig
+    from omni_runtime.diffusion.engine_base import DiffusionEngineConfig
 
 logger = logging.getLogger("omni_runtime.stage")
 
@@ -137,7 +137,7 @@ def diffusion_engine_config(
 ) -> DiffusionEngineConfig:
     """What the core of diffusion stage ``stage`` loads ``model`` (a local path or hub id)
     with."""
-    from omni_runtime.diffusion.engine import DiffusionEngineConfig
+    from omni_runtime.diffusion.engine_base import DiffusionEngineConfig
     from omni_runtime.diffusion.step_cache import StepCacheTier
 
     cache = stage.step_cache

@@ -22,6 +22,7 @@ from .base import (
     EncoderRecipe,
     Family,
     HandOffKind,
+    RequestField,
     SpeechRecipe,
     SpeechRole,
     SpeechStage,
@@ -54,6 +55,7 @@ __all__ = [
     "TopologyStage",
     "family_of_model_name",
     "family_of_pipeline_class",
+    "familyless_request_fields",
     "model_basename",
     "prompt_image_size",
     "read_checkpoint_family",
@@ -97,6 +99,24 @@ def family_of_pipeline_class(class_name: str) -> Family | None:
         if family.dit.pipeline_class == class_name:
             return family
     return None
+
+
+def familyless_request_fields() -> tuple[RequestField, ...]:
+    """What the DiT of a pipeline of no family takes beyond the common image fields: the
+    fields of every family whose DiT is a diffusers pipeline (not an engine of its own),
+    each handed to whichever pipeline is loaded where its __call__ takes it (FluxPipeline
+    takes Qwen-Image's true_cfg_scale) and refused by name where not."""
+    fields: dict[str, RequestField] = {}
+    for family in FAMILIES.values():
+        if family.dit.engine is not None:
+            continue
+        for field in family.request_fields:
+            if fields.setdefault(field.name, field) != field:
+                raise ValueError(
+                    f"request field {field.name}: families declare it differently; a pipeline "
+                    "of no family could not take both"
+                )
+    return tuple(fields.values())
 
 
 def family_of_model_name(model: str) -> Family | None:

@@ -93,8 +93,9 @@ BAGEL = BagelFamily(
     hub_ids=("ByteDance-Seed/BAGEL-7B-MoT",),
     thinks=True,
     max_input_images=1,
-    # BAGEL's guidance (its inferencer's names; the DiT's BagelParams checks them again,
-    # with what no schema states: cfg_interval's low below its high).
+    # BAGEL's guidance, under its inferencer's names: the DiT's parameters are these fields
+    # with these bounds (and it checks what no schema states: cfg_interval's low below its
+    # high).
     request_fields=(
         RequestField(
             name="cfg_text_scale",

@@ -15,12 +15,14 @@ replica pool, pipeline schema) read these declarations and name no family:
 - ``encoder_params``: what the encoder takes of the request's DiT params (BAGEL's seed);
 - ``pipeline_issues``: the family's rules on a pipeline's stages, for the schema's errors;
 - ``request_fields`` (RequestField each): the request fields the family's DiT takes beyond those
-  every image request has, which the router accepts (and documents) for its pipelines only.
+  every image request has, which the router accepts (and documents) for its pipelines only,
+  and which are the DiT's own parameters (with the bounds declared there).
 
 This package imports nothing but the standard library (the operator's image has no ML
 libraries, and the pipeline schema imports it); what runs a family's model lives with the
-model's code (``omni_runtime.modeling``, ``engine.models``) and is named here by import
-path where a family needs its own engine.
+model's code (``omni_runtime.modeling``, ``engine.models``, ``diffusion.runners``) and is
+named here by import path where a family needs its own engine (``DiTRecipe.engine``) or its
+diffusers pipeline its own runner (``DiTRecipe.runner``).
 """
 
 from __future__ import annotations
@@ -31,9 +33,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-# How a family's pipeline takes text embeddings: "padded": [batch, tokens, width] with a
-# mask (Qwen-Image); "rows": a list of [tokens, width] arrays, one per prompt (Z-Image).
-EmbedsLayout = Literal["padded", "rows"]
 # The __call__ argument that turns classifier-free guidance on: Qwen-Image's
 # true_cfg_scale (> 1, and only with a negative prompt), Z-Image's guidance_scale (> 0,
 # with "" as the negative prompt unless one is given).
@@ -220,7 +219,6 @@ class DiTRecipe:
     # The diffusers pipeline class a checkpoint of the family holds (model_index.json's
     # _class_name), or the family's own name for one that is no diffusers pipeline.
     pipeline_class: str
-    embeds: EmbedsLayout = "padded"
     guidance: GuidanceParam | None = None
     # The pipeline's own default for ``guidance`` (its __call__ signature's).
     guidance_default: float = 0.0
@@ -238,6 +236,11 @@ class DiTRecipe:
     # "module:Class" of a family whose DiT is its own engine rather than a diffusers
     # pipeline (BAGEL's); imported only in the process that runs it.
     engine: str | None = None
+    # "module:Class" of the runner (omni_runtime.diffusion.runners) that holds the call
+    # conventions of a diffusers pipeline with quirks: a guider, no step callback, a second
+    # text encoder run in the DiT stage, a second pipeline class for input images. None:
+    # the default runner, diffusers' plain conventions. Imported only in the stage process.
+    runner: str | None = None
     # Where its transformer takes a step cache; None: it takes none (a stage's stepCache is
     # refused).
     step_cache: StepCacheModules | None = None
@@ -245,14 +248,19 @@ class DiTRecipe:
     preview: PreviewLayout | None = None
     # A video family's clips; None: the DiT makes images.
     video: VideoRecipe | None = None
-    # The diffusers pipeline that runs a request with an input image on the same weights
-    # (built with from_pipe), where ``pipeline_class`` takes none (Wan's image-to-video).
-    image_pipeline_class: str | None = None
     # The pipeline sizes its output from the input image (the size bucket nearest the
     # image's aspect ratio at its checkpoint's resolution) and takes no height or width:
     # a request that asks for a size is refused by name rather than silently not obeyed
-    # (HunyuanVideo-1.5's image-to-video).
+    # (HunyuanVideo-1.5's image-to-video). The router refuses a video job's size by it; the
+    # DiT stage's runner refuses height and width.
     sized_by_image: bool = False
+
+    def __post_init__(self) -> None:
+        # A runner calls a diffusers pipeline; an engine of its own runs none.
+        if self.engine is not None and self.runner is not None:
+            raise ValueError(
+                f"{self.pipeline_class}: a DiT with an engine of its own has no runner"
+            )
 
 
 @dataclass(frozen=True)
@@ -338,7 +346,9 @@ class Family:
     # Whether the family's encoder may think (BAGEL's think mode: a plan written first).
     thinks: bool = False
     # The request fields of the family's own DiT (its guidance knobs), beyond the common
-    # image fields: a pipeline of another family refuses them as unknown fields.
+    # image fields, declared once: the router's bodies take them, and the DiT's parameters
+    # are them, with these bounds (omni_runtime.diffusion.params); a pipeline of another
+    # family refuses them as unknown fields.
     request_fields: tuple[RequestField, ...] = ()
     # A family that hears and speaks; None: its pipelines make images or videos.
     speech: SpeechRecipe | None = None

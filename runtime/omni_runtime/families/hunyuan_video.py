@@ -116,9 +116,6 @@ HUNYUAN_VIDEO = HunyuanVideoFamily(
     ),
     dit=DiTRecipe(
         pipeline_class="HunyuanVideo15Pipeline",
-        # Zero-padded to the 1000 rows the pipeline's tokenizer pads to, with the mask; the
-        # DiT stage adds ByT5's embeddings of the prompt's quoted text itself.
-        embeds="padded",
         guidance="guidance_scale",
         # The released checkpoints' guider (guider_config.json).
         guidance_default=6.0,
@@ -127,6 +124,8 @@ HUNYUAN_VIDEO = HunyuanVideoFamily(
         # The upstream scripts export at 24 fps; the VAE compresses 4 frames into one
         # latent frame after the first.
         video=VideoRecipe(fps=24, frame_step=4),
+        # Its guider, no step callback, ByT5 in the DiT stage, sizing by the input image.
+        runner="omni_runtime.diffusion.runners.hunyuan_video:HunyuanVideoRunner",
     ),
     topology=encoder_then_dit("encoder", "hidden_states"),
     hub_ids=(

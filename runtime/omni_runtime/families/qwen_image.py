@@ -59,7 +59,6 @@ QWEN_IMAGE = EmbeddingsFamily(
     ),
     dit=DiTRecipe(
         pipeline_class="QwenImagePipeline",
-        embeds="padded",
         guidance="true_cfg_scale",
         guidance_default=4.0,
         step_cache=_STEP_CACHE,
@@ -76,7 +75,6 @@ def _edit_dit(pipeline_class: str) -> DiTRecipe:
     processor (the encoder stage's) among the components it loads."""
     return DiTRecipe(
         pipeline_class=pipeline_class,
-        embeds="padded",
         guidance="true_cfg_scale",
         guidance_default=4.0,
         text_components=("text_encoder", "tokenizer", "processor"),

@@ -20,7 +20,8 @@ WAN = Family(
         guidance="guidance_scale",
         guidance_default=5.0,
         takes_image=True,
-        image_pipeline_class="WanImageToVideoPipeline",
+        # An input image runs WanImageToVideoPipeline, built from the pipeline's weights.
+        runner="omni_runtime.diffusion.runners.wan:WanRunner",
         # Wan2.2-TI2V-5B is trained at 24 fps (its model card: 720p at 24 fps); its VAE
         # compresses 4 frames into one latent frame after the first.
         video=VideoRecipe(fps=24, frame_step=4),

@@ -28,7 +28,6 @@ Z_IMAGE = EmbeddingsFamily(
     ),
     dit=DiTRecipe(
         pipeline_class="ZImagePipeline",
-        embeds="rows",
         guidance="guidance_scale",
         guidance_default=5.0,
         # ZImageTransformer2DModel: its refiners and main layers, then the final layer of
@@ -38,6 +37,8 @@ Z_IMAGE = EmbeddingsFamily(
             predict=(r"all_final_layer\.[^.]+",),
         ),
         preview="scaled",
+        # Guidance that stops part way (cfg_truncation) cannot run with a step cache.
+        runner="omni_runtime.diffusion.runners.z_image:ZImageRunner",
     ),
     topology=encoder_then_dit("encoder", "hidden_states"),
     hub_ids=("Tongyi-MAI/Z-Image-Turbo",),

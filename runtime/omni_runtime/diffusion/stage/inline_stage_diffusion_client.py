@@ -12,7 +12,7 @@ import time
 from collections import deque
 from typing import Any
 
-from omni_runtime.diffusion.engine import DiffusionEngineConfig
+from omni_runtime.diffusion.engine_base import DiffusionEngineConfig
 from omni_runtime.diffusion.loader import load_diffusion_engine
 from omni_runtime.engine.stage.stage_core_client import StageCoreClientBase, StageCoreDeadError
 from omni_runtime.engine.stage.stage_core_types import (

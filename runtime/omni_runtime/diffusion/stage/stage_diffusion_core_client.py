@@ -17,7 +17,7 @@ import weakref
 import zmq
 import zmq.asyncio
 
-from omni_runtime.diffusion.engine import DiffusionEngineConfig
+from omni_runtime.diffusion.engine_base import DiffusionEngineConfig
 from omni_runtime.diffusion.stage.stage_diffusion_core_proc_manager import (
     DEFAULT_STARTUP_TIMEOUT,
     StageDiffusionCoreProcManager,

@@ -32,7 +32,7 @@ from typing import Any, Final, Literal
 import msgspec
 import zmq
 
-from omni_runtime.diffusion.engine import DiffusionEngineConfig
+from omni_runtime.diffusion.engine_base import DiffusionEngineConfig
 from omni_runtime.diffusion.loader import load_diffusion_engine
 from omni_runtime.engine.stage.stage_core_types import (
     StageCoreRequestType,

@@ -21,7 +21,7 @@ import weakref
 import msgspec
 import zmq
 
-from omni_runtime.diffusion.engine import DiffusionEngineConfig
+from omni_runtime.diffusion.engine_base import DiffusionEngineConfig
 from omni_runtime.diffusion.stage.stage_diffusion_core_proc import (
     StageProcHandshake,
     spawn_stage_core,

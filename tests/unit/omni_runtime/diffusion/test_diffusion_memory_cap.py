@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from omni_runtime.config import load_pipeline
-from omni_runtime.diffusion.engine import DiffusionEngineConfig, cap_gpu_memory, engine_device
+from omni_runtime.diffusion.engine_base import DiffusionEngineConfig, cap_gpu_memory, engine_device
 from omni_runtime.entrypoints.stage_process import diffusion_engine_config
 
 Calls = list[tuple[float, int]]

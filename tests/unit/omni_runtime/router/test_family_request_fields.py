@@ -20,7 +20,7 @@ from PIL import Image
 from pydantic import BaseModel
 
 from omni_runtime.config import PipelineConfig
-from omni_runtime.diffusion.engine import DiffusionParams
+from omni_runtime.diffusion.params import DiffusionParams, diffusers_params
 from omni_runtime.engine.stage.stage_core_types import StageServerOutput
 from omni_runtime.engine.stage.stage_replica_pool import StageReplicaPool
 from omni_runtime.families import FAMILIES, Family
@@ -419,8 +419,9 @@ def test_a_common_field_the_familys_dit_lacks_is_refused_and_undocumented() -> N
 
 
 def test_a_pipeline_of_no_family_takes_what_its_diffusers_dit_takes() -> None:
-    """The generic diffusers fields (DiffusionParams' beyond the common ones: each handed to
-    the loaded pipeline if its __call__ takes it) and no more, as before."""
+    """The generic diffusers fields (the family-less DiT's parameters beyond the common
+    ones: each handed to the loaded pipeline if its __call__ takes it) and no more, as
+    before. Both sides derive them from the families' declarations."""
     common = {
         "height",
         "width",
@@ -436,7 +437,10 @@ def test_a_pipeline_of_no_family_takes_what_its_diffusers_dit_takes() -> None:
     # API's.
     videos = {"num_frames", "report_progress"}
     taken = generic | {STRENGTH.name, STEP_CACHE_FIELD, "partial_images"} | videos
-    assert taken == set(DiffusionParams.__struct_fields__) - common
+    assert taken == set(diffusers_params(None).__struct_fields__) - common
+    assert generic == set(diffusers_params(None).__struct_fields__) - set(
+        DiffusionParams.__struct_fields__
+    )
     shared = request_models(None)
     assert set(shared.images.model_fields) - set(ImageGenerationRequest.model_fields) == generic
     assert set(shared.edits.model_fields) - set(ImageEditRequest.model_fields) == {
