@@ -27,21 +27,21 @@ import secrets
 import socket
 import time
 from collections.abc import Callable
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from omni_runtime.config import VideoJobsConfig
 from omni_runtime.families.base import VideoRecipe
 from omni_runtime.router.adapters import AdapterCatalog
+from omni_runtime.router.errors import RequestError
 from omni_runtime.router.job_store import JobStore, JobStoreError, QueueFullError, VideoJob
+from omni_runtime.router.limits import RouterLimits
+from omni_runtime.router.media import decode_input_image
+from omni_runtime.router.multipart import INPUT_REFERENCE
 from omni_runtime.router.orchestrator import PipelineError, PipelineOrchestrator, PipelineRequest
-from omni_runtime.router.protocol import (
-    INPUT_REFERENCE,
-    RequestError,
-    RouterLimits,
-    VideoCreateRequest,
-    decode_input_image,
-)
 from omni_runtime.videos import encode_mp4
+
+if TYPE_CHECKING:
+    from omni_runtime.router.endpoints.videos import VideoCreateRequest
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from omni_runtime.config import PipelineConfig
 from omni_runtime.engine.stage.stage_replica_pool import StageReplicaPool
 from omni_runtime.router import app as router_app
 from omni_runtime.router.app import create_app
-from omni_runtime.router.protocol import RouterLimits
+from omni_runtime.router.limits import RouterLimits
 
 TEXT = [{"stageId": 0, "name": "chat", "type": "llm"}]
 IMAGE = [

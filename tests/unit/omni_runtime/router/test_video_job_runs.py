@@ -18,8 +18,10 @@ from omni_runtime.config import PipelineConfig
 from omni_runtime.config.models import VideoJobsConfig
 from omni_runtime.families import FAMILIES
 from omni_runtime.router.adapters import AdapterCatalog
+from omni_runtime.router.endpoints.videos import VideoCreateRequest
+from omni_runtime.router.errors import RequestError
 from omni_runtime.router.job_store import SqliteJobStore
-from omni_runtime.router.protocol import RequestError, RouterLimits, VideoCreateRequest
+from omni_runtime.router.limits import RouterLimits
 from omni_runtime.router.video_jobs import VideoJobs
 
 
