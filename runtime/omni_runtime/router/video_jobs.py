@@ -26,7 +26,7 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Literal
 
 from omni_runtime.config import VideoJobsConfig
@@ -112,8 +112,12 @@ class VideoJobs:
         owner: str | None = None,
         clock: Callable[[], float] = time.time,
         adapters: AdapterCatalog | None = None,
+        size_multiple: Callable[[], Awaitable[int | None]] | None = None,
     ) -> None:
         self.store = store
+        # What the DiT's heights and widths must be multiples of (None: unknown for now,
+        # which leaves the check to the stage when the job runs).
+        self.size_multiple = size_multiple
         # The pipeline's LoRA adapters, which a job's model may name (None: it takes none).
         self.adapters = adapters
         self.orchestrator = orchestrator
@@ -200,6 +204,8 @@ class VideoJobs:
                 f"or auto (got {body.size!r})",
                 param="size",
             )
+        if "height" in params and self.size_multiple is not None:
+            await self._check_size(params["width"], params["height"])
         if reference is not None:
             # Refused now, not when the job runs: decoding takes milliseconds, off the loop.
             await asyncio.to_thread(
@@ -232,6 +238,23 @@ class VideoJobs:
             ) from None
         self._wake.set()
         return job
+
+    async def _check_size(self, width: int, height: int) -> None:
+        """A size the DiT cannot make is refused at creation, as OpenAI's API refuses one,
+        not as a job that fails a moment later."""
+        assert self.size_multiple is not None
+        multiple = await self.size_multiple()
+        if multiple is None or (width % multiple == 0 and height % multiple == 0):
+            return
+        near = "x".join(
+            str(max(multiple, round(side / multiple) * multiple)) for side in (width, height)
+        )
+        raise RequestError(
+            400,
+            f"size: width and height must be multiples of {multiple} for this pipeline's "
+            f"model, such as {near} (got {width}x{height})",
+            param="size",
+        )
 
     async def get(self, job_id: str) -> VideoJob:
         job = await self.store.get(job_id)

@@ -6,6 +6,7 @@ their runs are ``router.video_jobs``'."""
 from __future__ import annotations
 
 import os
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -32,6 +33,9 @@ from omni_runtime.videos import frames_for
 # Where an embedded video store keeps its jobs (a pipeline's own directory below it) when
 # the router is given none: it outlives the router, so a restart loses no job.
 DEFAULT_STATE_DIR = Path("~/.cache/omni-runtime/videos")
+# A describe() call is milliseconds of a stage's time; one far past that has lost its
+# replica, and the stage checks the size itself when the job runs.
+_DESCRIBE_TIMEOUT_S = 10.0
 
 
 DEFAULT_VIDEO_SECONDS = 4
@@ -186,12 +190,36 @@ class VideosRoom:
             requires_image=serving.served.requires_image,
             sized_by_image=family is not None and family.dit.sized_by_image,
             adapters=serving.adapters if serving.adapters.takes_adapters else None,
+            size_multiple=self._size_multiple(),
         )
         self.jobs.start()
 
     async def close(self) -> None:
         if self.jobs is not None:
             await self.jobs.close()
+
+    def _size_multiple(self) -> Callable[[], Awaitable[int | None]]:
+        """What asks the DiT for the multiple its sizes must be of (its loaded pipeline's:
+        the VAE's scale times the patch, which no config states): once a replica answers,
+        the answer holds for the router's life."""
+        orchestrator = self.serving.orchestrator
+        # The stage that makes the clip: the last.
+        pool = orchestrator.pools[orchestrator.stages[-1].stage_id]
+        known: list[int] = []
+
+        async def size_multiple() -> int | None:
+            if not known:
+                try:
+                    info = await pool.call_utility("describe", {}, timeout=_DESCRIBE_TIMEOUT_S)
+                except (RuntimeError, TimeoutError):
+                    return None  # no replica answers now: the stage checks when it runs
+                multiple = info.get("size_multiple") if isinstance(info, dict) else None
+                if not isinstance(multiple, int) or multiple < 1:
+                    return None
+                known.append(multiple)
+            return known[0]
+
+        return size_multiple
 
     def _jobs(self) -> VideoJobs:
         self.serving.served.require(VIDEOS)
