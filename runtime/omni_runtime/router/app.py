@@ -176,24 +176,20 @@ def create_app(
                 title=app.title,
                 version=app.version,
                 routes=app.routes,
-                request_models=(
-                    bodies.chat,
+                bodies=bodies,
+                unseen=(
                     CompletionRequest,
                     TokenizeRequest,
                     DetokenizeRequest,
                     LoadLoraAdapterRequest,
                     UnloadLoraAdapterRequest,
-                    bodies.images,
-                    bodies.edits,
                     VideoCreateRequest,
-                    # Not bodies, but each event of a stream, which FastAPI knows nothing of.
                     ChatCompletionChunk,
                     ImageStreamEvent,
                 ),
                 model_name=serving.served_model_name,
                 served=serving.served,
                 limits=serving.limits,
-                field_sets=(bodies.fields, bodies.edit_fields),
                 family=pipeline.family_recipe,
                 open_paths=guarded if api_keys is not None else None,
             )

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
@@ -33,11 +33,14 @@ from starlette.routing import BaseRoute
 
 from omni_runtime import audio as audio_codec
 from omni_runtime.families import Family
-from omni_runtime.families.base import RequestField
 from omni_runtime.router.errors import ErrorResponse, error_responses
 from omni_runtime.router.limits import RouterLimits
-from omni_runtime.router.request_fields import FamilyFields
 from omni_runtime.router.served import VIDEOS, Served
+
+if TYPE_CHECKING:
+    # The rooms' models, which name this module's helpers in their routes.
+    from omni_runtime.router.endpoints.bodies import RequestModels
+    from omni_runtime.router.endpoints.chat import ChatCompletionRequest
 
 OPENAPI_VERSION = "3.1.0"
 _REF = "#/components/schemas/{model}"
@@ -71,19 +74,20 @@ def openapi_document(
     title: str,
     version: str,
     routes: Sequence[BaseRoute],
-    request_models: Sequence[type[BaseModel]],
+    bodies: RequestModels,
+    unseen: Sequence[type[BaseModel]],
     model_name: str,
     served: Served,
     limits: RouterLimits,
-    field_sets: Sequence[tuple[RequestField, ...]] = (),
     family: Family | None = None,
     open_paths: frozenset[str] | None = None,
 ) -> dict[str, Any]:
     """The OpenAPI 3.1 document of the ``routes`` of a router serving ``model_name``, whose
-    pipeline serves ``served``, within ``limits``, and is of ``family`` (None: of none); its
-    bodies ``request_models`` (the chat, images and edits ones with ``field_sets``, the
-    family's fields); with API keys, every path but ``open_paths`` needs one (a bearer
-    security scheme)."""
+    pipeline serves ``served``, within ``limits``, and is of ``family`` (None: of none),
+    with the schemas of the models its routes name but FastAPI does not see: ``bodies``
+    (those with the family's fields) and ``unseen`` (the other bodies, and the events of
+    streams); with API keys, every path but ``open_paths`` needs one (a bearer security
+    scheme)."""
     document = get_openapi(
         title=title,
         version=version,
@@ -95,15 +99,18 @@ def openapi_document(
         separate_input_output_schemas=False,
     )
     # The errors' schema too, which the routes name (errors.error_responses).
-    documented: list[type[BaseModel]] = [*request_models, ErrorResponse]
+    documented: list[type[BaseModel]] = [
+        bodies.chat,
+        bodies.images,
+        bodies.edits,
+        *unseen,
+        ErrorResponse,
+    ]
     _, top = models_json_schema([(model, "validation") for model in documented], ref_template=_REF)
     schemas: dict[str, Any] = document.setdefault("components", {}).setdefault("schemas", {})
     for name, schema in copy.deepcopy(top["$defs"]).items():
         schemas.setdefault(name, schema)
-    models = {model.__name__: model for model in request_models}
-    chat_model = models["ChatCompletionRequest"]
-    assert issubclass(chat_model, FamilyFields)
-    _narrow(schemas, model_name, served, limits, chat_model, field_sets, family)
+    _narrow(schemas, model_name, served, limits, bodies, family)
     if open_paths is not None:
         _require_keys(document, open_paths)
     document["components"] = {
@@ -151,13 +158,13 @@ def _narrow(
     model_name: str,
     served: Served,
     limits: RouterLimits,
-    chat_model: type[FamilyFields],
-    field_sets: Sequence[tuple[RequestField, ...]],
+    bodies: RequestModels,
     family: Family | None,
 ) -> None:
     """Write the deployment's facts into the request schemas, and the forms' schemas,
     which are the bodies' fields spelled as form fields."""
     requires_image = served.output == "image" and served.requires_image
+    chat_model = bodies.chat
     _narrow_requests(schemas, model_name, served, limits, chat_model)
     if requires_image:
         # An edit pipeline's chat completion carries the image it edits.
@@ -173,7 +180,9 @@ def _narrow(
         for field in chat_model.unsupported_fields:
             schemas[name]["properties"].pop(field, None)
     # A form field is text: a pair of numbers has no spelling there.
-    pairs = {field.name for fields in field_sets for field in fields if field.kind == "number_pair"}
+    pairs = {
+        field.name for field in (*bodies.fields, *bodies.edit_fields) if field.kind == "number_pair"
+    }
     schemas["ImageEditForm"] = _edit_form(
         schemas["ImageEditRequest"], pairs, chat_model.max_input_images
     )
@@ -252,7 +261,7 @@ def _narrow_requests(
     model_name: str,
     served: Served,
     limits: RouterLimits,
-    chat_model: type[FamilyFields],
+    chat_model: type[ChatCompletionRequest],
 ) -> None:
     """Write the deployment's facts into the request schemas: the one model name, the
     limits, and what this pipeline's output (and its input, ``takes_image``) allows."""
@@ -280,7 +289,7 @@ def _narrow_requests(
         schemas["ChatCompletionRequest"]["required"].append("modalities")
     else:
         # A text pipeline refuses what only images use, and makes one completion.
-        for name in _image_only_fields(chat_model):
+        for name in chat_model.image_only_fields():
             del chat[name]
         _set(chat["n"], enum=[1])
         spoken = ["text", "audio"] if served.output == "speech" else ["text"]
@@ -349,12 +358,6 @@ def _narrow_requests(
         _set(fields["num_inference_steps"], maximum=limits.max_steps)
         _set(fields["response_format"], enum=["b64_json"])
         _set(fields["size"], pattern=_size_pattern(limits.max_image_side))
-
-
-def _image_only_fields(chat_model: type[FamilyFields]) -> tuple[str, ...]:
-    # The chat room's model says which (this module is below the rooms, which use it).
-    fields: tuple[str, ...] = getattr(chat_model, "image_only_fields")()  # noqa: B009
-    return fields
 
 
 def _set(schema: dict[str, Any], **keywords: Any) -> None:
