@@ -7,7 +7,7 @@ FastAPI generates the paths, the operations and the answers' schemas from them, 
 only the paths that serve this pipeline (``include_in_schema``; the others answer 400,
 saying where to go). The handlers read raw bodies, so that the size limits hold while a
 body streams in: FastAPI sees no body parameter, so a route names its body's schema
-(``json_request``, ``form_request``) and this module adds the request models' schemas, as
+(``route_docs``) and this module adds the request models' schemas, as
 pydantic generates them.
 
 What no route declaration can say is the deployment's: the served model's name, the
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
@@ -33,40 +33,15 @@ from starlette.routing import BaseRoute
 
 from omni_runtime import audio as audio_codec
 from omni_runtime.families import Family
+from omni_runtime.router.endpoints.bodies import RequestModels
+from omni_runtime.router.endpoints.chat import ChatCompletionRequest
 from omni_runtime.router.errors import ErrorResponse, error_responses
 from omni_runtime.router.limits import RouterLimits
+from omni_runtime.router.route_docs import ref as _ref
 from omni_runtime.router.served import VIDEOS, Served
-
-if TYPE_CHECKING:
-    # The rooms' models, which name this module's helpers in their routes.
-    from omni_runtime.router.endpoints.bodies import RequestModels
-    from omni_runtime.router.endpoints.chat import ChatCompletionRequest
 
 OPENAPI_VERSION = "3.1.0"
 _REF = "#/components/schemas/{model}"
-
-
-def _ref(model: str) -> dict[str, str]:
-    return {"$ref": _REF.format(model=model)}
-
-
-def request_body(contents: dict[str, str]) -> dict[str, Any]:
-    """A route's ``openapi_extra`` for a body FastAPI does not read: by media type, the
-    name of its schema (added to the document by ``openapi_document``)."""
-    return {
-        "requestBody": {
-            "required": True,
-            "content": {media: {"schema": _ref(name)} for media, name in contents.items()},
-        }
-    }
-
-
-def json_request(model: str) -> dict[str, Any]:
-    return request_body({"application/json": model})
-
-
-def form_request(form: str) -> dict[str, Any]:
-    return request_body({"multipart/form-data": form})
 
 
 def openapi_document(

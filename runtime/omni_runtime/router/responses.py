@@ -99,35 +99,6 @@ class StreamWithCleanup(StreamingResponse):
             await self._cleanup()
 
 
-def event_stream(model: str, what: str) -> dict[str, Any]:
-    """The ``text/event-stream`` content of a streamed answer, for a route's ``responses=``:
-    OpenAPI 3.1 reads an event stream's schema as that of each event, here a ``model`` (or
-    an error object if the request fails after the stream started) or ``[DONE]``; ``what``
-    says what the events are."""
-    ref = {"$ref": f"#/components/schemas/{model}"}
-    error = {"$ref": "#/components/schemas/ErrorResponse"}
-    return {
-        "schema": {
-            "type": "object",
-            "required": ["data"],
-            "properties": {
-                "data": {
-                    "description": f"With stream: true, {what}, an error object if the request "
-                    "fails after the stream started, then [DONE].",
-                    "anyOf": [
-                        {"const": "[DONE]"},
-                        {
-                            "type": "string",
-                            "contentMediaType": "application/json",
-                            "contentSchema": {"anyOf": [ref, error]},
-                        },
-                    ],
-                }
-            },
-        }
-    }
-
-
 def png_base64(images: np.ndarray | None) -> list[str]:
     """Each image as a base64 PNG (milliseconds each: call off the event loop)."""
     if images is None:

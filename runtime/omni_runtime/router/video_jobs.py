@@ -27,7 +27,7 @@ import secrets
 import socket
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal, Protocol
 
 from omni_runtime.config import VideoJobsConfig
 from omni_runtime.families.base import VideoRecipe
@@ -40,8 +40,21 @@ from omni_runtime.router.multipart import INPUT_REFERENCE
 from omni_runtime.router.orchestrator import PipelineError, PipelineOrchestrator, PipelineRequest
 from omni_runtime.videos import encode_mp4
 
-if TYPE_CHECKING:
-    from omni_runtime.router.endpoints.videos import VideoCreateRequest
+
+class VideoAsk(Protocol):
+    """What a job is made from: the Videos API's body (router.endpoints.videos), as far
+    as the jobs read it."""
+
+    @property
+    def prompt(self) -> str: ...
+    @property
+    def model(self) -> str | None: ...
+    @property
+    def size(self) -> str | None: ...
+    @property
+    def user(self) -> str | None: ...
+    def job_params(self, recipe: VideoRecipe, limits: RouterLimits) -> dict[str, Any]: ...
+
 
 logger = logging.getLogger(__name__)
 
@@ -164,7 +177,7 @@ class VideoJobs:
 
     # -- the API ----------------------------------------------------------------------
 
-    async def create(self, body: VideoCreateRequest, input_bytes: list[bytes]) -> VideoJob:
+    async def create(self, body: VideoAsk, input_bytes: list[bytes]) -> VideoJob:
         """A new queued job; RequestError naming the field if the body is bad, 429 past the
         pipeline's limit of active jobs."""
         model = self.model_name

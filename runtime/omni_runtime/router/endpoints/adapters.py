@@ -14,7 +14,7 @@ from pydantic import Field
 from omni_runtime.router.body import Body, Integer, Number
 from omni_runtime.router.errors import error_responses
 from omni_runtime.router.json_body import parse_body, read_json
-from omni_runtime.router.openapi import json_request
+from omni_runtime.router.route_docs import json_request
 from omni_runtime.router.serving import OpenAIServing
 
 LOAD = "/v1/load_lora_adapter"

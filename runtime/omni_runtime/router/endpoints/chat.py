@@ -37,7 +37,6 @@ from omni_runtime.router.messages import (
     flatten_messages,
     hear_messages,
 )
-from omni_runtime.router.openapi import json_request
 from omni_runtime.router.orchestrator import PipelineError, PipelineRequest
 from omni_runtime.router.request_fields import DIFFUSION_FIELDS, FamilyFields
 from omni_runtime.router.responses import (
@@ -45,11 +44,11 @@ from omni_runtime.router.responses import (
     JSONBody,
     StreamWithCleanup,
     Usage,
-    event_stream,
     png_base64,
     sse,
     usage,
 )
+from omni_runtime.router.route_docs import event_stream, json_request
 from omni_runtime.router.sampling import Sampling, StreamOptions
 from omni_runtime.router.served import CHAT, Served
 from omni_runtime.router.serving import OpenAIServing
@@ -286,7 +285,7 @@ class ChatCompletionRequest(FamilyFields, Sampling):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-# -- answers (router.serving builds them as plain dicts; these document them) ----------------
+# -- answers (serve_chat builds them as plain dicts; these document them) --------------------
 
 
 class OutputImageURL(BaseModel):

@@ -30,10 +30,10 @@ from omni_runtime.router.json_body import parse_body, read_json
 from omni_runtime.router.limits import RouterLimits, check_common, parse_size
 from omni_runtime.router.media import decode_input_image
 from omni_runtime.router.multipart import FileParts, MultipartForm, read_form
-from omni_runtime.router.openapi import form_request, json_request
 from omni_runtime.router.orchestrator import PipelineError, PipelineRequest
 from omni_runtime.router.request_fields import FamilyFields
 from omni_runtime.router.responses import JSONBody, StreamWithCleanup, png_base64, sse
+from omni_runtime.router.route_docs import form_request, json_request
 from omni_runtime.router.served import EDITS, GENERATIONS
 from omni_runtime.router.serving import OpenAIServing
 

@@ -16,9 +16,9 @@ from omni_runtime.router.errors import POST_ERRORS, RequestError, error_response
 from omni_runtime.router.json_body import parse_body, read_json
 from omni_runtime.router.limits import RouterLimits, check_common
 from omni_runtime.router.messages import ChatMessage, ImagePart, flatten_messages
-from omni_runtime.router.openapi import json_request
 from omni_runtime.router.orchestrator import PipelineError
 from omni_runtime.router.responses import JSONBody
+from omni_runtime.router.route_docs import json_request
 from omni_runtime.router.served import DETOKENIZE, TOKENIZE
 from omni_runtime.router.serving import OpenAIServing
 

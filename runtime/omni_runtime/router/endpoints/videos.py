@@ -22,9 +22,9 @@ from omni_runtime.router.job_store import open_job_store
 from omni_runtime.router.json_body import parse_body, read_json
 from omni_runtime.router.limits import RouterLimits, check_common, parse_size
 from omni_runtime.router.multipart import INPUT_REFERENCE, read_form
-from omni_runtime.router.openapi import request_body
 from omni_runtime.router.orchestrator import PipelineError
 from omni_runtime.router.responses import JSONBody
+from omni_runtime.router.route_docs import request_body
 from omni_runtime.router.served import VIDEOS
 from omni_runtime.router.serving import OpenAIServing
 from omni_runtime.router.video_jobs import VideoJobs, video_object
