@@ -33,9 +33,10 @@ from omni_runtime.videos import frames_for
 # Where an embedded video store keeps its jobs (a pipeline's own directory below it) when
 # the router is given none: it outlives the router, so a restart loses no job.
 DEFAULT_STATE_DIR = Path("~/.cache/omni-runtime/videos")
-# A describe() call is milliseconds of a stage's time; one far past that has lost its
-# replica, and the stage checks the size itself when the job runs.
-_DESCRIBE_TIMEOUT_S = 10.0
+# A describe() call is milliseconds of an idle DiT's time; a DiT busy with a clip answers
+# it between steps, or not before the clip ends: a creation waits no longer than this for
+# it (the job is then queued, and the stage checks its size when it runs).
+_DESCRIBE_TIMEOUT_S = 2.0
 
 
 DEFAULT_VIDEO_SECONDS = 4
