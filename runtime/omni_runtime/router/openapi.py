@@ -7,8 +7,8 @@ FastAPI generates the paths, the operations and the answers' schemas from them, 
 only the paths that serve this pipeline (``include_in_schema``; the others answer 400,
 saying where to go). The handlers read raw bodies, so that the size limits hold while a
 body streams in: FastAPI sees no body parameter, so a route names its body's schema
-(``route_docs``) and this module adds the request models' schemas, as
-pydantic generates them.
+(``route_docs``) and this module adds the request models' schemas, as pydantic generates
+them.
 
 What no route declaration can say is the deployment's: the served model's name, the
 ``RouterLimits`` in force, the pipeline's outputs and its model family (whose own fields its
