@@ -22,7 +22,7 @@ from omni_runtime.config import PipelineConfig
 from omni_runtime.connectors.mooncake import with_mooncake_library_path
 from omni_runtime.entrypoints.router_process import build_router, router_server_config
 from omni_runtime.router.auth import ApiKeys
-from omni_runtime.router.protocol import RouterLimits
+from omni_runtime.router.limits import RouterLimits
 from omni_runtime.router.replicas import ReplicaConnector
 
 CLI = [sys.executable, "-m", "omni_runtime.entrypoints.cli"]

@@ -36,7 +36,7 @@ import yaml
 from serving import RunningRouter, pipeline_from, running_router, start_stage_processes, wait_until
 
 from omni_runtime.config import PipelineConfig, dump_pipeline
-from omni_runtime.router.protocol import RouterLimits
+from omni_runtime.router.limits import RouterLimits
 from omni_runtime.tiny_models import (
     BAGEL_SUBDIR,
     HUNYUAN_VIDEO_I2V_SUBDIR,

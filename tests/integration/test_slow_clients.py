@@ -28,7 +28,7 @@ from serving import RunningRouter, pipeline_from, running_router, wait_until
 
 from omni_runtime.connectors.base import ConnectorError, ConnectorHandle
 from omni_runtime.connectors.tcp import TCPConnector
-from omni_runtime.router.protocol import RouterLimits
+from omni_runtime.router.limits import RouterLimits
 from omni_runtime.stage_server.probes import start_probe_server
 
 pytestmark = pytest.mark.integration

@@ -377,6 +377,10 @@ def _health_ok(port: int) -> bool:
         ({"num_frames": 6}, 400, "num_frames"),
         ({"num_frames": 9999}, 400, "num_frames"),
         ({"size": "64"}, 400, "size"),
+        # Not a multiple of the DiT's 32 (asked of the stage at creation, not found when the
+        # job runs).
+        ({"size": "7x9"}, 400, "size"),
+        ({"size": "96x48"}, 400, "size"),
         ({"model": "sora-2"}, 404, "model"),
         ({"num_inference_steps": 0}, 400, "num_inference_steps"),
         ({"resolution": "720p"}, 400, "resolution"),
@@ -388,6 +392,16 @@ def test_bad_requests_name_the_field(
     answer = httpx.post(f"{router.base_url}/videos", json={"prompt": "a fox", **fields}, timeout=30)
     assert answer.status_code == status, answer.text
     assert answer.json()["error"]["param"] == param
+
+
+def test_a_size_the_dit_cannot_make_is_refused_at_creation(router: RunningRouter) -> None:
+    answer = httpx.post(
+        f"{router.base_url}/videos", json={"prompt": "a fox", "size": "7x9"}, timeout=30
+    )
+    assert answer.status_code == 400, answer.text
+    message = answer.json()["error"]["message"]
+    assert "multiples of 32" in message, message
+    assert "32x32" in message, message
 
 
 def test_an_input_reference_that_is_no_image_is_refused(router: RunningRouter) -> None:

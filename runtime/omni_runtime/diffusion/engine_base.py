@@ -256,6 +256,12 @@ class DiffusionEngineBase(abc.ABC):
         """The LoRA adapters the engine holds, least recently used first."""
         return []
 
+    def check_adapter(self, name: str, source: str, scale: float) -> str | None:
+        """Why adapter ``name`` from ``source`` cannot load into this engine, or None once
+        it is read and checked (kept for its first request): a utility call, for a load at
+        run time that refuses what cannot load."""
+        return f"this stage ({type(self).__name__}) takes no LoRA adapters"
+
     def _use_adapter(self, adapter: StageAdapter | None) -> None:
         """Set the model up for the next run's adapter (None: its weights alone), on the
         engine's thread; InvalidRequestError or AdapterLoadError if it cannot be."""

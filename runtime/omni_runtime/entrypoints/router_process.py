@@ -39,7 +39,7 @@ from omni_runtime.router.app import create_app
 from omni_runtime.router.auth import PROBE_PATHS, ApiKeys
 from omni_runtime.router.discovery import EndpointSliceDiscovery
 from omni_runtime.router.http_limits import descriptor_shortfall, guarded_http_protocol
-from omni_runtime.router.protocol import RouterLimits
+from omni_runtime.router.limits import RouterLimits
 from omni_runtime.router.replicas import ReplicaConnector
 from omni_runtime.stage_keys import StageClientKeys
 

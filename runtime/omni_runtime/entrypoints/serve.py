@@ -35,7 +35,7 @@ from omni_runtime.config import PipelineConfig, StageConfig, dump_pipeline
 from omni_runtime.config.credentials import KEYS_DIR_ENV
 from omni_runtime.entrypoints.router_process import build_router, router_server_config
 from omni_runtime.router.auth import ApiKeys
-from omni_runtime.router.protocol import RouterLimits
+from omni_runtime.router.limits import RouterLimits
 from omni_runtime.stage_keys import generate_keys, load_client_keys
 
 logger = logging.getLogger("omni_runtime.serve")

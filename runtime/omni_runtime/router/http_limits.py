@@ -47,8 +47,8 @@ from uvicorn.config import Config
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 from uvicorn.server import ServerState
 
-from omni_runtime.router.protocol import RouterLimits
-from omni_runtime.router.serving import error_body
+from omni_runtime.router.errors import error_body
+from omni_runtime.router.limits import RouterLimits
 
 logger = logging.getLogger("omni_runtime.router")
 

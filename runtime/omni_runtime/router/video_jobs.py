@@ -26,22 +26,35 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import Callable
-from typing import Any, Literal
+from collections.abc import Awaitable, Callable
+from typing import Any, Literal, Protocol
 
 from omni_runtime.config import VideoJobsConfig
 from omni_runtime.families.base import VideoRecipe
 from omni_runtime.router.adapters import AdapterCatalog
+from omni_runtime.router.errors import RequestError
 from omni_runtime.router.job_store import JobStore, JobStoreError, QueueFullError, VideoJob
+from omni_runtime.router.limits import RouterLimits
+from omni_runtime.router.media import decode_input_image
+from omni_runtime.router.multipart import INPUT_REFERENCE
 from omni_runtime.router.orchestrator import PipelineError, PipelineOrchestrator, PipelineRequest
-from omni_runtime.router.protocol import (
-    INPUT_REFERENCE,
-    RequestError,
-    RouterLimits,
-    VideoCreateRequest,
-    decode_input_image,
-)
 from omni_runtime.videos import encode_mp4
+
+
+class VideoAsk(Protocol):
+    """What a job is made from: the Videos API's body (router.endpoints.videos), as far
+    as the jobs read it."""
+
+    @property
+    def prompt(self) -> str: ...
+    @property
+    def model(self) -> str | None: ...
+    @property
+    def size(self) -> str | None: ...
+    @property
+    def user(self) -> str | None: ...
+    def job_params(self, recipe: VideoRecipe, limits: RouterLimits) -> dict[str, Any]: ...
+
 
 logger = logging.getLogger(__name__)
 
@@ -112,8 +125,12 @@ class VideoJobs:
         owner: str | None = None,
         clock: Callable[[], float] = time.time,
         adapters: AdapterCatalog | None = None,
+        size_multiple: Callable[[], Awaitable[int | None]] | None = None,
     ) -> None:
         self.store = store
+        # What the DiT's heights and widths must be multiples of (None: unknown for now,
+        # which leaves the check to the stage when the job runs).
+        self.size_multiple = size_multiple
         # The pipeline's LoRA adapters, which a job's model may name (None: it takes none).
         self.adapters = adapters
         self.orchestrator = orchestrator
@@ -160,7 +177,7 @@ class VideoJobs:
 
     # -- the API ----------------------------------------------------------------------
 
-    async def create(self, body: VideoCreateRequest, input_bytes: list[bytes]) -> VideoJob:
+    async def create(self, body: VideoAsk, input_bytes: list[bytes]) -> VideoJob:
         """A new queued job; RequestError naming the field if the body is bad, 429 past the
         pipeline's limit of active jobs."""
         model = self.model_name
@@ -200,6 +217,8 @@ class VideoJobs:
                 f"or auto (got {body.size!r})",
                 param="size",
             )
+        if "height" in params and self.size_multiple is not None:
+            await self._check_size(params["width"], params["height"])
         if reference is not None:
             # Refused now, not when the job runs: decoding takes milliseconds, off the loop.
             await asyncio.to_thread(
@@ -232,6 +251,23 @@ class VideoJobs:
             ) from None
         self._wake.set()
         return job
+
+    async def _check_size(self, width: int, height: int) -> None:
+        """A size the DiT cannot make is refused at creation, as OpenAI's API refuses one,
+        not as a job that fails a moment later."""
+        assert self.size_multiple is not None
+        multiple = await self.size_multiple()
+        if multiple is None or (width % multiple == 0 and height % multiple == 0):
+            return
+        near = "x".join(
+            str(max(multiple, round(side / multiple) * multiple)) for side in (width, height)
+        )
+        raise RequestError(
+            400,
+            f"size: width and height must be multiples of {multiple} for this pipeline's "
+            f"model, such as {near} (got {width}x{height})",
+            param="size",
+        )
 
     async def get(self, job_id: str) -> VideoJob:
         job = await self.store.get(job_id)

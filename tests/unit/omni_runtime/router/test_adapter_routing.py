@@ -29,7 +29,7 @@ from omni_runtime.engine.stage.stage_core_types import StageAdapter, StageLoad, 
 from omni_runtime.engine.stage.stage_replica_pool import StageReplicaPool
 from omni_runtime.router.adapters import AdapterCatalog
 from omni_runtime.router.app import create_app
-from omni_runtime.router.protocol import RequestError
+from omni_runtime.router.errors import RequestError
 
 PIPELINE: dict[str, Any] = {
     "model": "/models/z-image",

@@ -13,19 +13,18 @@ from PIL import Image
 from omni_runtime.config import PipelineConfig
 from omni_runtime.entrypoints.router_process import ReplicaAddressError, parse_replica_args
 from omni_runtime.entrypoints.serve import stage_environment
+from omni_runtime.router.endpoints.chat import ChatCompletionRequest
+from omni_runtime.router.endpoints.images import ImageGenerationRequest
+from omni_runtime.router.errors import RequestError
+from omni_runtime.router.json_body import parse_body
+from omni_runtime.router.limits import RouterLimits, parse_size
+from omni_runtime.router.media import decode_data_url
+from omni_runtime.router.messages import flatten_messages
 from omni_runtime.router.orchestrator import stage_chain
-from omni_runtime.router.protocol import (
-    ChatCompletionRequest,
-    ImageGenerationRequest,
-    RequestError,
-    RouterLimits,
-    decode_data_url,
-    flatten_messages,
-    parse_body,
-    parse_size,
-)
+from omni_runtime.router.served import Served
 
 LIMITS = RouterLimits()
+TEXT = Served("text")
 
 
 def pipeline(*stages: dict[str, Any], **more: Any) -> PipelineConfig:
@@ -180,5 +179,5 @@ def test_a_text_pipeline_refuses_image_fields_by_name() -> None:
         {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "height": 64},
     )
     with pytest.raises(RequestError, match="height: a parameter of image output") as caught:
-        body.to_pipeline_request("id", "text", LIMITS)
+        body.to_pipeline_request("id", TEXT, LIMITS)
     assert caught.value.param == "height"

@@ -18,8 +18,10 @@ from omni_runtime.config import PipelineConfig
 from omni_runtime.config.models import VideoJobsConfig
 from omni_runtime.families import FAMILIES
 from omni_runtime.router.adapters import AdapterCatalog
+from omni_runtime.router.endpoints.videos import VideoCreateRequest
+from omni_runtime.router.errors import RequestError
 from omni_runtime.router.job_store import SqliteJobStore
-from omni_runtime.router.protocol import RequestError, RouterLimits, VideoCreateRequest
+from omni_runtime.router.limits import RouterLimits
 from omni_runtime.router.video_jobs import VideoJobs
 
 
@@ -109,3 +111,40 @@ def test_a_job_naming_an_adapter_runs_with_it(tmp_path: Path) -> None:
     # The job says what the caller asked for, and its run carries the DiT's adapter.
     assert model == "tiny-wan:ink"
     assert [{stage: a.name for stage, a in run.items()} for run in picked] == [{0: "ink"}]
+
+
+def test_a_size_the_dit_cannot_make_is_refused_at_creation(tmp_path: Path) -> None:
+    """The DiT's multiple, once a replica says it (router.endpoints.videos asks its
+    describe()), refuses a size at creation; while none can say, the stage checks when the
+    job runs."""
+    asked: list[int | None] = [None, 32]
+
+    async def size_multiple() -> int | None:
+        return asked[0]
+
+    async def scenario() -> tuple[str, str]:
+        recipe = FAMILIES["wan2.2"].dit.video
+        assert recipe is not None
+        jobs = VideoJobs(
+            SqliteJobStore(tmp_path),
+            _Stages(),  # type: ignore[arg-type]
+            VideoJobsConfig(),
+            recipe,
+            model_name="tiny-wan",
+            limits=RouterLimits(),
+            size_multiple=size_multiple,
+        )
+        unknown = await jobs.create(VideoCreateRequest(prompt="a fox", size="7x9"), [])
+        asked.pop(0)
+        with pytest.raises(RequestError) as refused:
+            await jobs.create(VideoCreateRequest(prompt="a fox", size="96x48"), [])
+        assert refused.value.param == "size"
+        made = await jobs.create(VideoCreateRequest(prompt="a fox", size="96x64"), [])
+        await jobs.close()
+        return unknown.status, refused.value.message + " / " + made.size
+
+    queued, said = asyncio.run(scenario())
+    assert queued == "queued"
+    assert "multiples of 32" in said
+    assert "such as 96x64" in said
+    assert said.endswith("/ 96x64")

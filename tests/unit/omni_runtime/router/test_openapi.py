@@ -19,7 +19,7 @@ from omni_runtime.config import PipelineConfig
 from omni_runtime.engine.stage.stage_replica_pool import StageReplicaPool
 from omni_runtime.router import app as router_app
 from omni_runtime.router.app import create_app
-from omni_runtime.router.protocol import RouterLimits
+from omni_runtime.router.limits import RouterLimits
 
 TEXT = [{"stageId": 0, "name": "chat", "type": "llm"}]
 IMAGE = [
@@ -279,3 +279,13 @@ def test_a_bug_is_an_openai_shaped_500() -> None:
             response = raw.get("/boom")
     assert response.status_code == 500
     assert response.json()["error"]["type"] == "server_error"
+
+
+def test_a_405_lists_every_method_of_its_path(tmp_path: Path) -> None:
+    """/v1/videos' GET and POST are routes of their own (one operation each): a method
+    neither takes is answered with both in Allow, as one route with both methods would."""
+    with client(VIDEO, tmp_path) as http:
+        response = http.delete("/v1/videos")
+        assert response.status_code == 405
+        assert response.headers["allow"] == "GET, POST"
+        assert http.put("/v1/videos/video_1").headers["allow"] == "DELETE, GET"

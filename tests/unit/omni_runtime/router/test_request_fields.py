@@ -26,25 +26,25 @@ from omni_runtime.engine.stage.stage_replica_pool import StageReplicaPool
 from omni_runtime.families import FAMILIES, Family
 from omni_runtime.families.base import RequestField
 from omni_runtime.router.app import create_app
-from omni_runtime.router.openapi import openapi_document
-from omni_runtime.router.orchestrator import PipelineRequest
-from omni_runtime.router.protocol import (
-    STEP_CACHE_FIELD,
-    STRENGTH,
-    ChatCompletionRequest,
-    CompletionRequest,
-    ImageEditForm,
+from omni_runtime.router.endpoints.bodies import request_models
+from omni_runtime.router.endpoints.chat import ChatCompletionRequest
+from omni_runtime.router.endpoints.completions import CompletionRequest
+from omni_runtime.router.endpoints.images import (
     ImageEditRequest,
     ImageGenerationRequest,
-    RequestError,
-    RouterLimits,
-    familyless_fields,
-    parse_body,
-    request_models,
+    edit_form,
 )
+from omni_runtime.router.errors import RequestError
+from omni_runtime.router.json_body import parse_body
+from omni_runtime.router.limits import RouterLimits
+from omni_runtime.router.orchestrator import PipelineRequest
+from omni_runtime.router.request_fields import STEP_CACHE_FIELD, STRENGTH, familyless_fields
+from omni_runtime.router.served import Served
 
 REPO = Path(__file__).resolve().parents[4]
 LIMITS = RouterLimits()
+IMAGES = Served("image", takes_image=True)
+TEXT = Served("text")
 # None: a pipeline of no family (an LLM, then a diffusers pipeline such as Stable Diffusion).
 # The image families: a video family's requests are the Videos API's (test_video_jobs.py).
 # The families that make images (a video family's DiT makes jobs, a speaking one's speech).
@@ -207,7 +207,7 @@ def test_a_pipeline_of_no_family_takes_strength_as_before() -> None:
                 "strength": 0.5,
             },
         )
-        assert body.to_pipeline_request("e", "image", LIMITS).diffusion_params["strength"] == 0.5
+        assert body.to_pipeline_request("e", IMAGES, LIMITS).diffusion_params["strength"] == 0.5
 
 
 @pytest.mark.parametrize(
@@ -257,13 +257,13 @@ def test_the_familys_fields_reach_the_diffusion_params(kind: str) -> None:
     # JSON's pair is the DiT's tuple, as before families declared their fields.
     expected = {name: tuple(v) if isinstance(v, list) else v for name, v in given.items()}
     generation = parse_body(models.images, {"prompt": "a cat", "seed": 3, **given})
-    params = generation.to_pipeline_request("g", "image", LIMITS).diffusion_params
+    params = generation.to_pipeline_request("g", LIMITS).diffusion_params
     assert params == {**expected, "seed": 3, "num_images": 1}
     chat = parse_body(
         models.chat,
         {"modalities": ["image"], "messages": [{"role": "user", "content": "a cat"}], **given},
     )
-    assert chat.to_pipeline_request("c", "image", LIMITS).diffusion_params == {
+    assert chat.to_pipeline_request("c", IMAGES, LIMITS).diffusion_params == {
         **expected,
         "num_images": 1,
     }
@@ -283,12 +283,12 @@ def edit_form_body(form_fields: dict[str, str], images: int = 1) -> bytes:
 
 def test_an_edit_forms_family_fields_are_parsed_from_their_text() -> None:
     form_fields = {"prompt": "x", "timestep_shift": "3.5", "cfg_renorm_type": "channel"}
-    form = ImageEditForm(
+    form = edit_form(
         "multipart/form-data; boundary=b", LIMITS, request_models(FAMILIES["bagel"]).edits
     )
     form.feed(edit_form_body(form_fields))
     request, images = form.finish()
-    params = request.to_pipeline_request("e", "image", LIMITS, images).diffusion_params
+    params = request.to_pipeline_request("e", LIMITS, images).diffusion_params
     assert params == {"timestep_shift": 3.5, "cfg_renorm_type": "channel", "num_images": 1}
 
 
@@ -304,7 +304,7 @@ def test_an_edit_forms_family_fields_are_parsed_from_their_text() -> None:
 def test_an_edit_form_takes_as_many_images_as_its_family(
     family: str, images: int, error: str | None
 ) -> None:
-    form = ImageEditForm(
+    form = edit_form(
         "multipart/form-data; boundary=b", LIMITS, request_models(FAMILIES[family]).edits
     )
     body = edit_form_body({"prompt": "x"}, images)
@@ -315,11 +315,11 @@ def test_an_edit_form_takes_as_many_images_as_its_family(
         return
     form.feed(body)
     request, parts = form.finish()
-    assert len(request.to_pipeline_request("e", "image", LIMITS, parts).images) == images
+    assert len(request.to_pipeline_request("e", LIMITS, parts).images) == images
 
 
 def test_an_edit_form_spells_its_images_one_way() -> None:
-    form = ImageEditForm(
+    form = edit_form(
         "multipart/form-data; boundary=b",
         LIMITS,
         request_models(FAMILIES["qwen-image-edit-plus"]).edits,
@@ -342,9 +342,9 @@ def test_a_chat_completion_takes_as_many_images_as_its_family(family: str, most:
             {"messages": [{"role": "user", "content": content}], "modalities": ["image"]},
         )
 
-    assert len(chat(most).to_pipeline_request("c", "image", LIMITS).images) == most
+    assert len(chat(most).to_pipeline_request("c", IMAGES, LIMITS).images) == most
     with pytest.raises(RequestError, match=f"messages: at most .* \\(got {most + 1}\\)"):
-        chat(most + 1).to_pipeline_request("c", "image", LIMITS)
+        chat(most + 1).to_pipeline_request("c", IMAGES, LIMITS)
 
 
 def test_served_bodies_reach_the_pipeline_with_the_familys_fields(
@@ -386,14 +386,14 @@ def test_an_edit_pipelines_chat_without_an_image_is_refused(family: str) -> None
         {"messages": [{"role": "user", "content": "a cat"}], "modalities": ["image"]},
     )
     with pytest.raises(RequestError, match="messages: this pipeline edits an input image"):
-        body.to_pipeline_request("c", "image", LIMITS)
+        body.to_pipeline_request("c", IMAGES, LIMITS)
 
 
 def test_a_common_field_the_familys_dit_lacks_is_refused_and_undocumented() -> None:
     bodies = request_models(FAMILIES["bagel"])
     images = parse_body(bodies.images, {"prompt": "a cat", "negative_prompt": "dark"})
     with pytest.raises(RequestError, match="negative_prompt: unknown parameter") as refused:
-        images.to_pipeline_request("g", "image", LIMITS)
+        images.to_pipeline_request("g", LIMITS)
     assert refused.value.param == "negative_prompt"
     chat = parse_body(
         bodies.chat,
@@ -404,15 +404,10 @@ def test_a_common_field_the_familys_dit_lacks_is_refused_and_undocumented() -> N
         },
     )
     with pytest.raises(RequestError, match="negative_prompt: unknown parameter"):
-        chat.to_pipeline_request("c", "image", LIMITS)
-    document = openapi_document(
-        title="t",
-        version="1",
-        model_name="m",
-        output_kind="image",
-        limits=LIMITS,
-        family=FAMILIES["bagel"],
-    )
+        chat.to_pipeline_request("c", IMAGES, LIMITS)
+    pipeline = pipeline_of("bagel")
+    pools = {s.stage_id: StageReplicaPool(s.name, "round-robin") for s in pipeline.stages}
+    document = TestClient(create_app(pipeline, pools, limits=LIMITS)).get("/openapi.json").json()
     schemas = document["components"]["schemas"]
     for name in ("ChatCompletionRequest", "ImageGenerationRequest", "ImageEditForm"):
         assert "negative_prompt" not in schemas[name]["properties"], name
@@ -457,7 +452,7 @@ def test_a_text_pipeline_refuses_the_image_fields_it_knows_by_name() -> None:
     chat = request_models(None).chat
     body = parse_body(chat, {"messages": [{"role": "user", "content": "x"}], "true_cfg_scale": 2.0})
     with pytest.raises(RequestError, match="true_cfg_scale: a parameter of image output"):
-        body.to_pipeline_request("t", "text", LIMITS)
+        body.to_pipeline_request("t", TEXT, LIMITS)
     assert {"height", "strength", "true_cfg_scale", "cfg_truncation"} <= set(
         chat.image_only_fields()
     )
@@ -510,7 +505,7 @@ def test_http_api_doc_names_every_familys_fields() -> None:
 def test_step_cache_is_a_field_of_pipelines_whose_dit_has_tiers() -> None:
     cached = request_models(FAMILIES["qwen-image"], ("off", "fast"))
     generation = parse_body(cached.images, {"prompt": "a cat", "step_cache": "fast"})
-    params = generation.to_pipeline_request("g", "image", LIMITS).diffusion_params
+    params = generation.to_pipeline_request("g", LIMITS).diffusion_params
     assert params == {"step_cache": "fast", "num_images": 1}
     with pytest.raises(RequestError, match="step_cache: Input should be 'off' or 'fast'"):
         parse_body(cached.images, {"prompt": "a cat", "step_cache": "faster"})

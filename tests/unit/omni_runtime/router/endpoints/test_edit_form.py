@@ -13,15 +13,13 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from omni_runtime.router.endpoints.bodies import request_models
+from omni_runtime.router.endpoints.images import ImageEditRequest, edit_form
+from omni_runtime.router.errors import RequestError
+from omni_runtime.router.json_body import parse_body
+from omni_runtime.router.limits import RouterLimits
+from omni_runtime.router.multipart import MultipartForm
 from omni_runtime.router.orchestrator import PipelineRequest
-from omni_runtime.router.protocol import (
-    ImageEditForm,
-    ImageEditRequest,
-    RequestError,
-    RouterLimits,
-    parse_body,
-    request_models,
-)
 
 LIMITS = RouterLimits()
 # The bodies of a pipeline of no family (a diffusers pipeline such as Stable Diffusion's):
@@ -85,7 +83,7 @@ def parse(
     content_type: str, body: bytes, limits: RouterLimits = LIMITS, chunk: int = 7
 ) -> tuple[ImageEditRequest, list[bytes]]:
     """Fed in small chunks, as a slow client's body arrives."""
-    form = ImageEditForm(content_type, limits, BODIES.edits)
+    form = edit_form(content_type, limits, BODIES.edits)
     for start in range(0, len(body), chunk):
         form.feed(body[start : start + chunk])
     return form.finish()
@@ -97,7 +95,7 @@ def edit(
     limits: RouterLimits = LIMITS,
 ) -> PipelineRequest:
     request, images = parse(*multipart(fields, files), limits=limits)
-    return request.to_pipeline_request("r", "image", limits, images)
+    return request.to_pipeline_request("r", limits, images)
 
 
 def refusal(
@@ -146,7 +144,7 @@ def test_a_form_becomes_a_pipeline_request_with_the_decoded_image() -> None:
 
 def test_the_shared_fields_map_as_generations_map_them() -> None:
     shared = {"prompt": "a cat", "n": 3, "size": "auto", "seed": 1, "guidance_scale": 2.0}
-    generation = parse_body(BODIES.images, shared).to_pipeline_request("g", "image", LIMITS)
+    generation = parse_body(BODIES.images, shared).to_pipeline_request("g", LIMITS)
     edited = edit({name: str(value) for name, value in shared.items()})
     assert edited.diffusion_params == generation.diffusion_params
     assert edited.diffusion_params == {"seed": 1, "guidance_scale": 2.0, "num_images": 3}
@@ -316,7 +314,7 @@ def _refused(content_type: str, body: bytes, limits: RouterLimits = LIMITS) -> R
 class _Stream:
     """Counts what the parser was fed before it refused."""
 
-    def __init__(self, form: ImageEditForm) -> None:
+    def __init__(self, form: MultipartForm) -> None:
         self.form = form
         self.fed = 0
 
@@ -335,7 +333,7 @@ class _Stream:
 def test_an_image_over_the_bytes_limit_is_refused_while_it_streams_in() -> None:
     limits = RouterLimits(max_input_image_bytes=64 * 1024)
     content_type, body = multipart({"prompt": "x"}, [("image", b"\0" * (1024 * 1024))])
-    stream = _Stream(ImageEditForm(content_type, limits, BODIES.edits))
+    stream = _Stream(edit_form(content_type, limits, BODIES.edits))
     error = stream.feed_all(body)
     assert (error.status, error.param) == (413, "image")
     assert "over 65536 bytes" in error.message
@@ -345,7 +343,7 @@ def test_an_image_over_the_bytes_limit_is_refused_while_it_streams_in() -> None:
 def test_the_whole_body_and_each_text_field_are_bounded() -> None:
     limits = RouterLimits(max_body_bytes=32 * 1024)
     content_type, body = multipart({"prompt": "x"}, [("image", b"\0" * (64 * 1024))])
-    error = _Stream(ImageEditForm(content_type, limits, BODIES.edits)).feed_all(body)
+    error = _Stream(edit_form(content_type, limits, BODIES.edits)).feed_all(body)
     assert error.status == 413
     assert "the body is over the limit of 32768 bytes" in error.message
     # A text field is held to 4 bytes a prompt character: a long enough one never builds up.
@@ -384,16 +382,10 @@ def test_bodies_that_are_not_a_form_are_refused(
     assert needle in error.message, error.message
 
 
-def test_a_pipeline_that_makes_no_images_is_named() -> None:
-    request, images = parse(*multipart({"prompt": "x"}))
-    with pytest.raises(RequestError, match="makes no images"):
-        request.to_pipeline_request("r", "text", LIMITS, images)
-
-
 def test_generations_refuse_url_the_same_way() -> None:
     body = parse_body(BODIES.images, {"prompt": "x", "response_format": "url"})
     with pytest.raises(RequestError, match="only 'b64_json' is supported") as info:
-        body.to_pipeline_request("g", "image", LIMITS)
+        body.to_pipeline_request("g", LIMITS)
     assert info.value.param == "response_format"
 
 
