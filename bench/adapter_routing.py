@@ -34,7 +34,7 @@ from omni_runtime.engine.stage.stage_core_types import (
     StageServerOutputs,
     StageServerRequest,
 )
-from omni_runtime.engine.stage.stage_replica_pool import StageReplicaPool
+from omni_runtime.router.stage_replica_pool import StageReplicaPool
 
 
 class SimulatedReplica(StageCoreClientBase):

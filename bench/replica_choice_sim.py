@@ -26,7 +26,7 @@ from typing import get_args
 
 from _load import markdown_table
 from omni_runtime.config import RouterPolicy
-from omni_runtime.engine.stage.replica_policies import (
+from omni_runtime.router.replica_policies import (
     PolicyState,
     ReplicaCandidate,
     WorkCalibration,

@@ -12,8 +12,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from omni_runtime.config import PipelineConfig
-from omni_runtime.engine.stage.stage_replica_pool import StageReplicaPool
 from omni_runtime.router.app import create_app
+from omni_runtime.router.stage_replica_pool import StageReplicaPool
 
 REPO = Path(__file__).resolve().parents[2]
 DOCS = [REPO / "README.md", REPO / "manifests" / "README.md", *sorted((REPO / "docs").glob("*.md"))]

@@ -32,7 +32,6 @@ from fastapi import FastAPI
 from omni_runtime import tracing
 from omni_runtime.config import PipelineConfig
 from omni_runtime.config.names import is_dns_label
-from omni_runtime.engine.stage.stage_replica_pool import StageReplicaPool
 from omni_runtime.kube import KubeClient, KubeConfig, load_kube_config
 from omni_runtime.pod_contract import drain_timeout_from_env
 from omni_runtime.router.app import create_app
@@ -41,6 +40,7 @@ from omni_runtime.router.discovery import EndpointSliceDiscovery
 from omni_runtime.router.http_limits import descriptor_shortfall, guarded_http_protocol
 from omni_runtime.router.limits import RouterLimits
 from omni_runtime.router.replicas import ReplicaConnector
+from omni_runtime.router.stage_replica_pool import StageReplicaPool
 from omni_runtime.stage_keys import StageClientKeys
 
 logger = logging.getLogger("omni_runtime.router")

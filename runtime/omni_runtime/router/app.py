@@ -45,7 +45,6 @@ from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from omni_runtime.config import PipelineConfig
-from omni_runtime.engine.stage.stage_replica_pool import StageReplicaPool
 from omni_runtime.router.auth import ApiKeys, RequireApiKey, open_paths
 from omni_runtime.router.endpoints import (
     adapters,
@@ -71,6 +70,7 @@ from omni_runtime.router.openapi import openapi_document
 from omni_runtime.router.orchestrator import PipelineError
 from omni_runtime.router.responses import JSONBody
 from omni_runtime.router.serving import OpenAIServing, served_model_name
+from omni_runtime.router.stage_replica_pool import StageReplicaPool
 from omni_runtime.tracing import TraceRequests
 
 

@@ -22,7 +22,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from omni_runtime.config import StageConfig
-from omni_runtime.engine.stage.stage_replica_pool import StageReplicaPool
+from omni_runtime.router.stage_replica_pool import StageReplicaPool
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 

@@ -59,7 +59,6 @@ from opentelemetry.trace import SpanKind
 
 from omni_runtime import tracing
 from omni_runtime.config import PipelineConfig, StageConfig
-from omni_runtime.engine.stage.replica_policies import diffusion_work
 from omni_runtime.engine.stage.stage_core_types import (
     StageAdapter,
     StageError,
@@ -69,14 +68,15 @@ from omni_runtime.engine.stage.stage_core_types import (
     StageServerRequest,
     TraceContext,
 )
-from omni_runtime.engine.stage.stage_replica_pool import (
+from omni_runtime.net import address_host
+from omni_runtime.router.replica_policies import diffusion_work
+from omni_runtime.router.revisions import NoCompleteRevisionError, choose_revision
+from omni_runtime.router.stage_replica_pool import (
     NoLiveReplicaError,
     PoolSaturatedError,
     ReplicaLostError,
     StageReplicaPool,
 )
-from omni_runtime.net import address_host
-from omni_runtime.router.revisions import NoCompleteRevisionError, choose_revision
 from omni_runtime.tracing import SpanScope
 
 logger = logging.getLogger(__name__)

@@ -22,8 +22,8 @@ import logging
 from collections.abc import Iterable, Mapping
 
 from omni_runtime.engine.stage.stage_core_client import StageCoreDeadError
-from omni_runtime.engine.stage.stage_replica_pool import StageReplicaPool
 from omni_runtime.router.remote_stage_client import RemoteStageClient
+from omni_runtime.router.stage_replica_pool import StageReplicaPool
 from omni_runtime.stage_keys import StageClientKeys
 
 logger = logging.getLogger(__name__)

@@ -17,7 +17,6 @@ from fastapi.responses import Response
 
 from omni_runtime.config import PipelineConfig
 from omni_runtime.engine.stage.stage_core_types import StageAdapter, StageServerOutput
-from omni_runtime.engine.stage.stage_replica_pool import StageReplicaPool
 from omni_runtime.router.adapters import AdapterCatalog
 from omni_runtime.router.errors import error_body
 from omni_runtime.router.limits import RouterLimits
@@ -26,6 +25,7 @@ from omni_runtime.router.orchestrator import PipelineError, PipelineOrchestrator
 from omni_runtime.router.request_fields import LORA_SCALE_FIELD
 from omni_runtime.router.responses import ChunkWriter, JSONBody, StreamWithCleanup, sse, usage
 from omni_runtime.router.served import Served
+from omni_runtime.router.stage_replica_pool import StageReplicaPool
 
 
 def served_model_name(pipeline: PipelineConfig) -> str:

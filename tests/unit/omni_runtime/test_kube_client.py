@@ -34,7 +34,6 @@ from kubernetes.config import incluster_config
 from fake_replica import FakeReplica
 from omni_operator.handlers import connection_info, login
 from omni_runtime.config import PipelineConfig
-from omni_runtime.engine.stage.stage_replica_pool import StageReplicaPool
 from omni_runtime.entrypoints.router_process import DiscoveryConfigError, parse_stage_services
 from omni_runtime.kube import (
     KubeApiError,
@@ -52,6 +51,7 @@ from omni_runtime.router.discovery import (
     addresses_by_stage,
 )
 from omni_runtime.router.replicas import ReplicaConnector
+from omni_runtime.router.stage_replica_pool import StageReplicaPool
 
 REPO = Path(__file__).resolve().parents[3]
 

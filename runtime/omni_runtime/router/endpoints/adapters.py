@@ -11,7 +11,6 @@ from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse, Response
 from pydantic import Field
 
-from omni_runtime.engine.stage.stage_replica_pool import NoLiveReplicaError
 from omni_runtime.router.adapters import CatalogEntry
 from omni_runtime.router.body import Body, Integer, Number
 from omni_runtime.router.errors import RequestError, error_responses
@@ -19,6 +18,7 @@ from omni_runtime.router.json_body import parse_body, read_json
 from omni_runtime.router.orchestrator import PipelineError
 from omni_runtime.router.route_docs import json_request
 from omni_runtime.router.serving import OpenAIServing
+from omni_runtime.router.stage_replica_pool import NoLiveReplicaError
 
 LOAD = "/v1/load_lora_adapter"
 # A load reads the adapter's files, and may fetch them from the hub first.

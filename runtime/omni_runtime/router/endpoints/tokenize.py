@@ -10,7 +10,6 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, Field, StrictBool
 
-from omni_runtime.engine.stage.stage_replica_pool import NoLiveReplicaError
 from omni_runtime.router.body import Body, Integer
 from omni_runtime.router.errors import POST_ERRORS, RequestError, error_responses
 from omni_runtime.router.json_body import parse_body, read_json
@@ -21,6 +20,7 @@ from omni_runtime.router.responses import JSONBody
 from omni_runtime.router.route_docs import json_request
 from omni_runtime.router.served import DETOKENIZE, TOKENIZE
 from omni_runtime.router.serving import OpenAIServing
+from omni_runtime.router.stage_replica_pool import NoLiveReplicaError
 
 # A tokenize call is milliseconds of a stage server's time; one far past that has lost its
 # replica (which the pool notices on its own).

@@ -19,17 +19,17 @@ from prometheus_client import generate_latest
 
 from fake_replica import FakeReplica
 from omni_runtime.config import PipelineConfig
-from omni_runtime.engine.stage.replica_policies import (
+from omni_runtime.engine.stage.stage_core_types import StageAdapter, StageLoad, StageServerRequest
+from omni_runtime.router.adapters import AdapterCatalog
+from omni_runtime.router.app import create_app
+from omni_runtime.router.errors import RequestError
+from omni_runtime.router.replica_policies import (
     ADAPTER_AFFINITY_SLACK,
     ReplicaCandidate,
     adapter_affinity,
     rendezvous_score,
 )
-from omni_runtime.engine.stage.stage_core_types import StageAdapter, StageLoad, StageServerRequest
-from omni_runtime.engine.stage.stage_replica_pool import StageReplicaPool
-from omni_runtime.router.adapters import AdapterCatalog
-from omni_runtime.router.app import create_app
-from omni_runtime.router.errors import RequestError
+from omni_runtime.router.stage_replica_pool import StageReplicaPool
 
 PIPELINE: dict[str, Any] = {
     "model": "/models/z-image",

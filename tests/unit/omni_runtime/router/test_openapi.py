@@ -16,10 +16,10 @@ from fastapi.routing import APIRoute
 from fastapi.testclient import TestClient
 
 from omni_runtime.config import PipelineConfig
-from omni_runtime.engine.stage.stage_replica_pool import StageReplicaPool
 from omni_runtime.router import app as router_app
 from omni_runtime.router.app import create_app
 from omni_runtime.router.limits import RouterLimits
+from omni_runtime.router.stage_replica_pool import StageReplicaPool
 
 TEXT = [{"stageId": 0, "name": "chat", "type": "llm"}]
 IMAGE = [

@@ -22,7 +22,6 @@ from pydantic import BaseModel
 from omni_runtime.config import PipelineConfig
 from omni_runtime.diffusion.params import DiffusionParams, diffusers_params
 from omni_runtime.engine.stage.stage_core_types import StageServerOutput
-from omni_runtime.engine.stage.stage_replica_pool import StageReplicaPool
 from omni_runtime.families import FAMILIES, Family
 from omni_runtime.families.base import RequestField
 from omni_runtime.router.app import create_app
@@ -40,6 +39,7 @@ from omni_runtime.router.limits import RouterLimits
 from omni_runtime.router.orchestrator import PipelineRequest
 from omni_runtime.router.request_fields import STEP_CACHE_FIELD, STRENGTH, familyless_fields
 from omni_runtime.router.served import Served
+from omni_runtime.router.stage_replica_pool import StageReplicaPool
 
 REPO = Path(__file__).resolve().parents[4]
 LIMITS = RouterLimits()

@@ -7,9 +7,9 @@ import pytest
 from fastapi.testclient import TestClient
 
 from omni_runtime.config import PipelineConfig
-from omni_runtime.engine.stage.stage_replica_pool import StageReplicaPool
 from omni_runtime.router.app import create_app
 from omni_runtime.router.metrics import batch_slots, pipeline_running
+from omni_runtime.router.stage_replica_pool import StageReplicaPool
 
 
 @pytest.mark.parametrize(

@@ -18,13 +18,13 @@ from omni_runtime.engine.stage.stage_core_types import (
     StageServerOutput,
     StageServerRequest,
 )
-from omni_runtime.engine.stage.stage_replica_pool import StageReplicaPool
 from omni_runtime.router.orchestrator import (
     HANDBACK_RETRIES,
     PipelineError,
     PipelineOrchestrator,
     PipelineRequest,
 )
+from omni_runtime.router.stage_replica_pool import StageReplicaPool
 
 PIPELINE = PipelineConfig.model_validate(
     {"model": "m", "stages": [{"stageId": 0, "name": "dit", "type": "diffusion"}]}

@@ -17,8 +17,8 @@ from fastapi.testclient import TestClient
 from PIL import Image
 
 from omni_runtime.config import PipelineConfig
-from omni_runtime.engine.stage.stage_replica_pool import StageReplicaPool
 from omni_runtime.router.app import create_app
+from omni_runtime.router.stage_replica_pool import StageReplicaPool
 
 ENCODER_DIT = [
     {"stageId": 0, "name": "encoder", "type": "llm", "output": "hidden_states"},

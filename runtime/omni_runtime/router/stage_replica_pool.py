@@ -35,7 +35,10 @@ from typing import Any, get_args
 
 from omni_runtime import pod_contract
 from omni_runtime.config import RouterPolicy
-from omni_runtime.engine.stage.replica_policies import (
+from omni_runtime.engine.stage.stage_core_client import StageCoreClientBase, StageCoreDeadError
+from omni_runtime.engine.stage.stage_core_types import StageCoreOutput, StageCoreRequest
+from omni_runtime.net import address_host
+from omni_runtime.router.replica_policies import (
     PolicyState,
     ReplicaCandidate,
     WorkCalibration,
@@ -44,9 +47,6 @@ from omni_runtime.engine.stage.replica_policies import (
     choose_replica,
     costs,
 )
-from omni_runtime.engine.stage.stage_core_client import StageCoreClientBase, StageCoreDeadError
-from omni_runtime.engine.stage.stage_core_types import StageCoreOutput, StageCoreRequest
-from omni_runtime.net import address_host
 
 __all__ = [
     "DEFAULT_DRAIN_TIMEOUT_S",

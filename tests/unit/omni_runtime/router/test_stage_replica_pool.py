@@ -15,7 +15,6 @@ from typing import Any, TypeVar
 import pytest
 
 from fake_replica import FakeReplica
-from omni_runtime.engine.stage.replica_policies import PolicyState, ReplicaCandidate, choose_replica
 from omni_runtime.engine.stage.stage_core_client import StageCoreDeadError
 from omni_runtime.engine.stage.stage_core_types import (
     StageCoreOutput,
@@ -26,7 +25,8 @@ from omni_runtime.engine.stage.stage_core_types import (
     StageServerOutputs,
     StageServerRequest,
 )
-from omni_runtime.engine.stage.stage_replica_pool import (
+from omni_runtime.router.replica_policies import PolicyState, ReplicaCandidate, choose_replica
+from omni_runtime.router.stage_replica_pool import (
     NoLiveReplicaError,
     PoolRequest,
     PoolSaturatedError,

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import pytest
 
 from omni_runtime.config import RouterPolicy
-from omni_runtime.engine.stage.replica_policies import (
+from omni_runtime.router.replica_policies import (
     NoCandidatesError,
     PolicyState,
     ReplicaCandidate,
