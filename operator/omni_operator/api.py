@@ -26,8 +26,8 @@ from pydantic import (
 )
 
 from omni_runtime.config import PipelineConfig, RouterConfig, StageConfig
+from omni_runtime.config.base import CAMEL_CASE_CONFIG
 from omni_runtime.config.loader import strip_kubernetes_fields
-from omni_runtime.config.models import CAMEL_CASE_CONFIG
 from omni_runtime.pod_contract import API_GROUP
 
 GROUP = API_GROUP

@@ -27,15 +27,14 @@ from typing import Any
 import yaml
 
 from omni_runtime.adapters import ADAPTER_SOURCE_FORMS
-from omni_runtime.config.models import (
+from omni_runtime.config.connectors import SHARED_MEMORY_CONNECTOR
+from omni_runtime.config.names import DNS_1035_LABEL_PATTERN, DNS_LABEL_PATTERN
+from omni_runtime.config.stages import (
     GPU_SHARE_EPSILON,
     MAX_STAGE_ID,
-    SHARED_MEMORY_CONNECTOR,
-    STEP_CACHE_OFF,
-    STEP_CACHE_TIER_PATTERN,
     VLLM_DEFAULT_GPU_MEMORY_UTILIZATION,
 )
-from omni_runtime.config.names import DNS_1035_LABEL_PATTERN, DNS_LABEL_PATTERN
+from omni_runtime.config.step_cache import STEP_CACHE_OFF, STEP_CACHE_TIER_PATTERN
 from omni_runtime.families import FAMILIES
 
 from .api import (
@@ -632,7 +631,7 @@ def _equal_autoscaling_rule() -> dict[str, str]:
 def _gpu_memory_rules() -> list[dict[str, str]]:
     """The gpuMemoryUtilization of the stages on a GPU id sum to at most 1 (an unset share
     counted as PipelineConfig counts it: vLLM's default for an llm stage, nothing for a
-    diffusion stage; models.VLLM_DEFAULT_GPU_MEMORY_UTILIZATION says why).
+    diffusion stage; config.stages.VLLM_DEFAULT_GPU_MEMORY_UTILIZATION says why).
 
     One rule per GPU id below CEL_CHECKED_GPUS, each with the id written into its regex:
     the ids a rule could take from devices (split) have no size bound the cost estimate

@@ -20,7 +20,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from omni_runtime.config.models import MAX_STAGE_ID, SHARED_MEMORY_CONNECTOR, STAGE_PORT_BASE
+from omni_runtime.config.connectors import SHARED_MEMORY_CONNECTOR
+from omni_runtime.config.stages import MAX_STAGE_ID, STAGE_PORT_BASE
 from omni_runtime.pod_contract import (
     DRAIN_TIMEOUT_ENV,
     NAMESPACE_ENV,

@@ -7,8 +7,8 @@ from __future__ import annotations
 from typing import Any
 
 from omni_runtime.config import stage_port, stage_port_name
+from omni_runtime.config.connectors import SHARED_MEMORY_CONNECTOR
 from omni_runtime.config.credentials import KEYS_DIR_ENV, SERVER_FILES
-from omni_runtime.config.models import SHARED_MEMORY_CONNECTOR
 from omni_runtime.pod_contract import HEALTH_PORT, REVISION_ENV, STAGE_CUDA_DEVICES_ENV_PREFIX
 
 from ..api import OmniPipelineSpec

@@ -10,7 +10,7 @@ import logging
 from collections.abc import Mapping
 
 from omni_runtime.config import ConnectorConfig
-from omni_runtime.config.models import KNOWN_CONNECTORS
+from omni_runtime.config.connectors import KNOWN_CONNECTORS
 from omni_runtime.connectors.base import (
     ConnectorError,
     ConnectorHandle,

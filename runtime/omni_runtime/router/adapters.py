@@ -17,7 +17,7 @@ from typing import Any
 
 from omni_runtime.adapters import ADAPTER_NAME_RULE, source_issue
 from omni_runtime.config import PipelineConfig, StageConfig
-from omni_runtime.config.models import ADAPTER_NAME_PATTERN_RE
+from omni_runtime.config.adapters import ADAPTER_NAME_PATTERN_RE
 from omni_runtime.engine.stage.stage_core_types import StageAdapter
 from omni_runtime.router.errors import RequestError
 

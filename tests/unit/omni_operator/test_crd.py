@@ -14,11 +14,8 @@ import pytest
 import yaml
 
 from omni_operator import api, crd
-from omni_runtime.config.models import (
-    GPU_SHARE_EPSILON,
-    KNOWN_CONNECTORS,
-    VLLM_DEFAULT_GPU_MEMORY_UTILIZATION,
-)
+from omni_runtime.config.connectors import KNOWN_CONNECTORS
+from omni_runtime.config.stages import GPU_SHARE_EPSILON, VLLM_DEFAULT_GPU_MEMORY_UTILIZATION
 from omni_runtime.config.topologies import STAGE_TYPES
 
 REPO = Path(__file__).resolve().parents[3]

@@ -29,7 +29,7 @@ from vllm.platforms import current_platform
 from vllm.usage.usage_lib import UsageContext
 
 from omni_runtime.config import StageConfig
-from omni_runtime.config.models import DEFAULT_MAX_LORA_RANK, ENGINE_ARG_FIELDS
+from omni_runtime.config.stages import DEFAULT_MAX_LORA_RANK, ENGINE_ARG_FIELDS
 from omni_runtime.engine.models import STEP_STATE_ENV, hf_overrides, step_state_worker
 from omni_runtime.families import MODEL_INDEX, EncoderRecipe, SpeechStage
 from omni_runtime.paths import cache_dir

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from omni_runtime.config import PipelineConfig
-from omni_runtime.config.models import VideoJobsConfig
+from omni_runtime.config.router import VideoJobsConfig
 from omni_runtime.families import FAMILIES
 from omni_runtime.router.adapters import AdapterCatalog
 from omni_runtime.router.endpoints.videos import VideoCreateRequest

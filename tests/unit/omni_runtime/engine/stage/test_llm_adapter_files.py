@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from omni_runtime.adapters import AdapterSourceError
 from omni_runtime.config import StageConfig
-from omni_runtime.config.models import DEFAULT_MAX_LORA_RANK
+from omni_runtime.config.stages import DEFAULT_MAX_LORA_RANK
 from omni_runtime.engine.stage.stage_core_types import StageErrorCode
 from omni_runtime.engine.stage.stage_llm_core_client import (
     ADAPTER_CONFIG_FILE,

@@ -18,7 +18,7 @@ from vllm.v1.engine.utils import CoreEngineProcManager
 from vllm.v1.serial_utils import CUSTOM_TYPE_RAW_VIEW, MsgpackDecoder, MsgpackEncoder
 
 from omni_runtime.config import StageConfig
-from omni_runtime.config.models import VLLM_DEFAULT_GPU_MEMORY_UTILIZATION
+from omni_runtime.config.stages import VLLM_DEFAULT_GPU_MEMORY_UTILIZATION
 from omni_runtime.diffusion.stage.inline_stage_diffusion_client import InlineStageDiffusionClient
 from omni_runtime.diffusion.stage.stage_diffusion_core_client import StageDiffusionCoreClient
 from omni_runtime.engine.stage.stage_core_client import StageCoreClientBase
