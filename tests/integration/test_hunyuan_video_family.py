@@ -377,10 +377,10 @@ def test_videos_api_through_both_stages(router: RunningRouter, monolithic: Any) 
     assert len(frames) == 5
     assert frames[0].shape == (16, 32, 3)
     assert rate == 24
-    # Both stages ran it: the encoder twice (the prompt, and the empty negative prompt for
-    # the guider's default guidance), the DiT once.
+    # Both stages ran it, once each: the encoder's one message carried the prompt and, a
+    # companion, the empty negative prompt for the guider's default guidance.
     pools = router.state.pools
-    assert sum(s.done for s in pools[ENCODER].stats()) == 2
+    assert sum(s.done for s in pools[ENCODER].stats()) == 1
     assert sum(s.done for s in pools[DIT].stats()) == 1
     # No size, no length: the pipeline's own size bucket (its transformer's target size,
     # 16:9) and the Videos API's 4 s at 24 fps (97 frames: 1 + a multiple of 4).
