@@ -17,6 +17,15 @@ from PIL import Image
 pytestmark = pytest.mark.integration
 
 
+@pytest.mark.parametrize(
+    ("script", "written", "args"),
+    [
+        # README's first command: the seed's edit (an image and an instruction through chat
+        # completions) on the tiny Qwen-Image-Edit pipeline.
+        ("image_edit.py", ["input.png", "edited.png"], ["--steps", "2"]),
+        ("text_to_image.py", ["text-to-image.png"], ["--size", "64x64", "--steps", "2"]),
+    ],
+)
 def test_example_serves_the_pipeline_and_writes_a_png(
     script: str, written: list[str], args: list[str], tiny_models: Path, tmp_path: Path
 ) -> None:
