@@ -2,10 +2,10 @@
 
 A pipeline's model family declares its DiT's own fields (``Family.request_fields``:
 Qwen-Image's true_cfg_scale, BAGEL's guidance, ...), and a pipeline of no family takes the
-generic diffusers ones (``familyless_fields``, and an edit's strength). The endpoints' models
-hold the common fields only; ``with_fields`` subclasses one with a deployment's, so that a
-pipeline takes its own family's fields and refuses another's as unknown, naming the
-families that take it (``unknown_field``).
+generic diffusers ones (``families.familyless_request_fields``, and an edit's strength).
+The endpoints' models hold the common fields only; ``with_fields`` subclasses one with a
+deployment's, so that a pipeline takes its own family's fields and refuses another's as
+unknown, naming the families that take it (``unknown_field``).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Annotated, Any, ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, Field, StrictBool, create_model
 
-from omni_runtime.families import FAMILIES
+from omni_runtime.families import FAMILIES, familyless_request_fields
 from omni_runtime.families.base import RequestField, SpeechRecipe
 from omni_runtime.router.body import Body, Integer, Number, given
 from omni_runtime.router.errors import RequestError
@@ -115,31 +115,6 @@ class InputRules:
     speech: SpeechRecipe | None = None
 
 
-def familyless_fields() -> tuple[RequestField, ...]:
-    """What a pipeline of no family takes beyond the common fields.
-
-    Its DiT runs a plain diffusers pipeline in DiffusionEngine, whose DiffusionParams take
-    the call arguments of every family that a diffusers pipeline runs (true_cfg_scale,
-    cfg_normalization, cfg_truncation) and hand each to whichever pipeline is loaded when
-    its __call__ takes it (FluxPipeline takes true_cfg_scale), refusing it by name when not.
-    So such a pipeline takes those families' fields together, exactly as it did before
-    families declared them (tests/unit/omni_runtime/router checks the set against
-    DiffusionParams). A family with an engine of its own (BAGEL's) declares fields that no
-    DiffusionEngine takes (DiffusionParams refuses them): those are left out.
-    """
-    fields: dict[str, RequestField] = {}
-    for family in FAMILIES.values():
-        if family.dit.engine is not None:
-            continue
-        for field in family.request_fields:
-            if fields.setdefault(field.name, field) != field:
-                raise ValueError(
-                    f"request field {field.name}: families declare it differently; a pipeline "
-                    "of no family could not take both"
-                )
-    return tuple(fields.values())
-
-
 _Model = TypeVar("_Model", bound=FamilyFields)
 
 
@@ -209,7 +184,7 @@ def _takers(name: str, model: type[BaseModel]) -> list[str]:
     ]
     # Generations take no input image: no pipeline's take an edit's strength.
     edit = (STRENGTH,) if model.takes_edit_fields else ()
-    if any(field.name == name for field in (*familyless_fields(), *edit)):
+    if any(field.name == name for field in (*familyless_request_fields(), *edit)):
         takers.append("family-less")
     return takers
 

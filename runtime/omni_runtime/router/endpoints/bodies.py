@@ -7,7 +7,7 @@ import dataclasses
 import functools
 from dataclasses import dataclass
 
-from omni_runtime.families import Family
+from omni_runtime.families import Family, familyless_request_fields
 from omni_runtime.families.base import RequestField
 from omni_runtime.router.endpoints.chat import ChatCompletionRequest
 from omni_runtime.router.endpoints.images import ImageEditRequest, ImageGenerationRequest
@@ -15,7 +15,6 @@ from omni_runtime.router.request_fields import (
     LORA_SCALE,
     STRENGTH,
     InputRules,
-    familyless_fields,
     step_cache_field,
     with_fields,
 )
@@ -48,7 +47,7 @@ def request_models(
     if family is None:
         # Its DiT's image-to-image variant takes one input image.
         return _request_models(
-            (*familyless_fields(), *cache), (STRENGTH,), InputRules(max_images=1)
+            (*familyless_request_fields(), *cache), (STRENGTH,), InputRules(max_images=1)
         )
     rules = InputRules(
         max_images=family.max_input_images,

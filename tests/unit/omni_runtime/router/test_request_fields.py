@@ -22,7 +22,7 @@ from pydantic import BaseModel
 from omni_runtime.config import PipelineConfig
 from omni_runtime.diffusion.params import DiffusionParams, diffusers_params
 from omni_runtime.engine.stage.stage_core_types import StageServerOutput
-from omni_runtime.families import FAMILIES, Family
+from omni_runtime.families import FAMILIES, Family, familyless_request_fields
 from omni_runtime.families.base import RequestField
 from omni_runtime.router.app import create_app
 from omni_runtime.router.endpoints.bodies import request_models
@@ -37,7 +37,7 @@ from omni_runtime.router.errors import RequestError
 from omni_runtime.router.json_body import parse_body
 from omni_runtime.router.limits import RouterLimits
 from omni_runtime.router.orchestrator import PipelineRequest
-from omni_runtime.router.request_fields import STEP_CACHE_FIELD, STRENGTH, familyless_fields
+from omni_runtime.router.request_fields import STEP_CACHE_FIELD, STRENGTH
 from omni_runtime.router.served import Served
 from omni_runtime.router.stage_replica_pool import StageReplicaPool
 
@@ -426,7 +426,7 @@ def test_a_pipeline_of_no_family_takes_what_its_diffusers_dit_takes() -> None:
         "negative_prompt",
         "num_images",
     }
-    generic = {f.name for f in familyless_fields()}
+    generic = {f.name for f in familyless_request_fields()}
     # step_cache: only where the DiT stage declares tiers (the next test); partial_images:
     # a stream's, which every image body takes; a video's frames and progress: the Videos
     # API's.
