@@ -7,7 +7,8 @@ request's by construction. ``PromptGroups`` is the bookkeeping alone, on the sta
 outputs: the request's own outputs pass through as they come (but its final one, held until
 every companion has finished); a companion's pass only as the hand-offs they add to that
 final one, renamed as the request said; the first failure (an error, an abort) answers for
-the whole group, whose other prompts are then to be aborted and their outputs dropped.
+the whole group, whose other prompts are then to be aborted and their outputs dropped, and
+whose hand-offs made so far are released.
 """
 
 from __future__ import annotations
@@ -60,8 +61,9 @@ class PromptGroups:
         return [prompt_id for prompt_id in group.companions if prompt_id in group.pending]
 
     def take(self, output: StageServerOutput) -> tuple[StageServerOutput | None, list[str]]:
-        """What to answer for ``output`` (None: nothing yet), and the prompts of its group
-        to abort now (the group failed)."""
+        """What to answer for ``output`` (None: nothing yet), and, where the group failed,
+        the prompts to abort now: the request's own among them, finished or not, so that an
+        abort of it releases what its prompts handed off (its answer hands nothing on)."""
         prompt_id = output.request_id
         request_id = self.owner(prompt_id)
         group = self._groups.get(request_id)
@@ -83,7 +85,9 @@ class PromptGroups:
             return None, []
         if output.error is not None or output.finish_reason in ("abort", "error"):
             group.answered = True
-            return self._failure(group, prompt_id, output), sorted(group.pending)
+            return self._failure(group, prompt_id, output), sorted(
+                group.pending | {group.request_id}
+            )
         if prompt_id == group.request_id:
             group.held = output
         else:

@@ -84,7 +84,20 @@ def test_an_aborted_request_answers_as_itself_and_its_companions_are_aborted() -
     groups = PromptGroups()
     groups.start("r", {"negative": {}})
     aborted = final("r", finish_reason="abort")
-    assert groups.take(aborted) == (aborted, ["r-negative"])
+    assert groups.take(aborted) == (aborted, ["r", "r-negative"])
+
+
+def test_a_companion_failing_after_its_request_finished_releases_the_requests_hand_off() -> None:
+    groups = PromptGroups()
+    groups.start("r", {"negative": {}})
+    assert groups.take(final("r", hand_offs={"prompt_embeds": hand_off("r")})) == (None, [])
+    error = StageError.bad_request("prompt: too long", "prompt")
+    answer, abort = groups.take(final("r-negative", finish_reason="error", error=error))
+    assert answer is not None
+    assert answer.error is not None
+    assert answer.hand_offs == {}
+    # The request finished: its abort is what releases the hand-off it made.
+    assert abort == ["r"]
 
 
 def test_a_request_without_companions_passes_through() -> None:
