@@ -18,6 +18,7 @@ from omni_runtime.families import (
     family_of_model_name,
 )
 from omni_runtime.families.base import VideoRecipe
+from omni_runtime.families.graph import StageGraph, chain_graph, outputs_hidden_states
 
 from .adapters import AdapterConfig
 from .base import SchemaModel
@@ -343,6 +344,16 @@ class PipelineConfig(SchemaModel):
         """How ``stage`` encodes for the DiT after it, if it is its family's encoder."""
         family = self.family_recipe
         return family.encoder if family is not None and family.is_encoder(stage) else None
+
+    @property
+    def graph(self) -> StageGraph:
+        """The stages as the pipeline's family connects them (``families.graph``); a
+        pipeline of no family: one chain, each LLM stage that outputs hidden states handing
+        them to the next, any other writing its prompt."""
+        family = self.family_recipe
+        if family is not None:
+            return family.graph(self.stages, self.async_chunk)
+        return chain_graph(self.stages, "image", outputs_hidden_states)
 
     def speech_stage(self, stage: StageConfig) -> SpeechStage | None:
         """The part ``stage`` plays where the pipeline's family speaks (its thinker or its

@@ -33,6 +33,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
+from .graph import AnswerKind, StageGraph, chain_graph, outputs_hidden_states
+
 # The __call__ argument that turns classifier-free guidance on: Qwen-Image's
 # true_cfg_scale (> 1, and only with a negative prompt), Z-Image's guidance_scale (> 0,
 # with "" as the negative prompt unless one is given).
@@ -364,6 +366,13 @@ class Family:
         if len(llms) > 1 and stage.stage_id == llms[1]:
             return SpeechStage(self.speech, "talker")
         return None
+
+    def graph(self, stages: Sequence[StageView], async_chunk: bool) -> StageGraph:
+        """The pipeline's stages (``stages``, checked by ``pipeline_issues``) as this family
+        connects them: one chain, its encoder handing its DiT what it computed, the DiT's
+        images or video the answer. ``async_chunk``: the pipeline streams between stages."""
+        answer: AnswerKind = "video" if self.dit.video is not None else "image"
+        return chain_graph(stages, answer, lambda s: self.is_encoder(s) or outputs_hidden_states(s))
 
     def is_encoder(self, stage: StageView) -> bool:
         """Whether ``stage`` of a pipeline of this family is its encoder."""

@@ -16,10 +16,27 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from .base import DiTRecipe, Family, Issue, SpeechRecipe, StageView, TopologyStage
+from .graph import GraphEdge, GraphRoute, StageGraph
 
 
 @dataclass(frozen=True)
 class Qwen3OmniFamily(Family):
+    def graph(self, stages: Sequence[StageView], async_chunk: bool) -> StageGraph:
+        """The thinker answers a text question alone; a spoken answer's text goes to the
+        caller as the thinker writes it, its rows to the talker, whose frames go to code2wav
+        whole, or chunk by chunk where the pipeline streams (asyncChunk)."""
+        ids = tuple(stage.stage_id for stage in sorted(stages, key=lambda s: s.stage_id))
+        text = GraphRoute("text", ids[:1])
+        if len(ids) == 1:
+            return StageGraph((), (text,))
+        thinker, talker, code2wav = ids
+        edges = (
+            GraphEdge(thinker, talker, "hand_off"),
+            GraphEdge(talker, code2wav, "stream" if async_chunk else "hand_off"),
+        )
+        spoken = GraphRoute("audio", ids, text_stage=thinker, live_text=True)
+        return StageGraph(edges, (text, spoken), caller_params={talker: ("voice",)})
+
     def pipeline_issues(
         self, stages: Sequence[StageView], index_of_id: Mapping[int, int]
     ) -> list[Issue]:

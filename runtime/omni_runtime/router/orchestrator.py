@@ -1,17 +1,24 @@
-"""PipelineOrchestrator: runs one request through a pipeline's stages, in order.
+"""PipelineOrchestrator: runs one request along a route of its pipeline's stage graph.
 
-Stage 0 gets the caller's prompt (or chat messages); each later stage gets its upstream's
-output: text as its prompt, or what it handed off (hidden states, a context's KV cache) as
-named inputs, by connector handles that the orchestrator passes on without ever holding the
-arrays. In a model family's pipeline (``omni_runtime.families``) the encoder stage gets the
-prompt text (and, for an edit, the input image, which the DiT gets too, as it gets the
-prompt text beside its handed-off inputs), and the family
-says which companion prompts of the same stage the DiT needs beside it (the negative
-prompt's embeddings where the DiT will run guidance, BAGEL's image-dropped context) and
-which of the DiT's inputs each one's hand-off becomes: they go in the request's own
-message (``StageServerRequest.companions``), run on its replica, and come back with it.
-The last stage's outputs are what the caller receives (streamed text, or images). Each
-stage's replica comes from its StageReplicaPool.
+The pipeline's family declares its stages' graph (``omni_runtime.families.graph``): typed
+edges, and the route each kind of answer runs. The request asks for one kind (a spoken
+answer; none: the pipeline's first), and its route's stages run in order, each fed by the
+edge into it (``stage_requests``): the first reads the caller's request; a ``text`` edge
+makes the producer's text the consumer's prompt; a ``hand_off`` edge passes the producer's
+hand-offs (hidden states, a context's KV cache, a thinker's rows) as the consumer's named
+inputs, by connector handles that the orchestrator passes on without ever holding the
+arrays; a ``stream`` edge sends the consumer each chunk the producer hands off as it comes,
+every chunk to the replica the first went to, and passes its answers on in order while the
+producer goes on. The route's last stage's outputs are the caller's (streamed text, images,
+a video, audio), with its text stage's text: beside the final output (a thinking encoder's
+plan beside its image), or as it is written, the text stage's finish closing the answer (a
+spoken answer's transcript). Each stage's replica comes from its StageReplicaPool.
+
+An encoder stage's family says which companion prompts of the same stage the DiT needs
+beside the caller's (the negative prompt's embeddings where the DiT will run guidance,
+BAGEL's image-dropped context) and which of the DiT's inputs each one's hand-off becomes:
+they go in the request's own message (``StageServerRequest.companions``), run on its
+replica, and come back with it.
 
 Every stage request of one caller's request (companions included) goes to replicas of one
 pipeline revision: the newest that every stage has a replica of (``router.revisions``);
@@ -31,11 +38,6 @@ status the router answers with. Retries are invisible to the caller and bounded:
   rollout before the hand-off was fetched: a STAGE_FAILED error whose ``param`` names the
   input), restarts the request from the first stage, once (hidden states handed to a dead
   replica are gone with it), on the revision then newest.
-A pipeline of a family that speaks (Qwen3-Omni) runs its thinker alone for a request that
-asks for text; for one that asks for audio too, the thinker's text reaches the caller as it
-is written, and its hand-off feeds the talker, whose frames feed code2wav (each pinned to
-its producer's pod where it reads shared memory); the last output carries the waveform.
-
 Each retry is reported to ``on_retry`` (/metrics). Cancelling the consumer (a client that
 disconnected) aborts the request in the stage running it. An attempt that ends without
 being served releases the hand-offs its stages made at once (an abort of the finished
@@ -54,21 +56,21 @@ from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Se
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import numpy as np
+import msgspec
 from opentelemetry.trace import SpanKind
 
 from omni_runtime import tracing
 from omni_runtime.config import PipelineConfig, StageConfig
 from omni_runtime.engine.stage.stage_core_types import (
-    StageAdapter,
     StageError,
     StageErrorCode,
-    StagePrompt,
     StageServerOutput,
     StageServerRequest,
     TraceContext,
 )
+from omni_runtime.families.graph import GraphEdge, GraphRoute
 from omni_runtime.net import address_host
+from omni_runtime.router import stage_requests
 from omni_runtime.router.replica_policies import diffusion_work
 from omni_runtime.router.revisions import NoCompleteRevisionError, choose_revision
 from omni_runtime.router.stage_replica_pool import (
@@ -77,6 +79,7 @@ from omni_runtime.router.stage_replica_pool import (
     ReplicaLostError,
     StageReplicaPool,
 )
+from omni_runtime.router.stage_requests import PipelineRequest
 from omni_runtime.tracing import SpanScope
 
 logger = logging.getLogger(__name__)
@@ -143,6 +146,63 @@ class _Attempt:
     revision: str = ""
 
 
+@dataclass
+class _StageResult:
+    """What a stage that feeds another returned, once it finished."""
+
+    final: StageServerOutput | None = None
+    text: str = ""
+    host: str = ""
+
+
+@dataclass
+class _RouteRun:
+    """One attempt's pass along a route, and what the caller's answer takes from it."""
+
+    request: PipelineRequest
+    attempt: int
+    revision: str
+    route: GraphRoute
+    # The hand-offs this attempt's stages made, for release if it fails.
+    handed: list[_HandOff] = field(default_factory=list)
+    served: bool = False
+    # The route's text stage's whole text and final output, once it finished.
+    text: str = ""
+    text_final: StageServerOutput | None = None
+
+    def is_text(self, stage: StageConfig) -> bool:
+        return stage.stage_id == self.route.text_stage
+
+    def answer(self, output: StageServerOutput) -> StageServerOutput:
+        """The caller's output for one of the route's last stage's."""
+        if self.route.live_text:
+            # Its media alone: the text went as it was written, and its stage's finish
+            # closes the answer.
+            return StageServerOutput(
+                request_id=output.request_id, images=output.images, audio=output.audio
+            )
+        if output.finished and self.text:
+            # What the text stage wrote (BAGEL's plan in think mode, the prompt an LLM
+            # stage wrote for the DiT) comes with the image, as BAGEL's own inference
+            # returns [text, image].
+            output.text = self.text
+        return output
+
+    def closing(self) -> StageServerOutput:
+        """The answer's last output where its text was live: the text stage's finish and
+        usage."""
+        final = self.text_final
+        assert final is not None
+        return StageServerOutput(
+            request_id=final.request_id,
+            finished=True,
+            finish_reason=final.finish_reason,
+            prompt_tokens=final.prompt_tokens,
+            completion_tokens=final.completion_tokens,
+            execute_time=final.execute_time,
+        )
+
+
 class PipelineError(Exception):
     """A request the pipeline could not serve: an HTTP status and a message for the caller."""
 
@@ -161,32 +221,6 @@ class PipelineError(Exception):
         self.kind = kind
         self.param = param
         self.retry_after = retry_after
-
-
-@dataclass
-class PipelineRequest:
-    """What the caller asked for, split by the kind of stage it is for."""
-
-    request_id: str
-    prompt: str | None = None
-    # Content is text, or a list of parts where the stage takes them (a thinker that hears:
-    # text and input_audio, whose samples are in ``audios``).
-    messages: list[dict[str, Any]] | None = None
-    # Sampling params for LLM stages that generate text, and for diffusion stages.
-    llm_params: dict[str, Any] = field(default_factory=dict)
-    diffusion_params: dict[str, Any] = field(default_factory=dict)
-    # Input images (image-to-image, an edit's), uint8 RGB [height, width, 3] each.
-    images: list[np.ndarray] = field(default_factory=list)
-    sticky_key: str | None = None
-    # Whether the caller reads the last stage's text as it is generated.
-    stream: bool = False
-    # Input audio (a thinker that hears), float32 mono samples at its processor's rate each,
-    # placed by the messages' input_audio parts.
-    audios: list[np.ndarray] = field(default_factory=list)
-    # The voice to answer in (a family that speaks); None: text only.
-    voice: str | None = None
-    # The LoRA adapter each stage runs the request with, by stage id (router.adapters).
-    adapters: dict[int, StageAdapter] = field(default_factory=dict)
 
 
 def stage_chain(pipeline: PipelineConfig) -> list[StageConfig]:
@@ -215,7 +249,7 @@ def stage_chain(pipeline: PipelineConfig) -> list[StageConfig]:
 
 
 class PipelineOrchestrator:
-    """Runs requests through the stage chain of one pipeline."""
+    """Runs requests along the routes of one pipeline's stage graph."""
 
     def __init__(
         self,
@@ -245,23 +279,32 @@ class PipelineOrchestrator:
                 for name in stage.input_stages.values()
             )
         }
-        last = self.stages[-1]
+        self.graph = pipeline.graph
+        self._stages_by_id = {stage.stage_id: stage for stage in self.stages}
         family = pipeline.family_recipe
-        self.speaks = family is not None and family.speech is not None
-        self.output_kind: OutputKind = (
-            "speech"
-            if self.speaks
-            else "text"
-            if last.type != "diffusion"
-            else "video"
-            if pipeline.video_recipe is not None
-            else "image"
-        )
-        if last.type == "llm" and last.output == "hidden_states":
-            raise ValueError(
-                f"the last stage ({last.name}) outputs hidden states, which no caller can "
-                "use; end the pipeline with a text LLM stage or a diffusion stage"
-            )
+        # A family that hears and speaks answers chat in text, spoken too where its
+        # pipeline has the stages that speak (a thinker alone hears, and answers in text).
+        hears = family is not None and family.speech is not None
+        first = self.graph.answers[0]
+        self.output_kind: OutputKind = "speech" if hears else "text" if first == "audio" else first
+        for route in self.graph.routes:
+            last = self._stages_by_id[route.stages[-1]]
+            if last.type == "llm" and last.output == "hidden_states":
+                raise ValueError(
+                    f"the last stage ({last.name}) outputs hidden states, which no caller can "
+                    "use; end the pipeline with a text LLM stage or a diffusion stage"
+                )
+
+    @property
+    def first_stage(self) -> StageConfig:
+        """The stage that reads a request of the pipeline's first answer (its tokenizer is
+        the pipeline's)."""
+        return self._stages_by_id[self.graph.routes[0].stages[0]]
+
+    @property
+    def answer_stage(self) -> StageConfig:
+        """The stage that makes the pipeline's first answer (a video pipeline's DiT)."""
+        return self._stages_by_id[self.graph.routes[0].stages[-1]]
 
     async def run(
         self, request: PipelineRequest, *, timeout: float | None = None
@@ -330,163 +373,173 @@ class PipelineOrchestrator:
     async def _run_once(
         self, request: PipelineRequest, attempt: _Attempt
     ) -> AsyncIterator[StageServerOutput]:
-        upstream: StageServerOutput | None = None
-        upstream_text = ""
         revision = attempt.revision = self.choose_revision()
-        sticky = request.sticky_key
-        # The host of the replica whose output the next stage reads.
-        host: str | None = None
-        # The hand-offs this attempt's stages made, for release if it fails.
-        handed: list[_HandOff] = []
-        served = False
         try:
-            if self.speaks:
-                async for output in self._run_speech(request, attempt.number, revision, handed):
-                    yield output
-                served = True
-                return
-            for index, stage in enumerate(self.stages):
-                stage_request = self._stage_request(
-                    request, attempt.number, index, upstream, upstream_text
-                )
-                pin = host if stage.stage_id in self._pod_local else None
-                if index == len(self.stages) - 1:
-                    async for output in self._run_stage(
-                        stage, stage_request, sticky, revision, pin
-                    ):
-                        if output.finished and upstream_text and stage.type == "diffusion":
-                            # What the stage before wrote (BAGEL's plan in think mode, or
-                            # the prompt an LLM stage wrote for the DiT) comes with the
-                            # image, as BAGEL's own inference returns [text, image].
-                            output.text = upstream_text
-                        yield output
-                    served = True
-                    return
-                # The companions go in the same message, to the same replica: their
-                # hand-offs come back among the request's, under the names the DiT reads.
-                stage_request.companions = self._companions(request, index, stage_request)
-                upstream, upstream_text, host = await self._final_output(
-                    stage, stage_request, sticky, revision, pin, handed
-                )
+            route = self.graph.route(request.answer)
+        except KeyError:
+            answers = ", ".join(self.graph.answers)
+            raise PipelineError(
+                400, f"this pipeline answers with {answers}, not {request.answer}"
+            ) from None
+        run = _RouteRun(request, attempt.number, revision, route)
+        try:
+            async for output in self._run_route(run):
+                yield output
+            run.served = True
         finally:
-            if not served and handed:
+            if not run.served and run.handed:
                 # Their consumer will never fetch them (a companion failed after its partner
                 # finished, the next stage refused the request, the caller went away): the
                 # producers drop them now, not at their connector's TTL.
-                await asyncio.shield(self._release(handed))
+                await asyncio.shield(self._release(run.handed))
 
-    async def _run_speech(
-        self, request: PipelineRequest, attempt: int, revision: str, handed: list[_HandOff]
+    async def _run_route(self, run: _RouteRun) -> AsyncIterator[StageServerOutput]:
+        """The caller's outputs of ``run``: its route's stages in order, each fed by the
+        edge into it; the last one's outputs are the answer's, with the text stage's text."""
+        route, request = run.route, run.request
+        stages = [self._stages_by_id[stage_id] for stage_id in route.stages]
+        upstream: StageServerOutput | None = None
+        upstream_text = ""
+        # The host of the replica whose output the next stage reads.
+        host: str | None = None
+        edge: GraphEdge | None = None
+        for index, stage in enumerate(stages):
+            stage_request = self._request_for(run, stage, edge, upstream, upstream_text)
+            pin = host if stage.stage_id in self._pod_local else None
+            if index == len(stages) - 1:
+                async for output in self._run_stage(
+                    stage, stage_request, request.sticky_key, run.revision, pin
+                ):
+                    yield run.answer(output)
+                break
+            edge = self.graph.edge(stage.stage_id, stages[index + 1].stage_id)
+            # The stage hands off only where the route goes on from it by hand-off.
+            stage_request.hand_off = edge.kind != "text"
+            # The companions go in the same message, to the same replica: their hand-offs
+            # come back among the request's, under the names the next stage reads.
+            stage_request.companions = stage_requests.companions(
+                self.pipeline, request, stage, stage_request.prompt or ""
+            )
+            if edge.kind == "stream":
+                consumer = stages[index + 1]
+                async for output in self._stream(run, stage, stage_request, consumer, pin):
+                    yield output
+                break
+            result = _StageResult()
+            live = route.live_text and run.is_text(stage)
+            async for output in self._stage_outputs(stage, stage_request, run, pin, result):
+                if live and output.text:
+                    # The answer's text, as it is written; its finish closes the answer.
+                    yield StageServerOutput(request_id=output.request_id, text=output.text)
+            upstream, upstream_text, host = result.final, result.text, result.host
+            if run.is_text(stage):
+                run.text, run.text_final = upstream_text, upstream
+        if route.live_text:
+            yield run.closing()
+
+    def _request_for(
+        self,
+        run: _RouteRun,
+        stage: StageConfig,
+        edge: GraphEdge | None,
+        upstream: StageServerOutput | None,
+        upstream_text: str,
+    ) -> StageServerRequest:
+        route = run.route
+        # Only a streaming caller reads a stage's text in steps, and only the answer's.
+        answers_text = (
+            route.text_stage == stage.stage_id
+            if route.live_text
+            else (stage.stage_id == route.stages[-1])
+        )
+        return stage_requests.build_stage_request(
+            self.pipeline,
+            run.request,
+            run.attempt,
+            stage,
+            edge,
+            upstream,
+            upstream_text,
+            caller_params=self.graph.caller_params.get(stage.stage_id, ()),
+            streams=run.request.stream and answers_text,
+        )
+
+    async def _stream(
+        self,
+        run: _RouteRun,
+        producer: StageConfig,
+        producer_request: StageServerRequest,
+        consumer: StageConfig,
+        pin: str | None,
     ) -> AsyncIterator[StageServerOutput]:
-        """A speaking family's request: the thinker's outputs, then (for a request with a
-        voice) one last output with the waveform, the thinker's finish and usage."""
-        thinker = self.stages[0]
-        thinker_request = self._stage_request(request, attempt, 0, None, "")
-        thinker_request.audios = request.audios
-        thinker_request.images = request.images
-        thinker_request.stream = request.stream
-        sticky = request.sticky_key
-        if request.voice is None or len(self.stages) == 1:
-            async for output in self._run_stage(thinker, thinker_request, sticky, revision):
-                yield output
-            return
-        thinker_request.params = {**thinker_request.params, "speak": True}
-        where: list[tuple[str, int]] = []
-        thought: StageServerOutput | None = None
-        async for output in self._run_stage(
-            thinker, thinker_request, sticky, revision, where=where
-        ):
-            if output.finished:
-                thought = output
-                handed.append(_HandOff(thinker.stage_id, where[-1][1], thinker_request.request_id))
-                # Its text goes on now; the answer finishes with its audio.
-                output = StageServerOutput(request_id=output.request_id, text=output.text)
-            if output.text:
-                yield output
-        assert thought is not None
-        talker, code2wav = self.stages[1], self.stages[2]
-        talker_request = StageServerRequest(
-            request_id=thinker_request.request_id,
-            inputs=dict(thought.hand_offs),
-            params={"voice": request.voice},
-            stream=False,
-        )
-        host = where[-1][0]
-        pin = host if talker.stage_id in self._pod_local else None
-        # code2wav's answers to the talker's chunks, in order: each is sent as its chunk
-        # comes, all to the replica the first went to (the stream's consumer), and passed
-        # on as soon as it is decoded, while the talker goes on (a task of its own).
-        chunks: collections.deque[asyncio.Future[tuple[StageServerOutput, str, str]]] = (
-            collections.deque()
-        )
+        """The caller's outputs of a stream edge that ends the route: the consumer's answer
+        to each chunk the producer hands off, in order, each sent as its chunk comes, all to
+        the replica the first went to (the stream's consumer, which keeps its left
+        context), and passed on as soon as it is done while the producer goes on."""
+        sticky, revision = run.request.sticky_key, run.revision
+        edge = self.graph.edge(producer.stage_id, consumer.stage_id)
+        consumer_request = self._request_for(run, consumer, edge, None, "")
+        chunks: collections.deque[asyncio.Future[StageServerOutput]] = collections.deque()
         arrived = asyncio.Event()
         placed: asyncio.Future[str] = asyncio.get_running_loop().create_future()
 
-        async def talk() -> None:
+        async def produce() -> None:
             where: list[tuple[str, int]] = []
             sent = 0
             async for output in self._run_stage(
-                talker, talker_request, sticky, revision, pin, where=where
+                producer, producer_request, sticky, revision, pin, where=where
             ):
                 if not output.hand_offs:
                     continue
                 if not sent:
-                    # Released if the request ends before code2wav fetched them all.
-                    handed.append(
-                        _HandOff(talker.stage_id, where[-1][1], talker_request.request_id)
+                    # Released if the request ends before the consumer fetched them all.
+                    run.handed.append(
+                        _HandOff(producer.stage_id, where[-1][1], producer_request.request_id)
                     )
-                chunk_request = StageServerRequest(
-                    request_id=f"{talker_request.request_id}-audio-{sent}",
+                chunk = msgspec.structs.replace(
+                    consumer_request,
+                    request_id=f"{producer_request.request_id}-chunk-{sent}",
                     inputs=dict(output.hand_offs),
                 )
                 first, sent = not sent, sent + 1
+                local = consumer.stage_id in self._pod_local
                 decoding = self._final_output(
-                    code2wav,
-                    chunk_request,
-                    sticky,
-                    revision,
-                    where[-1][0] if code2wav.stage_id in self._pod_local else None,
-                    [],
+                    consumer,
+                    chunk,
+                    run,
+                    where[-1][0] if local else None,
                     placed=placed if first else None,
                     follow=None if first else placed,
                 )
                 chunks.append(asyncio.ensure_future(decoding))
                 arrived.set()
 
-        talking = asyncio.ensure_future(talk())
+        producing = asyncio.ensure_future(produce())
         try:
-            while chunks or not talking.done():
-                if talking.done() and talking.exception() is not None:
+            while chunks or not producing.done():
+                if producing.done() and producing.exception() is not None:
                     break
-                # The next chunk's audio, or (while the talker speaks) its next chunk or
+                # The next chunk's answer, or (while the producer runs) its next chunk or
                 # its end, whichever comes first.
                 watched: set[asyncio.Future[Any]] = set()
-                if not talking.done():
-                    watched.add(talking)
+                if not producing.done():
+                    watched.add(producing)
                 if chunks:
                     watched.add(chunks[0])
                 else:
                     arrived.clear()
                     watched.add(asyncio.ensure_future(arrived.wait()))
                 await asyncio.wait(watched, return_when=asyncio.FIRST_COMPLETED)
-                for waiting in watched - {talking, *chunks}:
+                for waiting in watched - {producing, *chunks}:
                     waiting.cancel()
                 if chunks and chunks[0].done():
-                    yield _audio_output(talker_request.request_id, chunks.popleft().result()[0])
-            talking.result()  # the talker's failure, if it failed
+                    yield run.answer(chunks.popleft().result())
+            producing.result()  # the producer's failure, if it failed
         finally:
-            talking.cancel()
+            producing.cancel()
             for pending in chunks:
                 pending.cancel()
-            await asyncio.gather(talking, *chunks, return_exceptions=True)
-        yield StageServerOutput(
-            request_id=thinker_request.request_id,
-            finished=True,
-            finish_reason=thought.finish_reason,
-            prompt_tokens=thought.prompt_tokens,
-            completion_tokens=thought.completion_tokens,
-            execute_time=thought.execute_time,
-        )
+            await asyncio.gather(producing, *chunks, return_exceptions=True)
 
     async def _release(self, handed: Sequence[_HandOff]) -> None:
         """Tell each replica that made one of ``handed`` to drop it (a no-op for one its
@@ -502,125 +555,54 @@ class PipelineOrchestrator:
             except Exception:
                 logger.debug("release of %s failed", request_ids, exc_info=True)
 
+    async def _stage_outputs(
+        self,
+        stage: StageConfig,
+        stage_request: StageServerRequest,
+        run: _RouteRun,
+        host: str | None,
+        result: _StageResult,
+        placed: asyncio.Future[str] | None = None,
+        follow: asyncio.Future[str] | None = None,
+    ) -> AsyncIterator[StageServerOutput]:
+        """The outputs of a stage that feeds another; ``result`` gets its final output, all
+        of its text and the host of the replica that made it, and ``run`` a hand-off it
+        names. ``placed`` learns that host as soon as the request is placed; ``follow``
+        (another request's ``placed``) says where this one must go."""
+        if follow is not None:
+            host = await follow
+        text_parts: list[str] = []
+        where: list[tuple[str, int]] = []
+        async for output in self._run_stage(
+            stage, stage_request, run.request.sticky_key, run.revision, host, placed, where
+        ):
+            text_parts.append(output.text)
+            if output.finished:
+                result.final = output
+                if output.hand_offs:
+                    # Recorded at once: a cancel before this loop ends must not lose it.
+                    run.handed.append(
+                        _HandOff(stage.stage_id, where[-1][1], stage_request.request_id)
+                    )
+            yield output
+        assert result.final is not None
+        result.text, result.host = "".join(text_parts), where[-1][0]
+
     async def _final_output(
         self,
         stage: StageConfig,
         stage_request: StageServerRequest,
-        sticky_key: str | None,
-        revision: str,
+        run: _RouteRun,
         host: str | None,
-        handed: list[_HandOff],
         placed: asyncio.Future[str] | None = None,
         follow: asyncio.Future[str] | None = None,
-    ) -> tuple[StageServerOutput, str, str]:
-        """The final output of a stage that feeds another, all of its text, and the host of
-        the replica that made it; a hand-off it names is added to ``handed``. ``placed``
-        learns that host as soon as the request is placed; ``follow`` (another request's
-        ``placed``) says where this one must go."""
-        if follow is not None:
-            host = await follow
-        text_parts: list[str] = []
-        final: StageServerOutput | None = None
-        where: list[tuple[str, int]] = []
-        async for output in self._run_stage(
-            stage, stage_request, sticky_key, revision, host, placed, where
-        ):
-            text_parts.append(output.text)
-            if output.finished:
-                final = output
-                if output.hand_offs:
-                    # Recorded at once: a cancel before this loop ends must not lose it.
-                    handed.append(_HandOff(stage.stage_id, where[-1][1], stage_request.request_id))
-        assert final is not None
-        return final, "".join(text_parts), where[-1][0]
-
-    def _companions(
-        self, request: PipelineRequest, index: int, stage_request: StageServerRequest
-    ) -> list[StagePrompt]:
-        """The prompts the stage at ``index`` runs beside ``stage_request`` where it is its
-        family's encoder: the companions its DiT needs (the negative prompt's embeddings,
-        BAGEL's image-dropped context), each with the DiT input its hand-off becomes."""
-        stage = self.stages[index]
-        family = self.pipeline.family_recipe
-        if family is None or self.pipeline.encoder_recipe(stage) is None:
-            return []
-        companions = family.companions(
-            stage_request.prompt or "",
-            bool(request.images),
-            self._dit_params(request),
-            thinks=bool(stage.think),
-        )
-        return [
-            StagePrompt(
-                suffix=companion.suffix,
-                prompt=companion.prompt,
-                with_images=companion.with_image,
-                params=dict(companion.params),
-                names=dict(companion.inputs),
-            )
-            for companion in companions
-        ]
-
-    def _dit_params(self, request: PipelineRequest) -> dict[str, Any]:
-        """The DiT's params for ``request``: its defaults, then the caller's."""
-        return {**self.stages[-1].default_sampling_params, **request.diffusion_params}
-
-    def _stage_request(
-        self,
-        request: PipelineRequest,
-        attempt: int,
-        index: int,
-        upstream: StageServerOutput | None,
-        upstream_text: str,
-    ) -> StageServerRequest:
-        """The request to the stage at ``index``, given its upstream's final output (its
-        companions' hand-offs among its own) and text."""
-        stage = self.stages[index]
-        encoder = self.pipeline.encoder_recipe(stage)
-        # Ids are unique per stage and attempt: a retried request must not collide with
-        # what a replica may still hold of the first attempt.
-        request_id = f"{request.request_id}-{attempt}" if attempt else request.request_id
-        result = StageServerRequest(
-            request_id=request_id, adapter=request.adapters.get(stage.stage_id)
-        )
-        if stage.type == "llm":
-            if encoder is None:
-                result.params = dict(request.llm_params)
-                # Only a streaming caller reads the last stage's text in steps.
-                result.stream = request.stream and index == len(self.stages) - 1
-            # An encoder stage's hand-off connector is left to the stage: its own config,
-            # of the revision that serves the request, names it.
-            if upstream is not None:
-                result.prompt = upstream_text
-            elif encoder is not None:
-                # An encoder applies its model's own template to the prompt text.
-                result.prompt = _prompt_text(request)
-                if encoder.takes_image:
-                    result.images = request.images
-                family = self.pipeline.family_recipe
-                if family is not None:
-                    # BAGEL's thinker samples the input image's VAE latent with the seed's
-                    # first draw, which the DiT's generator then skips, as the reference
-                    # draws both from one generator.
-                    result.params = family.encoder_params(
-                        self._dit_params(request), bool(request.images)
-                    )
-            else:
-                result.prompt, result.messages = request.prompt, request.messages
-            return result
-        result.params = dict(request.diffusion_params)
-        result.images = request.images
-        if upstream is None:
-            result.prompt = _prompt_text(request)
-        elif upstream.hand_offs:
-            result.inputs = dict(upstream.hand_offs)
-            # The caller's prompt too, for what the DiT's pipeline encodes of it itself
-            # (HunyuanVideo-1.5's ByT5 reads its quoted text); the others read none of it
-            # beside handed-off embeddings.
-            result.prompt = _prompt_text(request)
-        else:
-            result.prompt = upstream_text
-        return result
+    ) -> StageServerOutput:
+        """The final output of ``stage_request`` (see _stage_outputs)."""
+        result = _StageResult()
+        async for _ in self._stage_outputs(stage, stage_request, run, host, result, placed, follow):
+            pass
+        assert result.final is not None
+        return result.final
 
     async def _run_stage(
         self,
@@ -731,11 +713,6 @@ class PipelineOrchestrator:
             logger.exception("an orchestrator hook failed")
 
 
-def _audio_output(request_id: str, spoken: StageServerOutput) -> StageServerOutput:
-    """The caller's next piece of a spoken answer: code2wav's audio of one chunk."""
-    return StageServerOutput(request_id=request_id, audio=spoken.audio)
-
-
 def _work(stage: StageConfig, stage_request: StageServerRequest) -> float | None:
     """A diffusion request's estimated work (its params over the stage's defaults); None
     for an LLM stage's, which have no estimate."""
@@ -755,17 +732,3 @@ def _stage_error(stage: StageConfig, error: StageError) -> PipelineError:
     # Only a bad request is the caller's to fix, so only then is a field of theirs named.
     param = error.param if error.code is StageErrorCode.BAD_REQUEST else None
     return PipelineError(status, f"stage {stage.name!r}: {error.message}", kind=kind, param=param)
-
-
-def _prompt_text(request: PipelineRequest) -> str:
-    """The caller's prompt as text: its prompt, else its last user message."""
-    if request.prompt is not None:
-        return request.prompt
-    return _last_user_text(request.messages or [])
-
-
-def _last_user_text(messages: Sequence[Mapping[str, str]]) -> str:
-    for message in reversed(messages):
-        if message.get("role") == "user":
-            return message.get("content", "")
-    return ""

@@ -21,11 +21,12 @@ from omni_runtime.router.adapters import AdapterCatalog
 from omni_runtime.router.errors import error_body
 from omni_runtime.router.limits import RouterLimits
 from omni_runtime.router.metrics import RouterMetrics
-from omni_runtime.router.orchestrator import PipelineError, PipelineOrchestrator, PipelineRequest
+from omni_runtime.router.orchestrator import PipelineError, PipelineOrchestrator
 from omni_runtime.router.request_fields import LORA_SCALE_FIELD
 from omni_runtime.router.responses import ChunkWriter, JSONBody, StreamWithCleanup, sse, usage
 from omni_runtime.router.served import Served
 from omni_runtime.router.stage_replica_pool import StageReplicaPool
+from omni_runtime.router.stage_requests import PipelineRequest
 
 
 def served_model_name(pipeline: PipelineConfig) -> str:

@@ -37,7 +37,8 @@ from omni_runtime.router.job_store import JobStore, JobStoreError, QueueFullErro
 from omni_runtime.router.limits import RouterLimits
 from omni_runtime.router.media import decode_input_image
 from omni_runtime.router.multipart import INPUT_REFERENCE
-from omni_runtime.router.orchestrator import PipelineError, PipelineOrchestrator, PipelineRequest
+from omni_runtime.router.orchestrator import PipelineError, PipelineOrchestrator
+from omni_runtime.router.stage_requests import PipelineRequest
 from omni_runtime.videos import encode_mp4
 
 

@@ -234,6 +234,7 @@ class StageLLMFrontend(StageFrontend):
                     images=request.images,
                     audios=request.audios,
                     lora_request=lora_request,
+                    hand_off=request.hand_off,
                 )
             for companion in request.companions:
                 try:
@@ -258,7 +259,9 @@ class StageLLMFrontend(StageFrontend):
             return [refusal(request_id, error)]
         except _UnusableInputs as e:
             return [refusal(request_id, StageError(StageErrorCode.STAGE_FAILED, str(e)))]
-        speaks = talker or bool(request.params.get("speak"))
+        # A speaking family's stage hands off what its model says per step when a later
+        # stage reads it: the talker always, the thinker where the answer is spoken.
+        speaks = self._speech is not None and (talker or request.hand_off)
         connector = request.output_connector or self._handoff_connector
         state = self._track(core_request, request.prompt, connector, request.stream)
         state.spans = RequestSpans.of(self.stage, request)

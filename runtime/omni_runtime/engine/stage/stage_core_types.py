@@ -288,6 +288,9 @@ class StageServerRequest(StageCoreRequest):
     # Prompts the stage runs beside this one, in one message (an LLM stage's): the request
     # finishes when all have, and fails if one does.
     companions: list[StagePrompt] = []
+    # Whether a later stage reads what this request hands off, for a stage that hands off
+    # only when its route goes on from it (a thinker whose answer will be spoken).
+    hand_off: bool = False
 
 
 class StageServerOutput(StageCoreOutput):

@@ -132,6 +132,7 @@ class StageLLMRequestBuilder:
         images: Sequence[np.ndarray] = (),
         audios: Sequence[np.ndarray] = (),
         lora_request: LoRARequest | None = None,
+        hand_off: bool = False,
     ) -> StageLLMCoreRequest:
         """The request for one prompt: give exactly one of ``prompt`` (text),
         ``messages`` (chat, through the chat template) or ``prompt_token_ids``; ``images``
@@ -151,7 +152,7 @@ class StageLLMRequestBuilder:
         thinks = False
         speaks = False
         if self.speech is not None and self.speech.role == "thinker":
-            speaks = _flag(params, "speak")
+            speaks = hand_off
             engine_input, field_name = self._render_heard(prompt, messages, audios, images)
         elif audios:
             raise InvalidLLMRequestError(
@@ -541,14 +542,6 @@ def _encoder_dit_params(params: dict[str, Any], names: Sequence[str]) -> dict[st
             )
         kwargs["seed"] = seed
     return kwargs
-
-
-def _flag(params: dict[str, Any], name: str) -> bool:
-    """A true/false parameter of the stage's own, taken out of ``params``."""
-    value = params.pop(name, False)
-    if not isinstance(value, bool):
-        raise InvalidLLMRequestError(f"params.{name}: expected true or false, got {value!r}", name)
-    return value
 
 
 def _check_names(params: Mapping[str, Any], where: str) -> None:

@@ -37,7 +37,7 @@ from omni_runtime.router.messages import (
     flatten_messages,
     hear_messages,
 )
-from omni_runtime.router.orchestrator import PipelineError, PipelineRequest
+from omni_runtime.router.orchestrator import PipelineError
 from omni_runtime.router.request_fields import DIFFUSION_FIELDS, FamilyFields
 from omni_runtime.router.responses import (
     ChunkWriter,
@@ -52,6 +52,7 @@ from omni_runtime.router.route_docs import event_stream, json_request
 from omni_runtime.router.sampling import Sampling, StreamOptions
 from omni_runtime.router.served import CHAT, Served
 from omni_runtime.router.serving import OpenAIServing
+from omni_runtime.router.stage_requests import PipelineRequest
 
 # How much audio one streamed chunk carries, in seconds: a client plays as it reads.
 _AUDIO_CHUNK_S = 0.5
@@ -231,8 +232,8 @@ class ChatCompletionRequest(FamilyFields, Sampling):
         if images and voice is not None:
             raise RequestError(
                 400,
-                "messages: a spoken answer to an image is not supported yet (the talker reads "
-                "text and audio); ask for text alone, or leave the image out",
+                "messages: a spoken answer to an image is not supported yet (the stage that "
+                "speaks reads text and audio); ask for text alone, or leave the image out",
                 "messages",
             )
         prompt_chars = sum(
@@ -249,7 +250,8 @@ class ChatCompletionRequest(FamilyFields, Sampling):
             sticky_key=self.user,
             stream=self.stream,
             audios=audios,
-            voice=voice,
+            answer="audio" if voice is not None else None,
+            stage_params={"voice": voice} if voice is not None else {},
             images=images,
         )
 
@@ -315,8 +317,8 @@ class AssistantMessage(BaseModel):
     role: Literal["assistant"]
     content: str | list[OutputTextPart | OutputImagePart] | None = Field(
         description="Text, or (a pipeline that makes images) one image part per image, "
-        "after the text the pipeline wrote first where it wrote one (BAGEL's plan); null "
-        "for a spoken answer, whose text is its audio's transcript."
+        "after the text the pipeline wrote first where it wrote one (a thinking encoder's "
+        "plan); null for a spoken answer, whose text is its audio's transcript."
     )
     audio: OutputAudio | None = Field(
         default=None, description="A spoken answer (modalities text and audio)."
@@ -414,7 +416,7 @@ async def serve_chat(
     else:
         request = body.to_pipeline_request(request_id, served, serving.limits)
     request.adapters = serving.pick_adapters(body.model, body, request)
-    speaks = request.voice is not None
+    speaks = request.answer == "audio"
     model = serving.served_model_name
     if served.output != "image" and body.stream:
         frames = ChunkWriter(request_id, model, "chat.completion.chunk")

@@ -15,12 +15,12 @@ from omni_runtime.router.body import Integer, NonEmptyText, Positive
 from omni_runtime.router.errors import POST_ERRORS, RequestError, error_responses
 from omni_runtime.router.json_body import parse_body, read_json
 from omni_runtime.router.limits import RouterLimits, check_common
-from omni_runtime.router.orchestrator import PipelineRequest
 from omni_runtime.router.responses import ChunkWriter, JSONBody, Usage, usage
 from omni_runtime.router.route_docs import event_stream, json_request
 from omni_runtime.router.sampling import Sampling, StreamOptions
 from omni_runtime.router.served import COMPLETIONS
 from omni_runtime.router.serving import OpenAIServing
+from omni_runtime.router.stage_requests import PipelineRequest
 
 
 class CompletionRequest(Sampling):

@@ -30,12 +30,13 @@ from omni_runtime.router.json_body import parse_body, read_json
 from omni_runtime.router.limits import RouterLimits, check_common, parse_size
 from omni_runtime.router.media import decode_input_image
 from omni_runtime.router.multipart import FileParts, MultipartForm, read_form
-from omni_runtime.router.orchestrator import PipelineError, PipelineRequest
+from omni_runtime.router.orchestrator import PipelineError
 from omni_runtime.router.request_fields import FamilyFields
 from omni_runtime.router.responses import JSONBody, StreamWithCleanup, png_base64, sse
 from omni_runtime.router.route_docs import form_request, json_request
 from omni_runtime.router.served import EDITS, GENERATIONS
 from omni_runtime.router.serving import OpenAIServing
+from omni_runtime.router.stage_requests import PipelineRequest
 
 # The form's image parts: "image" as the openai client sends one file, "image[]" as it
 # sends a list (of which this server takes as many as the pipeline's family allows).
@@ -141,8 +142,8 @@ class ImageData(BaseModel):
     b64_json: str = Field(description="A PNG file, base64-encoded.")
     revised_prompt: str | None = Field(
         default=None,
-        description="The text the pipeline wrote before drawing (BAGEL's plan in think "
-        "mode, or the prompt an LLM stage wrote for the DiT); absent where it wrote none.",
+        description="The text the pipeline wrote before drawing (a thinking encoder's "
+        "plan, or the prompt an LLM stage wrote for the DiT); absent where it wrote none.",
     )
 
 

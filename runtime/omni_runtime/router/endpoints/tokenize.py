@@ -139,7 +139,7 @@ async def _tokenizer_call(
     """The utility method of ``path`` on a replica of the first stage, which tokenizes the
     caller's text; its refusal as a 400 naming the field."""
     method = path.removeprefix("/")
-    pool = serving.pools[serving.orchestrator.stages[0].stage_id]
+    pool = serving.pools[serving.orchestrator.first_stage.stage_id]
     try:
         answer: dict[str, Any] = await pool.call_utility(
             method, kwargs, timeout=_TOKENIZER_TIMEOUT_S

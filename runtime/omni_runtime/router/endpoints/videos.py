@@ -205,7 +205,7 @@ class VideosRoom:
         the answer holds for the router's life."""
         orchestrator = self.serving.orchestrator
         # The stage that makes the clip: the last.
-        pool = orchestrator.pools[orchestrator.stages[-1].stage_id]
+        pool = orchestrator.pools[orchestrator.answer_stage.stage_id]
         known: list[int] = []
 
         async def size_multiple() -> int | None:

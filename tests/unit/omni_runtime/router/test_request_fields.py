@@ -36,10 +36,10 @@ from omni_runtime.router.endpoints.images import (
 from omni_runtime.router.errors import RequestError
 from omni_runtime.router.json_body import parse_body
 from omni_runtime.router.limits import RouterLimits
-from omni_runtime.router.orchestrator import PipelineRequest
 from omni_runtime.router.request_fields import STEP_CACHE_FIELD, STRENGTH
 from omni_runtime.router.served import Served
 from omni_runtime.router.stage_replica_pool import StageReplicaPool
+from omni_runtime.router.stage_requests import PipelineRequest
 
 REPO = Path(__file__).resolve().parents[4]
 LIMITS = RouterLimits()

@@ -19,7 +19,7 @@ from omni_runtime.router.errors import RequestError
 from omni_runtime.router.json_body import parse_body
 from omni_runtime.router.limits import RouterLimits
 from omni_runtime.router.multipart import MultipartForm
-from omni_runtime.router.orchestrator import PipelineRequest
+from omni_runtime.router.stage_requests import PipelineRequest
 
 LIMITS = RouterLimits()
 # The bodies of a pipeline of no family (a diffusers pipeline such as Stable Diffusion's):
