@@ -40,7 +40,7 @@ from omni_runtime.engine.stage.stage_core_types import StageDiffusionCoreOutput
 from omni_runtime.engine.stage.stage_core_types import StageDiffusionCoreRequest as Request
 from omni_runtime.images import encode_png, to_uint8
 from omni_runtime.tiny_models import WAN_SUBDIR
-from port_leases import lease_port
+from omni_testkit.port_leases import lease_port
 
 pytestmark = pytest.mark.integration
 
