@@ -4,16 +4,16 @@ processes under test do with the CPUs: the CPU time each spends in a measuring w
 (``CpuSampler``, by process role) and where its threads may run (``placement_of``).
 
 Not a benchmark itself; the scripts in bench/ import it (they see this directory first on
-sys.path). It also lends them the stage tests' result helpers (``collect_results``), so
-that a benchmark reads a stage client's outputs exactly as the tests do, and the tracing
-tests' OTLP collector as a sink for servers that trace (``otlp_sink``).
+sys.path). It also lends them what the tests use from omni_testkit (testkit/): the stage
+tests' result helpers (``collect_results``), so that a benchmark reads a stage client's
+outputs exactly as the tests do, and the tracing tests' OTLP collector as a sink for
+servers that trace (``otlp_sink``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib
 import math
 import os
 import signal
@@ -29,15 +29,17 @@ from typing import Any
 import httpx
 import psutil
 
+from omni_testkit.port_leases import lease_port
+
 TERMINATE_GRACE_S = 15.0
 LOG_TAIL_LINES = 40
 
 
 def free_port() -> int:
     """A loopback port for a server this script starts, leased as the tests lease theirs
-    (tests/port_leases.py: outside the kernel's ephemeral range, never handed out twice)."""
-    port: int = _test_helpers("port_leases", "tests").lease_port()
-    return port
+    (omni_testkit.port_leases: outside the kernel's ephemeral range, never handed out
+    twice)."""
+    return lease_port()
 
 
 def exit_on_sigterm() -> None:
@@ -472,23 +474,19 @@ def ratio_cell(value: float, target: float, higher_is_better: bool) -> str:
     return f"{value:.2f}x {'ok' if met else 'MISS'}"
 
 
-def _test_helpers(module: str, folder: str = "tests/integration") -> Any:
-    directory = str(Path(__file__).resolve().parents[1] / folder)
-    if directory not in sys.path:
-        sys.path.append(directory)
-    return importlib.import_module(module)
+async def collect_results(client: Any, request_ids: Any, timeout: float | None = None) -> Any:
+    """omni_testkit.stage_outputs.collect_results (see there)."""
+    # Imported here, not at the top: it imports torch and vLLM, which the HTTP benchmarks
+    # importing this module neither need nor should wait for.
+    from omni_testkit.stage_outputs import collect_results as collect
 
-
-def _stage_test_helpers() -> Any:
-    return _test_helpers("stage_outputs")
+    return await collect(client, request_ids, timeout)
 
 
 def otlp_sink() -> Any:
-    """tests/integration/otlp_collector.OTLPCollector keeping no spans, only counting them:
-    a local OTLP/HTTP endpoint for servers that trace (use it in a ``with``)."""
-    return _test_helpers("otlp_collector").OTLPCollector(keep=False)
+    """omni_testkit.otlp_collector.OTLPCollector keeping no spans, only counting them: a
+    local OTLP/HTTP endpoint for servers that trace (use it in a ``with``)."""
+    # Imported here: OpenTelemetry's protobufs are only for the benchmarks that trace.
+    from omni_testkit.otlp_collector import OTLPCollector
 
-
-async def collect_results(client: Any, request_ids: Any, timeout: float | None = None) -> Any:
-    """tests/integration/stage_outputs.collect_results (see there)."""
-    return await _stage_test_helpers().collect_results(client, request_ids, timeout)
+    return OTLPCollector(keep=False)

@@ -9,7 +9,7 @@ after another (the seed's test plan runs ten):
 - serve: the official ``openai`` client's chat completion, as the seed sends it;
 - in-process: ``BagelGenerator`` (what the DiT stage runs) in this process: serve's floor;
 - reference: BAGEL's ``InterleaveInferencer.interleave_inference`` in its own process and
-  environment (tests/integration/bagel_reference), timed per job inside that process
+  environment (omni_testkit.bagel_reference), timed per job inside that process
   (model already loaded), as a user of the reference code would run it.
 
 Torch threads: 1 everywhere (the reference's results depend on the thread count, and the
@@ -42,6 +42,7 @@ from _load import ManagedProcess, markdown_table, running, wait_http_ok
 from omni_runtime.entrypoints.cli import DEFAULT_MODELS_DIR
 from omni_runtime.modeling.bagel.generation import BagelGenerator, default_guidance
 from omni_runtime.tiny_models import BAGEL_SUBDIR, ensure_tiny_models
+from omni_testkit.bagel_reference.harness import guidance_spec, reference_dir, run_reference
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "<|im_start|>Turn the main subject into a polished gold sculpture.<|im_end|>"
@@ -136,9 +137,6 @@ def in_process_jobs(checkpoint: Path, args: argparse.Namespace) -> list[float]:
 
 
 def reference_jobs(checkpoint: Path, args: argparse.Namespace, workdir: Path) -> list[float]:
-    sys.path.insert(0, str(ROOT / "tests" / "integration"))
-    from bagel_reference.harness import guidance_spec, reference_dir, run_reference
-
     if reference_dir() is None:
         raise SystemExit("no BAGEL reference code (set OMNI_BAGEL_REFERENCE)")
     guidance = replace(default_guidance(True), num_timesteps=args.steps)

@@ -3,23 +3,19 @@ tiny checkpoints (fp32, CPU): the max abs difference of the embeddings the encod
 hands over (3 prompts, "" among them) against the reference, and of the image the DiT
 stage makes from them against the monolithic pipeline's (uint8 levels, and the share of
 identical pixels). tests/integration/test_family_pipelines.py asserts bounds on the same
-quantities; this prints them.
+quantities against the same references (omni_testkit.family_references); this prints them.
 
-    .venv/bin/python bench/family_equality.py
+    .venv/bin/python bench/family_equality.py [--family z-image ...]
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import os
-import sys
 from pathlib import Path
 
 import numpy as np
-
-# The references are the tests' own (their directory holds them as top-level modules).
-sys.path.append(str(Path(__file__).resolve().parents[1] / "tests" / "integration"))
-import test_family_pipelines as t
 
 from omni_runtime.connectors import StageConnectors
 from omni_runtime.diffusion.engine import DiffusionEngine, DiffusionEngineConfig
@@ -28,13 +24,14 @@ from omni_runtime.engine.stage.stage_llm_core_client import start_stage_llm_clie
 from omni_runtime.families import FAMILIES
 from omni_runtime.stage_server.llm_frontend import StageLLMFrontend
 from omni_runtime.tiny_models import ensure_tiny_models
+from omni_testkit import family_references as t
 
 
-async def main() -> None:
+async def main(families: list[str]) -> None:
     root = ensure_tiny_models(Path.home() / ".cache" / "omni-operator" / "tiny-models")
     print("| family | embeddings max abs diff | image max diff (levels) | identical pixels |")
     print("|---|---|---|---|")
-    for family in t.CHECKPOINTS:
+    for family in families:
         pipeline = t.example(family, root)
         stage = pipeline.stages[0]
         client = start_stage_llm_client(stage, pipeline.model, encoder=FAMILIES[family].encoder)
@@ -79,7 +76,15 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--family",
+        action="append",
+        choices=list(t.CHECKPOINTS),
+        help="a family to measure (repeatable; default: every one)",
+    )
+    args = parser.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("DIFFUSERS_VERBOSITY", "error")
-    asyncio.run(main())
+    asyncio.run(main(args.family or list(t.CHECKPOINTS)))

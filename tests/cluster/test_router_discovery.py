@@ -38,7 +38,7 @@ from omni_runtime.kube import (
     resource_path_for,
 )
 from omni_runtime.tiny_models import DIFFUSION_SUBDIR
-from port_leases import lease_port
+from omni_testkit.port_leases import lease_port
 
 if TYPE_CHECKING:
     from conftest import Kube

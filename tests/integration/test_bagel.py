@@ -33,7 +33,6 @@ import openai
 import pytest
 import torch
 import yaml
-from bagel_reference.harness import guidance_spec, reference_dir, run_reference
 from PIL import Image
 from serving import serving, wait_until
 
@@ -46,6 +45,7 @@ from omni_runtime.modeling.bagel.generation import (
 )
 from omni_runtime.modeling.bagel.model import ContextKV
 from omni_runtime.tiny_models import BAGEL_SUBDIR
+from omni_testkit.bagel_reference.harness import guidance_spec, reference_dir, run_reference
 
 pytestmark = pytest.mark.integration
 

@@ -15,7 +15,6 @@ from pathlib import Path
 import numpy as np
 import psutil
 import pytest
-from stage_outputs import outputs_until_dead
 
 from omni_runtime.diffusion.engine import DiffusionEngineConfig
 from omni_runtime.diffusion.stage.generate import generate
@@ -28,6 +27,7 @@ from omni_runtime.engine.stage.stage_core_types import (
     StageErrorCode,
 )
 from omni_runtime.images import decode_image, encode_png
+from omni_testkit.stage_outputs import outputs_until_dead
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="module")]
 

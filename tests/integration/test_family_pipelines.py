@@ -15,7 +15,6 @@ pixels identical.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import io
 import os
@@ -33,33 +32,31 @@ import yaml
 from PIL import Image
 from serving import CLI, served_base_url
 
-from omni_runtime.config import PipelineConfig, load_pipeline
 from omni_runtime.connectors import StageConnectors
-from omni_runtime.engine.stage.stage_core_types import StageServerOutput, StageServerRequest
+from omni_runtime.engine.stage.stage_core_types import StageServerRequest
 from omni_runtime.engine.stage.stage_llm_core_client import start_stage_llm_client
-from omni_runtime.families import FAMILIES, prompt_image_size
+from omni_runtime.families import FAMILIES
 from omni_runtime.stage_server.llm_frontend import StageLLMFrontend
-from omni_runtime.tiny_models import (
-    QWEN_IMAGE_EDIT_PLUS_SUBDIR,
-    QWEN_IMAGE_EDIT_SUBDIR,
-    QWEN_IMAGE_SUBDIR,
-    Z_IMAGE_SUBDIR,
+from omni_testkit.family_references import (
+    CHECKPOINTS,
+    DEADLINE_S,
+    EDITS,
+    PLUS_IMAGE_PROMPT,
+    PROMPTS,
+    REPO,
+    SIZE,
+    STEPS,
+    encoded,
+    example,
+    input_image,
+    input_images,
+    monolithic,
+    monolithic_image,
+    png,
+    reference_embeds,
 )
 
 pytestmark = pytest.mark.integration
-
-REPO = Path(__file__).resolve().parents[2]
-CHECKPOINTS = {
-    "qwen-image": QWEN_IMAGE_SUBDIR,
-    "qwen-image-edit": QWEN_IMAGE_EDIT_SUBDIR,
-    "qwen-image-edit-plus": QWEN_IMAGE_EDIT_PLUS_SUBDIR,
-    "z-image": Z_IMAGE_SUBDIR,
-}
-EDITS = ("qwen-image-edit", "qwen-image-edit-plus")
-PROMPTS = ["a red cat on a green hydrant", "paint a blue river under the moon"]
-STEPS = 3
-SIZE = 64
-DEADLINE_S = 120
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -67,110 +64,11 @@ def engine_environment(llm_engine_environment: None) -> None:
     """vLLM's CPU environment for this module's cores (tests/conftest.py)."""
 
 
-def example(family: str, tiny_models: Path) -> PipelineConfig:
-    """The tiny example pipeline of ``family``, its models under ``tiny_models``."""
-    data = yaml.safe_load((REPO / "examples" / f"tiny-{family}.yaml").read_text())
-    data["model"] = str(tiny_models / CHECKPOINTS[family])
-    return load_pipeline(data)
-
-
-def input_image(seed: int = 0, size: tuple[int, int] = (80, 48)) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    return rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)
-
-
-def input_images(family: str, seed: int = 0) -> list[np.ndarray]:
-    """What an edit of ``family`` edits: one image, or for the several-image family two of
-    different shapes (the last one sets the output's default size)."""
-    if family not in EDITS:
-        return []
-    if family == "qwen-image-edit":
-        return [input_image(seed)]
-    return [input_image(seed), input_image(seed + 1, (40, 56))]
-
-
-def png(image: np.ndarray) -> bytes:
-    buffer = io.BytesIO()
-    Image.fromarray(image).save(buffer, format="PNG")
-    return buffer.getvalue()
-
-
-def to_uint8(images: np.ndarray) -> np.ndarray:
-    # As the DiT stage turns the pipeline's floats into pixels.
-    return np.clip(np.round(np.asarray(images) * 255.0), 0, 255).astype(np.uint8)
-
-
 def assert_same_image(served: np.ndarray, reference: np.ndarray) -> None:
     assert served.shape == reference.shape
     difference = np.abs(served.astype(np.int16) - reference.astype(np.int16))
     assert difference.max() <= 1, difference.max()
     assert (difference == 0).mean() > 0.99
-
-
-# --- the references: the family's own diffusers pipeline, whole, in this process
-
-
-_MONOLITHIC: dict[str, Any] = {}
-
-
-def monolithic(family: str, tiny_models: Path) -> Any:
-    if family not in _MONOLITHIC:
-        from diffusers import DiffusionPipeline
-
-        pipeline = DiffusionPipeline.from_pretrained(
-            tiny_models / CHECKPOINTS[family], local_files_only=True, dtype=torch.float32
-        )
-        pipeline.set_progress_bar_config(disable=True)
-        _MONOLITHIC[family] = pipeline
-    return _MONOLITHIC[family]
-
-
-# What the edit pipelines resize an input image to for their text encoder (QwenImageEdit-
-# Pipeline: ~1024x1024; QwenImageEditPlusPipeline: its CONDITION_IMAGE_SIZE).
-PROMPT_IMAGE_AREA = {"qwen-image-edit": 1024 * 1024, "qwen-image-edit-plus": 384 * 384}
-# QwenImageEditPlusPipeline._get_qwen_prompt_embeds's placeholder of input image N.
-PLUS_IMAGE_PROMPT = "Picture {}: <|vision_start|><|image_pad|><|vision_end|>"
-
-
-def edit_reference_inputs(family: str, pipeline: Any, prompt: str, images: list[np.ndarray]) -> Any:
-    """What the edit pipeline gives its text encoder, plus the mm_token_type_ids that make
-    transformers apply M-RoPE as Qwen2.5-VL defines it; the template and the dropped rows
-    are the pipeline's own."""
-    resized = []
-    for image in images:
-        picture = Image.fromarray(image)
-        area = PROMPT_IMAGE_AREA[family]
-        width, height = prompt_image_size(picture.width, picture.height, area)
-        resized.append(pipeline.image_processor.resize(picture, height, width))
-    text = pipeline.prompt_template_encode
-    if family == "qwen-image-edit-plus":
-        pictures = "".join(PLUS_IMAGE_PROMPT.format(n + 1) for n in range(len(images)))
-        text = text.format(pictures + prompt)
-    else:
-        text = text.format(prompt)
-    return pipeline.processor(
-        text=[text],
-        images=resized if len(resized) > 1 else resized[0],
-        padding=True,
-        return_tensors="pt",
-    )
-
-
-@torch.inference_mode()
-def reference_embeds(family: str, pipeline: Any, prompt: str, images: list[np.ndarray]) -> Any:
-    if family == "qwen-image":
-        embeds, _ = pipeline.encode_prompt(prompt=prompt, device="cpu")
-        return embeds[0]
-    if family == "z-image":
-        embeds, _ = pipeline.encode_prompt(
-            prompt=prompt, device="cpu", do_classifier_free_guidance=False
-        )
-        return embeds[0]
-    assert images
-    inputs = edit_reference_inputs(family, pipeline, prompt, images)
-    hidden = pipeline.text_encoder(**inputs, output_hidden_states=True).hidden_states[-1]
-    assert FAMILIES[family].encoder.drop_prefix == pipeline.prompt_template_encode_start_idx
-    return hidden[0][pipeline.prompt_template_encode_start_idx :]
 
 
 # --- the encoder stage, in this process, as a stage server runs it
@@ -191,34 +89,6 @@ def encoder(request: pytest.FixtureRequest, tiny_models: Path) -> Iterator[Any]:
     finally:
         client.shutdown()
         connectors.close()
-
-
-async def encoded(
-    frontend: StageLLMFrontend,
-    connectors: StageConnectors,
-    request_id: str,
-    prompt: str,
-    images: list[np.ndarray],
-) -> torch.Tensor:
-    refused = await frontend.add(
-        StageServerRequest(
-            request_id=request_id,
-            prompt=prompt,
-            images=images,
-            output_connector="shared_memory_connector",
-        )
-    )
-    assert refused == []
-    outputs: list[StageServerOutput] = []
-    async with asyncio.timeout(DEADLINE_S):
-        while not (outputs and outputs[-1].finished):
-            outputs.extend(await frontend.next_outputs())
-    (final,) = outputs
-    assert final.error is None, final.error
-    assert set(final.hand_offs) == {"prompt_embeds"}
-    handle = final.hand_offs["prompt_embeds"].handle
-    tensor: torch.Tensor = connectors.get(handle.connector).get(handle, "cpu")
-    return tensor
 
 
 async def test_encoder_stage_hands_over_the_familys_own_embeddings(
@@ -305,44 +175,6 @@ def served(
 def decoded(b64: str | None) -> np.ndarray:
     assert b64 is not None
     return np.asarray(Image.open(io.BytesIO(base64.b64decode(b64))).convert("RGB"))
-
-
-def monolithic_image(
-    family: str, tiny_models: Path, prompt: str, negative: str | None, seed: int,
-    images: list[np.ndarray] | None = None, **call: Any,
-) -> np.ndarray:  # fmt: skip
-    pipeline = monolithic(family, tiny_models)
-    kwargs: dict[str, Any] = {
-        **call,
-        "num_inference_steps": STEPS,
-        "height": SIZE,
-        "width": SIZE,
-        "generator": torch.Generator("cpu").manual_seed(seed),
-        "output_type": "np",
-    }
-    if family in EDITS:
-        assert images
-        # The edit family's own embeddings, as Qwen2.5-VL computes them (see
-        # reference_embeds): diffusers' encode_prompt would leave out M-RoPE.
-        positive = reference_embeds(family, pipeline, prompt, images)[None]
-        pictures = [Image.fromarray(image) for image in images]
-        kwargs.update(
-            image=pictures if family == "qwen-image-edit-plus" else pictures[0],
-            prompt_embeds=positive,
-            prompt_embeds_mask=torch.ones(positive.shape[:2], dtype=torch.long),
-        )
-        if negative is not None:
-            negative_embeds = reference_embeds(family, pipeline, negative, images)[None]
-            kwargs.update(
-                negative_prompt_embeds=negative_embeds,
-                negative_prompt_embeds_mask=torch.ones(negative_embeds.shape[:2], dtype=torch.long),
-            )
-    else:
-        kwargs.update(prompt=prompt, negative_prompt=negative)
-    with torch.inference_mode():
-        result = pipeline(**kwargs)
-    (only,) = to_uint8(result.images)
-    return only
 
 
 def test_served_image_equals_the_monolithic_pipelines(

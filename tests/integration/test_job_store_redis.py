@@ -26,7 +26,7 @@ from omni_runtime.router.job_store import (
     RedisJobStore,
     open_job_store,
 )
-from port_leases import lease_port
+from omni_testkit.port_leases import lease_port
 
 pytestmark = pytest.mark.integration
 

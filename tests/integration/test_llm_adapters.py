@@ -15,7 +15,6 @@ import pytest
 import torch
 from peft import PeftModel
 from safetensors.torch import load_file, save_file
-from stage_outputs import add_prompt, collect_results
 from transformers import AutoModelForCausalLM
 from vllm.lora.request import LoRARequest
 from vllm.v1.engine import FinishReason
@@ -36,6 +35,7 @@ from omni_runtime.engine.stage.stage_llm_core_client import (
 from omni_runtime.stage_server.llm_frontend import StageLLMFrontend
 from omni_runtime.tiny_models import LLM_SUBDIR
 from omni_runtime.tiny_models.llm_lora import ATTN_LORA, MLP_LORA, WIDE_LORA, build_llm_loras
+from omni_testkit.stage_outputs import add_prompt, collect_results
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="module")]
 

@@ -20,13 +20,6 @@ import numpy as np
 import psutil
 import pytest
 import torch
-from stage_outputs import (
-    StageLLMResult,
-    add_prompt,
-    collect_results,
-    core_pids,
-    outputs_until_dead,
-)
 from transformers import AutoModel, AutoModelForCausalLM
 from vllm import PoolingParams, SamplingParams
 from vllm.lora.request import LoRARequest
@@ -58,6 +51,13 @@ from omni_runtime.engine.stage.stage_llm_core_proc import StageLLMRequest
 from omni_runtime.engine.stage.stage_llm_engine_config import StageLLMConfigError
 from omni_runtime.stage_server.llm_frontend import StageLLMFrontend
 from omni_runtime.tiny_models import DIFFUSION_SUBDIR, HIDDEN_SIZE, LLM_SUBDIR
+from omni_testkit.stage_outputs import (
+    StageLLMResult,
+    add_prompt,
+    collect_results,
+    core_pids,
+    outputs_until_dead,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.asyncio(loop_scope="module")]
 

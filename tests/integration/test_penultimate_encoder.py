@@ -16,7 +16,6 @@ from typing import Any
 
 import pytest
 import torch
-from stage_outputs import add_prompt, collect_results, core_pids
 from vllm.v1.engine import FinishReason
 
 from omni_runtime.config import StageConfig
@@ -26,6 +25,7 @@ from omni_runtime.engine.stage.stage_llm_core_client import (
     StageLLMCoreClient,
     start_stage_llm_client,
 )
+from omni_testkit.stage_outputs import add_prompt, collect_results, core_pids
 
 pytestmark = pytest.mark.integration
 

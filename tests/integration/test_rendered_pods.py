@@ -31,7 +31,7 @@ from omni_operator.api import OmniPipelineSpec
 from omni_operator.render import render
 from omni_operator.render.names import stage_keys_secret_name
 from omni_operator.stage_keys import generate_stage_keys
-from port_leases import lease_port
+from omni_testkit.port_leases import lease_port
 
 pytestmark = pytest.mark.integration
 

@@ -10,7 +10,7 @@ import httpx
 import pytest
 from serving import pipeline_from, running_router
 
-from port_leases import lease_port
+from omni_testkit.port_leases import lease_port
 
 pytestmark = pytest.mark.integration
 

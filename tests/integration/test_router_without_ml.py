@@ -11,7 +11,7 @@ import httpx
 import pytest
 from serving import wait_until
 
-from port_leases import lease_port
+from omni_testkit.port_leases import lease_port
 
 pytestmark = pytest.mark.integration
 

@@ -825,7 +825,7 @@ def test_probes_answer_liveness_and_readiness(config_file: Path, workdir: Path) 
 
     from serving import CLI
 
-    from port_leases import lease_port
+    from omni_testkit.port_leases import lease_port
 
     health_port = lease_port()
     ready = workdir / "probe.ready"

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from otlp_collector import CollectedSpan, OTLPCollector
 from serving import serving, wait_until
+
+from omni_testkit.otlp_collector import CollectedSpan, OTLPCollector
 
 pytestmark = pytest.mark.integration
 

@@ -40,7 +40,7 @@ from omni_runtime.engine.stage.stage_core_types import StageDiffusionCoreOutput
 from omni_runtime.engine.stage.stage_core_types import StageDiffusionCoreRequest as Request
 from omni_runtime.images import encode_png, to_uint8
 from omni_runtime.tiny_models import WAN_SUBDIR
-from port_leases import lease_port
+from omni_testkit.port_leases import lease_port
 
 pytestmark = pytest.mark.integration
 
@@ -377,8 +377,8 @@ def _health_ok(port: int) -> bool:
         ({"num_frames": 6}, 400, "num_frames"),
         ({"num_frames": 9999}, 400, "num_frames"),
         ({"size": "64"}, 400, "size"),
-        # Not a multiple of the DiT's 32 (asked of the stage at creation, not found when the
-        # job runs).
+        # Not a multiple of the DiT's 32 (which the replica reports: refused at creation,
+        # not found when the job runs).
         ({"size": "7x9"}, 400, "size"),
         ({"size": "96x48"}, 400, "size"),
         ({"model": "sora-2"}, 404, "model"),
@@ -402,6 +402,89 @@ def test_a_size_the_dit_cannot_make_is_refused_at_creation(router: RunningRouter
     message = answer.json()["error"]["message"]
     assert "multiples of 32" in message, message
     assert "32x32" in message, message
+
+
+def test_a_bad_size_is_refused_while_the_dit_is_busy(
+    config: tuple[dict[str, Any], Path],
+    stage: StageProcess,
+    router: RunningRouter,
+    client: openai.OpenAI,
+    tmp_path: Path,
+) -> None:
+    """A router that has never asked the DiT anything refuses a size it cannot make while
+    the DiT runs a clip (and so answers no describe() until the clip ends): the replica's
+    reports (StageLoad) carry its multiple from the moment it is connected."""
+    data, _ = config
+    pool = router.state.pools[DIT]
+    busy = client.videos.create(prompt="a long clip", extra_body=LONG)
+    try:
+        wait_until(lambda: client.videos.retrieve(busy.id).progress > 0, 60, "the DiT busy")
+        # A store of its own: this router takes none of the other's jobs.
+        with running_router(
+            pipeline_from(data), {DIT: [stage.address]}, state_dir=tmp_path
+        ) as fresh:
+            answer = httpx.post(
+                f"{fresh.base_url}/videos", json={"prompt": "a fox", "size": "7x9"}, timeout=30
+            )
+            assert answer.status_code == 400, answer.text
+            error = answer.json()["error"]
+            assert error["param"] == "size"
+            assert "multiples of 32" in error["message"], error
+            assert "such as 32x32" in error["message"], error
+            assert fresh.state.pools[DIT].size_multiples() == {32}
+        # The clip ran all along: the refusal did not wait for it.
+        assert client.videos.retrieve(busy.id).status == "in_progress"
+    finally:
+        client.videos.delete(busy.id)
+        wait_until(lambda: pool.in_flight == 0, 30, "the DiT freed")
+
+
+def test_before_any_replica_connects_a_size_is_left_to_the_stage(
+    config: tuple[dict[str, Any], Path], tmp_path: Path
+) -> None:
+    """With no DiT replica connected the router cannot know the multiple: the job is taken
+    and queued (it would wait for a replica anyway), and the stage checks its size when it
+    runs, as router.endpoints.videos documents."""
+    data, _ = config
+    # Leased: nothing listens there, and nothing else will.
+    nowhere = f"127.0.0.1:{lease_port()}"
+    with running_router(
+        pipeline_from(data), {DIT: [nowhere]}, state_dir=tmp_path, wait_for_replicas=False
+    ) as lonely:
+        assert lonely.state.pools[DIT].live_replica_count == 0
+        answer = httpx.post(
+            f"{lonely.base_url}/videos", json={"prompt": "a fox", "size": "7x9"}, timeout=30
+        )
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["status"] == "queued"
+        assert answer.json()["size"] == "7x9"
+
+
+def test_a_replica_that_reports_no_multiple_is_asked_for_it(
+    config: tuple[dict[str, Any], Path], checkpoint: Path, tmp_path: Path
+) -> None:
+    """A replica that says nothing of its multiple (one of a revision before
+    StageLoad.size_multiple; here an in-process DiT, which makes no reports at all) leaves
+    the router to ask its describe(), as it did before the reports carried it."""
+    from fastapi.testclient import TestClient
+
+    from omni_runtime.diffusion.stage.inline_stage_diffusion_client import (
+        InlineStageDiffusionClient,
+    )
+    from omni_runtime.router.app import create_app
+    from omni_runtime.router.stage_replica_pool import StageReplicaPool
+
+    data, _ = config
+    pool = StageReplicaPool("dit", "round-robin")
+    pool.add_replica(
+        InlineStageDiffusionClient(DiffusionEngineConfig(model=str(checkpoint), family="wan2.2"))
+    )
+    with TestClient(create_app(pipeline_from(data), {DIT: pool}, state_dir=tmp_path)) as http:
+        assert pool.size_multiples() == set()
+        refused = http.post("/v1/videos", json={"prompt": "a fox", "size": "7x9"})
+        assert refused.status_code == 400, refused.text
+        assert refused.json()["error"]["param"] == "size"
+        assert "multiples of 32" in refused.json()["error"]["message"]
 
 
 def test_an_input_reference_that_is_no_image_is_refused(router: RunningRouter) -> None:

@@ -11,7 +11,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = {"omni_runtime": ROOT / "runtime", "omni_operator": ROOT / "operator"}
+PACKAGES = {
+    "omni_runtime": ROOT / "runtime",
+    "omni_operator": ROOT / "operator",
+    "omni_testkit": ROOT / "testkit",
+}
 
 
 def modules(source_root: Path) -> dict[str, Path]:
@@ -90,7 +94,7 @@ def test_no_module_imports_itself_through_others(package: str) -> None:
         if name.split(".")[0] == package
     }
     graph = {name: imports(name, path, known) for name, path in known.items()}
-    assert len(graph) > 10
+    assert len(graph) > 5  # the package's modules were found (omni_testkit has 9)
     assert cycles(graph) == []
 
 

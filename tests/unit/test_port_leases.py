@@ -1,4 +1,4 @@
-"""tests/port_leases.py: leases outside the ephemeral range, never two alike across
+"""omni_testkit.port_leases: leases outside the ephemeral range, never two alike across
 processes, dead owners' leases dropped; and no port picked by binding 0 and closing
 anywhere in the tree."""
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-import port_leases
+from omni_testkit import port_leases
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -40,18 +40,17 @@ def test_leases_lie_in_the_band_outside_the_ephemeral_range() -> None:
 
 def test_processes_leasing_at_once_never_share_a_port(own_registry: Path) -> None:
     script = (
-        "import json, sys, port_leases\n"
+        "import json, sys\n"
+        "from omni_testkit import port_leases\n"
         "print(json.dumps(port_leases.lease_ports(40)))\n"
         "sys.stdin.read()\n"  # hold the leases until told to go
     )
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "tests")}
     children = [
         subprocess.Popen(
             [sys.executable, "-c", script],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
-            env=env,
         )
         for _ in range(4)
     ]
@@ -155,7 +154,7 @@ def _picks_and_closes(tree: ast.AST) -> list[int]:
 
 def test_no_port_is_picked_by_binding_zero_and_closing() -> None:
     found = []
-    for folder in ("runtime", "operator", "tests", "bench", "examples", "scripts"):
+    for folder in ("runtime", "operator", "testkit", "tests", "bench", "examples", "scripts"):
         for path in sorted((ROOT / folder).rglob("*.py")):
             if ".venv" in path.parts:
                 continue

@@ -342,6 +342,18 @@ class StageReplicaPool:
             if replica.accepting and (terminating or not replica.terminating)
         }
 
+    def size_multiples(self) -> set[int]:
+        """The multiples the replicas that take new requests say a size must be of
+        (StageLoad.size_multiple, from their last report); empty where none says one: none
+        has reported yet, or the stage makes no images, or its replicas predate the field."""
+        found = set()
+        for replica in self._replicas.values():
+            load = getattr(replica.client, "load", None)
+            multiple = getattr(load, "size_multiple", 0)
+            if replica.accepting and isinstance(multiple, int) and multiple > 0:
+                found.add(multiple)
+        return found
+
     def set_terminating(self, replica_id: int, terminating: bool) -> None:
         """Mark a replica whose pod is going away but still serves (or no longer so): it
         takes requests only where no other replica of the revision does. An id not in the

@@ -47,6 +47,16 @@ class StageDiffusionFrontend(StageFrontend):
         self._in_flight: dict[
             str, tuple[RequestSpans | None, dict[str, HandOff], StageAdapter | None]
         ] = {}
+        # The core's describe() as its start carried it (the client's ``info``; fixed for
+        # the pipeline it loaded), so that the stage server reports it without asking the
+        # core, which answers nothing while it runs a request.
+        info = getattr(client, "info", None)
+        multiple = info.get("size_multiple") if isinstance(info, dict) else None
+        self._size_multiple = multiple if isinstance(multiple, int) and multiple > 0 else 0
+
+    @property
+    def size_multiple(self) -> int:
+        return self._size_multiple
 
     @property
     def in_flight(self) -> int:

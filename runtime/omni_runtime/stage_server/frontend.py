@@ -210,6 +210,12 @@ class StageFrontend(ABC):
         self.adapters = AdapterLRU(capacity) if capacity else None
 
     @property
+    def size_multiple(self) -> int:
+        """What the sizes this stage makes must be multiples of (StageLoad.size_multiple);
+        0: it makes none, or cannot say."""
+        return 0
+
+    @property
     def held_adapters(self) -> list[str]:
         """The adapters this replica holds, least recently used first."""
         return self.adapters.names() if self.adapters is not None else []

@@ -120,6 +120,7 @@ class StageServer:
             revision=self.revision,
             adapters=self.frontend.held_adapters,
             max_adapters=self.frontend.adapters.capacity if self.frontend.adapters else 0,
+            size_multiple=self.frontend.size_multiple,
         )
 
     @property

@@ -54,11 +54,12 @@ from typing import IO, Any
 # Beside this file, which is on sys.path when run as a script.
 import realnode
 
-# tests/port_leases.py, shared with the suites and the benchmarks (pytest puts tests/ on
-# sys.path; run as a script, this puts it there).
-if str(Path(__file__).resolve().parents[2]) not in sys.path:
-    sys.path.append(str(Path(__file__).resolve().parents[2]))
-import port_leases
+# omni_testkit's port leases, shared with the suites and the benchmarks. The venv has
+# testkit/ on its path (scripts/setup.sh); this script runs under any python3 too (standard
+# library only), so it puts it there itself.
+if str(Path(__file__).resolve().parents[3] / "testkit") not in sys.path:
+    sys.path.append(str(Path(__file__).resolve().parents[3] / "testkit"))
+from omni_testkit import port_leases
 
 HERE = Path(__file__).resolve().parent
 KWOK_DIR = HERE / "kwok"
@@ -419,7 +420,7 @@ def write_kubeconfig(path: Path, pki: Path, server: str) -> None:
 
 
 def free_ports(names: list[str]) -> dict[str, int]:
-    """Distinct ports for the named components, leased (tests/port_leases.py) from
+    """Distinct ports for the named components, leased (omni_testkit.port_leases) from
     outside the kernel's ephemeral range: a port chosen by binding 0 and closing could be
     handed to any process's bind(0) or connect() before the component binds it."""
     return dict(zip(names, port_leases.lease_ports(len(names)), strict=True))

@@ -344,6 +344,11 @@ class StageLoad(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     # holds at most (0: it takes none): routers prefer a replica that holds a request's.
     adapters: list[str] = []
     max_adapters: int = 0
+    # What the heights and widths a DiT makes must be multiples of (its loaded pipeline's
+    # VAE scale times its patch, which no config states), so that a router refuses a size
+    # before any request reaches a replica. 0: the stage makes no images, or the replica
+    # predates this field (a router then asks its describe()).
+    size_multiple: int = 0
 
 
 class StageServerOutputs(StageCoreOutputs):

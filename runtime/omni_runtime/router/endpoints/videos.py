@@ -5,6 +5,7 @@ their runs are ``router.video_jobs``'."""
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -33,9 +34,10 @@ from omni_runtime.videos import frames_for
 # Where an embedded video store keeps its jobs (a pipeline's own directory below it) when
 # the router is given none: it outlives the router, so a restart loses no job.
 DEFAULT_STATE_DIR = Path("~/.cache/omni-runtime/videos")
-# A describe() call is milliseconds of an idle DiT's time; a DiT busy with a clip answers
-# it between steps, or not before the clip ends: a creation waits no longer than this for
-# it (the job is then queued, and the stage checks its size when it runs).
+# A describe() call (asked only of replicas that do not report their size multiple) is
+# milliseconds of an idle DiT's time; a DiT busy with a clip answers it only once the clip
+# ends: a creation waits no longer than this for it (the job is then queued, and the stage
+# checks its size when it runs).
 _DESCRIBE_TIMEOUT_S = 2.0
 
 
@@ -200,16 +202,30 @@ class VideosRoom:
             await self.jobs.close()
 
     def _size_multiple(self) -> Callable[[], Awaitable[int | None]]:
-        """What asks the DiT for the multiple its sizes must be of (its loaded pipeline's:
-        the VAE's scale times the patch, which no config states): once a replica answers,
-        the answer holds for the router's life."""
+        """What the DiT's sizes must be multiples of (its loaded pipeline's: the VAE's scale
+        times the patch, which no config states), for a creation to refuse a size the DiT
+        cannot make, as OpenAI's API does, rather than queue a job that fails when it runs.
+
+        Where the replicas say it in their reports (StageLoad.size_multiple), the router
+        knows it as soon as one is connected, busy or not. Replicas that predate the field
+        say nothing: then, as before it, a describe() answer (which a DiT busy with a clip
+        gives only when the clip ends), held for the router's life once one comes. With no
+        replica connected yet (a router up before its DiTs), None: the job is taken and
+        queued, as it would wait for a replica anyway, and the stage checks its size when
+        it runs (the job fails naming it); refusing it would fail every creation that races
+        a rollout or a cold start."""
         orchestrator = self.serving.orchestrator
-        # The stage that makes the clip: the last.
+        # The stage that makes the clip.
         pool = orchestrator.pools[orchestrator.answer_stage.stage_id]
-        known: list[int] = []
+        described: list[int] = []
 
         async def size_multiple() -> int | None:
-            if not known:
+            advertised = pool.size_multiples()
+            if advertised:
+                # A job may run on any replica (in a rollout to another checkpoint they may
+                # differ): a size must suit them all.
+                return math.lcm(*advertised)
+            if not described:
                 try:
                     info = await pool.call_utility("describe", {}, timeout=_DESCRIBE_TIMEOUT_S)
                 except (RuntimeError, TimeoutError):
@@ -217,8 +233,8 @@ class VideosRoom:
                 multiple = info.get("size_multiple") if isinstance(info, dict) else None
                 if not isinstance(multiple, int) or multiple < 1:
                     return None
-                known.append(multiple)
-            return known[0]
+                described.append(multiple)
+            return described[0]
 
         return size_multiple
 

@@ -114,9 +114,9 @@ def test_a_job_naming_an_adapter_runs_with_it(tmp_path: Path) -> None:
 
 
 def test_a_size_the_dit_cannot_make_is_refused_at_creation(tmp_path: Path) -> None:
-    """The DiT's multiple, once a replica says it (router.endpoints.videos asks its
-    describe()), refuses a size at creation; while none can say, the stage checks when the
-    job runs."""
+    """The DiT's multiple, once a replica says it (router.endpoints.videos reads it from
+    the replicas' reports, else asks a describe()), refuses a size at creation; while none
+    can say, the stage checks when the job runs."""
     asked: list[int | None] = [None, 32]
 
     async def size_multiple() -> int | None:

@@ -30,6 +30,7 @@ import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 # Below the kernel's default ephemeral range (32768) and Kubernetes' NodePort range
@@ -140,7 +141,7 @@ def _process_identity(pid: int) -> int:
 
 
 @contextmanager
-def _locked_registry() -> Iterator[dict[str, object]]:
+def _locked_registry() -> Iterator[dict[str, Any]]:  # JSON as read: checked where used
     path = registry_path()
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
     with os.fdopen(fd, "r+") as file:

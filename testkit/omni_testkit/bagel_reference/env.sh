@@ -17,7 +17,7 @@
 # temporary directory renamed into place when complete (an interrupted build never looks
 # complete), under a flock so that concurrent pytest sessions build it once.
 #
-# Usage: tests/integration/bagel_reference/env.sh   (prints the env's python last on stdout)
+# Usage: testkit/omni_testkit/bagel_reference/env.sh   (prints the env's python last on stdout)
 # Env:   OMNI_CACHE_DIR; OMNI_BAGEL_BASE_PYTHON (default: the checkout's .venv/bin/python)
 set -euo pipefail
 
