@@ -84,6 +84,10 @@ class StageGraph:
     routes: tuple[GraphRoute, ...]
     # The caller's per-stage params (by name) a stage takes, by stage id: a talker's voice.
     caller_params: Mapping[int, tuple[str, ...]] = field(default_factory=dict)
+    # The LLM stages that read the caller's images and audio beside its messages (a
+    # thinker that sees and hears), by id; elsewhere a caller's images are the DiT's (an
+    # encoder reads them where its recipe says).
+    reads_media: frozenset[int] = frozenset()
 
     def __post_init__(self) -> None:
         # A declaration that breaks these would fail requests, not the pipeline's start.

@@ -27,15 +27,18 @@ class Qwen3OmniFamily(Family):
         whole, or chunk by chunk where the pipeline streams (asyncChunk)."""
         ids = tuple(stage.stage_id for stage in sorted(stages, key=lambda s: s.stage_id))
         text = GraphRoute("text", ids[:1])
+        hears = frozenset(ids[:1])
         if len(ids) == 1:
-            return StageGraph((), (text,))
+            return StageGraph((), (text,), reads_media=hears)
         thinker, talker, code2wav = ids
         edges = (
             GraphEdge(thinker, talker, "hand_off"),
             GraphEdge(talker, code2wav, "stream" if async_chunk else "hand_off"),
         )
         spoken = GraphRoute("audio", ids, text_stage=thinker, live_text=True)
-        return StageGraph(edges, (text, spoken), caller_params={talker: ("voice",)})
+        return StageGraph(
+            edges, (text, spoken), caller_params={talker: ("voice",)}, reads_media=hears
+        )
 
     def pipeline_issues(
         self, stages: Sequence[StageView], index_of_id: Mapping[int, int]

@@ -461,6 +461,7 @@ class PipelineOrchestrator:
             upstream,
             upstream_text,
             caller_params=self.graph.caller_params.get(stage.stage_id, ()),
+            reads_media=stage.stage_id in self.graph.reads_media,
             streams=run.request.stream and answers_text,
         )
 

@@ -2,10 +2,10 @@
 into the stage, and what its producer returned.
 
 What a stage takes follows from its kind and the edge it is reached by, never from its name:
-- the route's first stage reads the caller: an LLM its prompt or messages (with images and
-  audio where the caller sent them) and its sampling params, a family's encoder the prompt
-  text (the input image where its recipe reads one, what its family takes of the DiT's
-  params), a DiT the prompt text and its params;
+- the route's first stage reads the caller: an LLM its prompt or messages (with the images
+  and audio where its graph says it reads them) and its sampling params, a family's
+  encoder the prompt text (the input image where its recipe reads one, what its family
+  takes of the DiT's params), a DiT the prompt text and its params;
 - over a ``text`` edge, the producer's text is the prompt (an LLM's sampling params, or the
   DiT's, come with it);
 - over a ``hand_off`` or ``stream`` edge, the producer's hand-offs are the inputs: a DiT gets
@@ -78,12 +78,14 @@ def build_stage_request(
     upstream_text: str,
     *,
     caller_params: Sequence[str] = (),
+    reads_media: bool = False,
     streams: bool = False,
 ) -> StageServerRequest:
     """``stage``'s request, reached by ``edge`` (None: the route's first) from a producer
     that returned ``upstream`` (its final output) and ``upstream_text`` (all its text).
-    ``caller_params``: the caller's stage params it takes; ``streams``: the caller reads its
-    text as it is written."""
+    ``caller_params``: the caller's stage params it takes; ``reads_media``: an LLM that reads
+    the caller's images and audio; ``streams``: the caller reads its text as it is
+    written."""
     result = StageServerRequest(
         request_id=stage_request_id(request, attempt),
         adapter=request.adapters.get(stage.stage_id),
@@ -94,7 +96,7 @@ def build_stage_request(
         result.images = request.images
         result.prompt = prompt_text(request) if not edge or edge.kind != "text" else upstream_text
     elif edge is None:
-        _read_caller(pipeline, request, stage, result)
+        _read_caller(pipeline, request, stage, result, reads_media)
     elif reads_text:
         result.prompt = upstream_text
         result.params = dict(request.llm_params)
@@ -113,13 +115,15 @@ def _read_caller(
     request: PipelineRequest,
     stage: StageConfig,
     result: StageServerRequest,
+    reads_media: bool,
 ) -> None:
     """Fill in the request of an LLM stage that reads the caller's request."""
     encoder = pipeline.encoder_recipe(stage)
     if encoder is None:
         result.prompt, result.messages = request.prompt, request.messages
         result.params = dict(request.llm_params)
-        result.images, result.audios = request.images, request.audios
+        if reads_media:
+            result.images, result.audios = request.images, request.audios
         return
     # An encoder applies its model's own template to the prompt text.
     result.prompt = prompt_text(request)

@@ -50,6 +50,8 @@ def test_a_speaking_pipeline_answers_text_from_its_thinker_alone() -> None:
     assert graph.route(None) == GraphRoute("text", (0,))
     assert graph.route("audio") == GraphRoute("audio", (0, 1, 2), text_stage=0, live_text=True)
     assert graph.caller_params == {1: ("voice",)}
+    # The thinker sees and hears the caller's media.
+    assert graph.reads_media == {0}
     assert graph.edge(0, 1).kind == "hand_off"
     # Whole frames, unless the pipeline streams between stages.
     assert graph.edge(1, 2).kind == "hand_off"

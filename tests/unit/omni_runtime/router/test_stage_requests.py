@@ -39,7 +39,9 @@ def test_a_speaking_route_feeds_each_stage_by_its_edge() -> None:
     thinker, talker, code2wav = sorted(pipeline.stages, key=lambda s: s.stage_id)
     audio = [np.zeros(16, np.float32)]
     request = caller(audios=audio, answer="audio", stage_params={"voice": "chelsie"}, stream=True)
-    first = build_stage_request(pipeline, request, 0, thinker, None, None, "", streams=True)
+    first = build_stage_request(
+        pipeline, request, 0, thinker, None, None, "", reads_media=True, streams=True
+    )
     assert first.messages == request.messages
     assert first.audios == audio
     assert first.params == {"max_tokens": 5}
@@ -95,6 +97,16 @@ def test_a_dit_fed_by_hand_off_gets_the_prompt_text_and_its_params() -> None:
     assert companion.prompt == "blur"
     assert companion.names == {"prompt_embeds": "negative_prompt_embeds"}
     assert companions(pipeline, request, dit, "a cat") == []
+
+
+def test_an_llm_that_writes_the_dits_prompt_leaves_the_callers_image_to_the_dit() -> None:
+    pipeline = load_pipeline(EXAMPLES / "tiny-text-to-image.yaml")
+    llm, dit = sorted(pipeline.stages, key=lambda s: s.stage_id)
+    image = [np.zeros((8, 8, 3), np.uint8)]
+    request = caller(images=image)
+    assert build_stage_request(pipeline, request, 0, llm, None, None, "").images == []
+    edge = GraphEdge(0, 1, "hand_off")
+    assert build_stage_request(pipeline, request, 0, dit, edge, None, "").images == image
 
 
 def test_a_text_edge_makes_the_producers_text_the_prompt() -> None:
