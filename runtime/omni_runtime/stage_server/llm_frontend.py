@@ -12,10 +12,14 @@ template, as the family's pipeline does, and one that hands off a context KV (it
 A speaking family's stages (Qwen3-Omni) hand off what their models say beside each token
 (step_state.StepStateModel), gathered over the request and put when it finishes: the
 thinker, for a request that will be spoken, its rows and its prompt's token ids; the
-talker, fed those (it fetches them itself), its frames of codes for code2wav: whole when
+talker, fed those, its frames of codes for code2wav: whole when
 the request finishes, or, where the pipeline streams between stages (asyncChunk), a chunk
 every ``chunk_frames`` frames as an output of its own, each with the frames before it that
 code2wav decodes it after (its left context), the rest when it finishes.
+
+A request made of what an upstream stage handed off (a talker's: ``inputs``) crosses to the
+engine core with the hand-offs' handles, which the core fetches itself and makes the
+request of (StageLLMInputs): the arrays never pass through here.
 
 A request may name a LoRA adapter (``StageServerRequest.adapter``) where the stage takes
 them: its first request has the client load it into the engine (resolved, checked, loaded
@@ -43,7 +47,6 @@ from omni_runtime import tracing
 from omni_runtime.config import PipelineConfig, StageConfig
 from omni_runtime.connectors import (
     DEFAULT_HANDOFF_CONNECTOR,
-    ConnectorError,
     ConnectorHandle,
     StageConnectors,
 )
@@ -68,10 +71,6 @@ from omni_runtime.stage_server.prompt_groups import PromptGroups
 
 if TYPE_CHECKING:
     from vllm.lora.request import LoRARequest
-
-
-class _UnusableInputs(Exception):
-    """What the thinker handed the talker cannot be read (a thinker of another model)."""
 
 
 logger = logging.getLogger(__name__)
@@ -194,9 +193,8 @@ class StageLLMFrontend(StageFrontend):
     async def add(self, request: StageServerRequest) -> list[StageServerOutput]:
         request_id = request.request_id
         talker = self._speech is not None and self._speech.role == "talker"
-        for name in request.inputs:
-            if talker:
-                break
+        if request.inputs and self.client.request_builder.input_prompt is None:
+            name = next(iter(request.inputs))
             message = f"{name}: an LLM stage takes text (prompt or messages)"
             return [refusal(request_id, StageError.bad_request(message, name))]
         # A request without an adapter runs as the client says on a stage that serves
@@ -220,11 +218,12 @@ class StageLLMFrontend(StageFrontend):
         builder = self.client.request_builder
         companions: list[tuple[str, StageLLMCoreRequest]] = []
         try:
-            if talker:
+            if request.inputs:
                 if request.companions:
-                    message = "companions: a talker speaks one prompt at a time"
+                    message = "companions: a request made of inputs runs alone"
                     return [refusal(request_id, StageError.bad_request(message, "companions"))]
-                core_request = await self._talker_request(request)
+                # Its prompt is the core's to make, of the arrays it fetches.
+                core_request = builder.build_with_inputs(request_id, request.inputs, request.params)
             else:
                 core_request = builder.build(
                     request_id,
@@ -251,13 +250,6 @@ class StageLLMFrontend(StageFrontend):
                 companions.append((companion.prompt, built))
         except InvalidLLMRequestError as e:
             return [refusal(request_id, e.error)]
-        except ConnectorError as e:
-            # The thinker's hand-off is gone (its replica went away): the request starts
-            # again from the thinker, as for any stage whose input is lost.
-            error = StageError(StageErrorCode.STAGE_FAILED, str(e), param=self._input_name())
-            return [refusal(request_id, error)]
-        except _UnusableInputs as e:
-            return [refusal(request_id, StageError(StageErrorCode.STAGE_FAILED, str(e)))]
         speaks = talker or bool(request.params.get("speak"))
         connector = request.output_connector or self._handoff_connector
         state = self._track(core_request, request.prompt, connector, request.stream)
@@ -509,10 +501,6 @@ class StageLLMFrontend(StageFrontend):
 
     # --- A speaking family's stages ---------------------------------------------------
 
-    def _input_name(self) -> str:
-        assert self._speech is not None
-        return self._speech.recipe.rows
-
     async def _speech_hand_offs(self, request_id: str, state: _Request) -> dict[str, HandOff]:
         """What a thinker or talker request said over its steps, put for the next stage:
         the thinker's rows and prompt ids, or the talker's frames."""
@@ -563,42 +551,3 @@ class StageLLMFrontend(StageFrontend):
         handle = await self._put(request_id, state, codes, key)
         state.sent, state.chunks = end, state.chunks + 1
         return HandOff(handle, {"context": context})
-
-    async def _talker_request(self, request: StageServerRequest) -> StageLLMCoreRequest:
-        """A talker's request from what the thinker handed it (fetched here: the rows
-        travel to the engine core with the request) and the voice its params name."""
-        assert self._speech is not None
-        recipe = self._speech.recipe
-        for name in (recipe.rows, recipe.prompt):
-            if name not in request.inputs:
-                raise InvalidLLMRequestError(f"inputs.{name}: required (the thinker's)", name)
-        params = dict(request.params)
-        builder = self.client.request_builder
-        voice = params.pop("voice", recipe.voices[0])
-        speaker = builder.talker.speaker(voice) if isinstance(voice, str) else None
-        if speaker is None:
-            raise InvalidLLMRequestError(
-                f"params.voice: unknown voice {voice!r} (voices: {', '.join(recipe.voices)})",
-                "voice",
-            )
-
-        def fetch(name: str) -> torch.Tensor:
-            handle = request.inputs[name].handle
-            return self.connectors.get(handle.connector).get(handle, "cpu")
-
-        rows, prompt = await asyncio.gather(
-            asyncio.to_thread(fetch, recipe.rows), asyncio.to_thread(fetch, recipe.prompt)
-        )
-        issue = builder.talker.issue(tuple(rows.shape), prompt.numpy())
-        if issue is not None:
-            raise _UnusableInputs(issue)
-        if rows.dtype == torch.bfloat16:
-            # numpy has no bf16: carried as float32 (exact), the talker casts back.
-            rows = rows.float()
-        return builder.build_talker(
-            request.request_id,
-            rows.contiguous().numpy(),
-            [int(token) for token in prompt.tolist()],
-            speaker,
-            params,
-        )
