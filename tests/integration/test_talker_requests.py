@@ -32,6 +32,7 @@ def _build_talker_request(checkpoint: str, out_path: str) -> None:
     from transformers import AutoConfig
 
     from omni_runtime.connectors import ConnectorHandle
+    from omni_runtime.engine.models import STEP_HAND_OFFS
     from omni_runtime.engine.stage.stage_core_types import HandOff
     from omni_runtime.engine.stage.stage_llm_engine_config import make_stage_llm_engine_args
     from omni_runtime.engine.stage.stage_llm_inputs import StageLLMInputs
@@ -45,8 +46,13 @@ def _build_talker_request(checkpoint: str, out_path: str) -> None:
     args = make_stage_llm_engine_args(talker, checkpoint, speech=speech)
     vllm_config = args.create_engine_config()
     builder = StageLLMRequestBuilder(vllm_config, talker.default_sampling_params, speech=speech)
-    # The talker's architecture reads what the family's thinker hands off, by its names.
-    assert builder.input_prompt.inputs == (speech.recipe.rows, speech.recipe.prompt)
+    # The architectures hand off and read under the names of the family's recipe.
+    recipe = speech.recipe
+    assert builder.input_prompt.inputs == (recipe.rows, recipe.prompt)
+    thinker_says = STEP_HAND_OFFS[recipe.thinker_architecture]
+    assert (thinker_says.said, thinker_says.prompt) == (recipe.rows, recipe.prompt)
+    assert builder.step_hand_off == STEP_HAND_OFFS[recipe.talker_architecture]
+    assert builder.step_hand_off.said == recipe.codes
     config = AutoConfig.from_pretrained(checkpoint)
     width = 2 * config.thinker_config.text_config.hidden_size
     start, user, assistant = (

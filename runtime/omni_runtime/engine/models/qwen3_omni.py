@@ -33,7 +33,7 @@ from vllm.model_executor.models.qwen3_omni_moe_thinker import (
     Qwen3OmniMoeThinkerForConditionalGeneration,
 )
 
-from omni_runtime.engine.models import HIDDEN_ROWS
+from omni_runtime.engine.models import HIDDEN_ROWS, STEP_HAND_OFFS
 from omni_runtime.engine.models.step_state import StepRequest
 from omni_runtime.engine.stage.stage_core_types import InvalidStageRequestError
 
@@ -90,8 +90,8 @@ def talker_inputs_issue(
 
 # What a talker request reads, under the names the thinker hands them off by: the
 # thinker's rows, and its prompt's token ids (where the talker finds the user's turns).
-THINKER_ROWS = "thinker_rows"
-THINKER_PROMPT = "thinker_prompt"
+THINKER_ROWS = STEP_HAND_OFFS["OmniQwen3OmniThinker"].said
+THINKER_PROMPT = str(STEP_HAND_OFFS["OmniQwen3OmniThinker"].prompt)
 # additional_information's key of the voice's codec token, from the stage server (which
 # reads the request's ``voice``) to the engine core (which builds the prompt).
 SPEAKER = "speaker"

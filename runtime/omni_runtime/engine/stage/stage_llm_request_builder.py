@@ -42,7 +42,13 @@ from vllm.renderers.params import ChatParams
 from vllm.v1.engine import EngineCoreRequest
 from vllm.v1.engine.input_processor import InputProcessor
 
-from omni_runtime.engine.models import HIDDEN_ROWS, THINK_TOKENS, input_prompt
+from omni_runtime.engine.models import (
+    HIDDEN_ROWS,
+    STEP_HAND_OFFS,
+    THINK_TOKENS,
+    StepHandOff,
+    input_prompt,
+)
 from omni_runtime.engine.stage.stage_core_types import (
     HandOff,
     InvalidStageRequestError,
@@ -69,6 +75,10 @@ SAMPLING_PARAM_NAMES = (
     "skip_special_tokens",
     "detokenize",
 )
+# The request param that asks a speaking family's thinker for what its talker reads: the
+# one place it is read (build), so that another flag (one the orchestrator sets for any
+# stage that hands off what its model says) replaces it here alone.
+SPEAK_PARAM = "speak"
 # Per-token hidden states after the final norm, as the model computes them: no
 # normalisation (the pooler's default activation would L2-normalise each row).
 HIDDEN_STATES_POOLING = PoolingParams(task="token_embed", use_activation=False)
@@ -116,9 +126,10 @@ class StageLLMRequestBuilder:
         )
         # How the stage's architecture makes a request of what an upstream stage handed off
         # (a talker's of the thinker's rows); None: its requests are text.
-        self.input_prompt: Any = input_prompt(
-            self.model_config.architectures[0], self.model_config.hf_config
-        )
+        architecture = self.model_config.architectures[0]
+        self.input_prompt: Any = input_prompt(architecture, self.model_config.hf_config)
+        # What the stage hands off of what its model says per step; None: it says nothing.
+        self.step_hand_off: StepHandOff | None = STEP_HAND_OFFS.get(architecture)
         # The task this stage's runner was configured for (stage_llm_engine_config): what
         # its requests ask of the core, which checks them against what it serves.
         self._tasks = ("token_embed",) if self.encodes else ("generate",)
@@ -154,7 +165,7 @@ class StageLLMRequestBuilder:
         thinks = False
         speaks = False
         if self.speech is not None and self.speech.role == "thinker":
-            speaks = _flag(params, "speak")
+            speaks = _flag(params, SPEAK_PARAM)
             engine_input, field_name = self._render_heard(prompt, messages, audios, images)
         elif audios:
             raise InvalidLLMRequestError(
@@ -202,6 +213,19 @@ class StageLLMRequestBuilder:
             **{name: getattr(request, name) for name in EngineCoreRequest.__struct_fields__},
             additional_information=additional_information,
         )
+
+    def says(self, request: StageLLMCoreRequest) -> bool:
+        """Whether ``request``'s model says something per step that the stage hands off
+        (step_hand_off): every request's where the architecture always says (a talker's
+        frames), else where the request asked for it as ``build`` made it (a thinker's
+        rows, for a request that will be spoken)."""
+        hand_off = self.step_hand_off
+        if hand_off is None:
+            return False
+        if hand_off.always:
+            return True
+        params = request.sampling_params
+        return params is not None and bool((params.extra_args or {}).get(HIDDEN_ROWS))
 
     def build_with_inputs(
         self,
