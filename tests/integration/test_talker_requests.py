@@ -1,5 +1,6 @@
-"""A talker's request as its stage builds it, through vLLM's own input processing: its
-only stop is the codec's end token.
+"""A talker's request as its stage builds it (the stage server's half, then the engine
+core's, which makes its prompt of the thinker's arrays), through vLLM's own input
+processing: its only stop is the codec's end token.
 
 The checkpoint's generation_config.json is the thinker's, and vLLM adds its end-of-text ids
 to every request's stops. In the tiny Qwen3-Omni, as in any checkpoint whose special ids lie
@@ -27,10 +28,14 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _build_talker_request(checkpoint: str, out_path: str) -> None:
     """The child: the talker stage's request for a short prompt, its stops written out."""
-    import numpy as np
+    import torch
     from transformers import AutoConfig
 
+    from omni_runtime.connectors import ConnectorHandle
+    from omni_runtime.engine.models import STEP_HAND_OFFS
+    from omni_runtime.engine.stage.stage_core_types import HandOff
     from omni_runtime.engine.stage.stage_llm_engine_config import make_stage_llm_engine_args
+    from omni_runtime.engine.stage.stage_llm_inputs import StageLLMInputs
     from omni_runtime.engine.stage.stage_llm_request_builder import StageLLMRequestBuilder
 
     pipeline = load_pipeline(ROOT / "examples" / "tiny-qwen3-omni.yaml", model=checkpoint)
@@ -39,15 +44,36 @@ def _build_talker_request(checkpoint: str, out_path: str) -> None:
     assert speech is not None
     assert speech.role == "talker"
     args = make_stage_llm_engine_args(talker, checkpoint, speech=speech)
-    builder = StageLLMRequestBuilder(
-        args.create_engine_config(), talker.default_sampling_params, speech=speech
-    )
+    vllm_config = args.create_engine_config()
+    builder = StageLLMRequestBuilder(vllm_config, talker.default_sampling_params, speech=speech)
+    # The architectures hand off and read under the names of the family's recipe.
+    recipe = speech.recipe
+    assert builder.input_prompt.inputs == (recipe.rows, recipe.prompt)
+    thinker_says = STEP_HAND_OFFS[recipe.thinker_architecture]
+    assert (thinker_says.said, thinker_says.prompt) == (recipe.rows, recipe.prompt)
+    assert builder.step_hand_off == STEP_HAND_OFFS[recipe.talker_architecture]
+    assert builder.step_hand_off.said == recipe.codes
     config = AutoConfig.from_pretrained(checkpoint)
     width = 2 * config.thinker_config.text_config.hidden_size
-    prompt_ids = [config.im_start_token_id, config.user_token_id, 10, 11, 12]
-    rows = np.zeros((len(prompt_ids), width), dtype=np.float32)
-    speaker = next(iter(config.talker_config.speaker_id.values()))
-    request = builder.build_talker("r", rows, prompt_ids, speaker)
+    start, user, assistant = (
+        config.im_start_token_id,
+        config.user_token_id,
+        config.assistant_token_id,
+    )
+    prompt_ids = [start, user, 10, 11, 12, start, assistant]
+    arrays = {
+        speech.recipe.rows: torch.zeros((len(prompt_ids), width)),
+        speech.recipe.prompt: torch.tensor(prompt_ids),
+    }
+    # Handles that go nowhere: the stage server's half never reads the arrays.
+    inputs = {
+        name: HandOff(ConnectorHandle("nowhere", name, str(a.dtype), list(a.shape), 0))
+        for name, a in arrays.items()
+    }
+    pending = builder.build_with_inputs("r", inputs, {"voice": speech.recipe.voices[0]})
+    assert pending.prompt_token_ids is None
+    request = StageLLMInputs(vllm_config, {}).finish(pending, arrays)
+    assert request.prompt_token_ids
     params = request.sampling_params
     assert params is not None
     generation = json.loads(Path(checkpoint, "generation_config.json").read_text())

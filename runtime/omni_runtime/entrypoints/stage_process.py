@@ -208,6 +208,7 @@ def start_frontend(
                     # A traced stage's spans need the core's scheduling events.
                     log_stats=tracing.enabled(),
                     startup_timeout=startup_timeout,
+                    connectors=pipeline.connectors,
                 )
             except StageLLMConfigError as e:
                 raise StageStartError(f"stage {stage.name!r}: {e}") from None

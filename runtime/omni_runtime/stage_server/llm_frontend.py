@@ -9,13 +9,19 @@ router receives only the handle); a model family's encoder first drops the rows 
 template, as the family's pipeline does, and one that hands off a context KV (its recipe's
 ``hand_off``) has its architecture's ContextHandOff shape the rows and say their layout.
 
-A speaking family's stages (Qwen3-Omni) hand off what their models say beside each token
-(step_state.StepStateModel), gathered over the request and put when it finishes: the
-thinker, for a request that will be spoken, its rows and its prompt's token ids; the
-talker, fed those (it fetches them itself), its frames of codes for code2wav: whole when
-the request finishes, or, where the pipeline streams between stages (asyncChunk), a chunk
-every ``chunk_frames`` frames as an output of its own, each with the frames before it that
-code2wav decodes it after (its left context), the rest when it finishes.
+A stage whose model says something beside each token (step_state.StepStateModel: a
+speaking family's thinker and talker) hands off what it said, gathered over the request,
+as its architecture declares (engine.models.STEP_HAND_OFFS), for the requests that say it
+(StageLLMRequestBuilder.says): rows, put when the request finishes, with its prompt's
+token ids where declared (the thinker's); or frames of codes (the talker's, for code2wav),
+whole when the request finishes, or, where the pipeline streams between stages
+(asyncChunk), a chunk every ``chunk_frames`` frames as an output of its own, each with the
+frames before it that the next stage decodes it after (its left context), the rest when
+it finishes. The frontend names no role: what it does follows from the declaration.
+
+A request made of what an upstream stage handed off (a talker's: ``inputs``) crosses to the
+engine core with the hand-offs' handles, which the core fetches itself and makes the
+request of (StageLLMInputs): the arrays never pass through here.
 
 A request may name a LoRA adapter (``StageServerRequest.adapter``) where the stage takes
 them: its first request has the client load it into the engine (resolved, checked, loaded
@@ -43,7 +49,6 @@ from omni_runtime import tracing
 from omni_runtime.config import PipelineConfig, StageConfig
 from omni_runtime.connectors import (
     DEFAULT_HANDOFF_CONNECTOR,
-    ConnectorError,
     ConnectorHandle,
     StageConnectors,
 )
@@ -68,10 +73,6 @@ from omni_runtime.stage_server.prompt_groups import PromptGroups
 
 if TYPE_CHECKING:
     from vllm.lora.request import LoRARequest
-
-
-class _UnusableInputs(Exception):
-    """What the thinker handed the talker cannot be read (a thinker of another model)."""
 
 
 logger = logging.getLogger(__name__)
@@ -105,12 +106,11 @@ class _Request:
     start: float = field(default_factory=time.perf_counter)
     # While tracing.
     spans: RequestSpans | None = None
-    # A speaking family's stage: what its model said beside each step's tokens (the
-    # thinker's rows, the talker's frames), and the thinker's prompt ids; None: nothing
-    # to hand off.
+    # What the model said beside each step's tokens (rows, or frames of codes), and the
+    # request's prompt ids where they go with it; None: nothing to hand off.
     said: list[torch.Tensor] | None = None
-    spoken_prompt: list[int] | None = None
-    # A talker's frames handed off so far in chunks, and how many chunks.
+    said_prompt: list[int] | None = None
+    # Frames handed off so far in chunks, and how many chunks.
     frames: int = 0
     sent: int = 0
     chunks: int = 0
@@ -142,13 +142,16 @@ class StageLLMFrontend(StageFrontend):
         self._handoffs: OrderedDict[str, list[tuple[str, str, float]]] = OrderedDict()
         # Requests that carry companion prompts, run beside them and answered once.
         self._groups = PromptGroups()
-        self._speech = client.speech_stage
-        # A talker of a pipeline that streams between stages: its chunks' size.
+        # What the stage hands off of what its model says per step; None: nothing.
+        self._says = client.request_builder.step_hand_off
+        speech = client.speech_stage
+        frames = self._says is not None and self._says.frames and speech is not None
+        # Frames in chunks where the pipeline streams between stages: the chunks' size, and
+        # the most frames before a chunk that go with it.
         self._chunk_frames = (
-            self._speech.recipe.chunk_frames
-            if self._speech is not None and self._speech.role == "talker" and pipeline.async_chunk
-            else None
+            speech.recipe.chunk_frames if frames and speech and pipeline.async_chunk else None
         )
+        self._context_frames = speech.recipe.context_frames if frames and speech else 0
         # The stage's own config names its hand-off, not the router's: during a rollout a
         # router of one revision routes through replicas of another, whose connectors may
         # differ (the replicas of one revision agree with each other).
@@ -193,10 +196,8 @@ class StageLLMFrontend(StageFrontend):
 
     async def add(self, request: StageServerRequest) -> list[StageServerOutput]:
         request_id = request.request_id
-        talker = self._speech is not None and self._speech.role == "talker"
-        for name in request.inputs:
-            if talker:
-                break
+        if request.inputs and self.client.request_builder.input_prompt is None:
+            name = next(iter(request.inputs))
             message = f"{name}: an LLM stage takes text (prompt or messages)"
             return [refusal(request_id, StageError.bad_request(message, name))]
         # A request without an adapter runs as the client says on a stage that serves
@@ -220,11 +221,12 @@ class StageLLMFrontend(StageFrontend):
         builder = self.client.request_builder
         companions: list[tuple[str, StageLLMCoreRequest]] = []
         try:
-            if talker:
+            if request.inputs:
                 if request.companions:
-                    message = "companions: a talker speaks one prompt at a time"
+                    message = "companions: a request made of inputs runs alone"
                     return [refusal(request_id, StageError.bad_request(message, "companions"))]
-                core_request = await self._talker_request(request)
+                # Its prompt is the core's to make, of the arrays it fetches.
+                core_request = builder.build_with_inputs(request_id, request.inputs, request.params)
             else:
                 core_request = builder.build(
                     request_id,
@@ -252,23 +254,14 @@ class StageLLMFrontend(StageFrontend):
                 companions.append((companion.prompt, built))
         except InvalidLLMRequestError as e:
             return [refusal(request_id, e.error)]
-        except ConnectorError as e:
-            # The thinker's hand-off is gone (its replica went away): the request starts
-            # again from the thinker, as for any stage whose input is lost.
-            error = StageError(StageErrorCode.STAGE_FAILED, str(e), param=self._input_name())
-            return [refusal(request_id, error)]
-        except _UnusableInputs as e:
-            return [refusal(request_id, StageError(StageErrorCode.STAGE_FAILED, str(e)))]
-        # A speaking family's stage hands off what its model says per step when a later
-        # stage reads it: the talker always, the thinker where the answer is spoken.
-        speaks = self._speech is not None and (talker or request.hand_off)
         connector = request.output_connector or self._handoff_connector
         state = self._track(core_request, request.prompt, connector, request.stream)
         state.spans = RequestSpans.of(self.stage, request)
-        if speaks:
+        if builder.says(core_request):
+            assert self._says is not None
             state.said = []
-            if not talker:
-                state.spoken_prompt = list(core_request.prompt_token_ids or ())
+            if self._says.prompt is not None:
+                state.said_prompt = list(core_request.prompt_token_ids or ())
         for prompt, built in companions:
             self._track(built, prompt, connector, stream=False)
         if companions:
@@ -412,7 +405,7 @@ class StageLLMFrontend(StageFrontend):
         text = state.detokenizer.get_next_output_text(finished, delta=True)
         chunk = self._chunk_frames
         if chunk and not finished and state.frames - state.sent >= chunk:
-            # A talker's next chunk of codes, on its way to code2wav.
+            # The next chunk of frames, on its way to the next stage.
             return await self._chunk_output(request_id, state, new_token_ids)
         if not state.stream:
             # Per step, a message to the router and its handling there would cost more
@@ -429,7 +422,7 @@ class StageLLMFrontend(StageFrontend):
         if state.said is not None:
             if finished and output.error is None and output.finish_reason != FinishReason.ABORT:
                 try:
-                    result.hand_offs = await self._speech_hand_offs(request_id, state)
+                    result.hand_offs = await self._said_hand_offs(request_id, state)
                 except Exception as e:
                     output.finish_reason = FinishReason.ERROR
                     output.error = StageError(
@@ -510,33 +503,32 @@ class StageLLMFrontend(StageFrontend):
             self._handoffs.popitem(last=False)
         return handle
 
-    # --- A speaking family's stages ---------------------------------------------------
+    # --- What a model says per step -------------------------------------------------------
 
-    def _input_name(self) -> str:
-        assert self._speech is not None
-        return self._speech.recipe.rows
-
-    async def _speech_hand_offs(self, request_id: str, state: _Request) -> dict[str, HandOff]:
-        """What a thinker or talker request said over its steps, put for the next stage:
-        the thinker's rows and prompt ids, or the talker's frames."""
-        assert self._speech is not None
+    async def _said_hand_offs(self, request_id: str, state: _Request) -> dict[str, HandOff]:
+        """What a request's model said over its steps, put for the next stage as the
+        architecture declares: its rows (and prompt ids), or its frames still unsent."""
+        says = self._says
+        assert says is not None
         assert state.said is not None
-        recipe = self._speech.recipe
-        said = torch.cat(state.said) if state.said else torch.zeros((0, 0))
-        if self._speech.role == "talker":
+        if says.frames:
             if state.sent and state.sent == state.frames:
                 return {}  # every frame went in a chunk
-            return {recipe.codes: await self._codes_chunk(request_id, state, state.frames)}
-        prompt = np.asarray(state.spoken_prompt or [], dtype=np.int64)
-        rows = await self._put(request_id, state, said, f"{request_id}/{recipe.rows}")
-        ids = await self._put(request_id, state, prompt, f"{request_id}/{recipe.prompt}")
-        return {recipe.rows: HandOff(rows), recipe.prompt: HandOff(ids)}
+            return {says.said: await self._codes_chunk(request_id, state, state.frames)}
+        said = torch.cat(state.said) if state.said else torch.zeros((0, 0))
+        rows = await self._put(request_id, state, said, f"{request_id}/{says.said}")
+        hand_offs = {says.said: HandOff(rows)}
+        if says.prompt is not None:
+            prompt = np.asarray(state.said_prompt or [], dtype=np.int64)
+            ids = await self._put(request_id, state, prompt, f"{request_id}/{says.prompt}")
+            hand_offs[says.prompt] = HandOff(ids)
+        return hand_offs
 
     async def _chunk_output(
         self, request_id: str, state: _Request, new_token_ids: list[int]
     ) -> StageServerOutput | None:
-        """The output that hands code2wav a talker's next whole chunks of frames."""
-        assert self._speech is not None
+        """The output that hands the next stage a request's next whole chunks of frames."""
+        assert self._says is not None
         assert self._chunk_frames is not None
         state.token_ids += new_token_ids
         whole = self._chunk_frames * ((state.frames - state.sent) // self._chunk_frames)
@@ -546,62 +538,20 @@ class StageLLMFrontend(StageFrontend):
             # The request goes on: its next chunk, or its end, hands these frames on.
             logger.warning("request %s: a chunk of codes was not put: %s", request_id, e)
             return None
-        return StageServerOutput(
-            request_id=request_id, hand_offs={self._speech.recipe.codes: hand_off}
-        )
+        return StageServerOutput(request_id=request_id, hand_offs={self._says.said: hand_off})
 
     async def _codes_chunk(self, request_id: str, state: _Request, end: int) -> HandOff:
-        """The talker's frames from the last chunk's end to ``end``, after as many of the
-        frames before them as code2wav's left context takes (its meta's ``context``)."""
-        assert self._speech is not None
+        """The frames from the last chunk's end to ``end``, after as many of the frames
+        before them as the next stage's left context takes (its meta's ``context``)."""
+        assert self._says is not None
         assert state.said is not None
-        recipe = self._speech.recipe
         said = torch.cat(state.said) if state.said else torch.zeros((0, 0))
         state.said = [said]
-        context = min(recipe.context_frames, state.sent)
+        context = min(self._context_frames, state.sent)
         codes = said[state.sent - context : end].to(torch.int64)
         if not codes.numel():
             codes = torch.zeros((0, 0), dtype=torch.int64)
-        key = f"{request_id}/{recipe.codes}/{state.chunks}"
+        key = f"{request_id}/{self._says.said}/{state.chunks}"
         handle = await self._put(request_id, state, codes, key)
         state.sent, state.chunks = end, state.chunks + 1
         return HandOff(handle, {"context": context})
-
-    async def _talker_request(self, request: StageServerRequest) -> StageLLMCoreRequest:
-        """A talker's request from what the thinker handed it (fetched here: the rows
-        travel to the engine core with the request) and the voice its params name."""
-        assert self._speech is not None
-        recipe = self._speech.recipe
-        for name in (recipe.rows, recipe.prompt):
-            if name not in request.inputs:
-                raise InvalidLLMRequestError(f"inputs.{name}: required (the thinker's)", name)
-        params = dict(request.params)
-        builder = self.client.request_builder
-        voice = params.pop("voice", recipe.voices[0])
-        speaker = builder.talker.speaker(voice) if isinstance(voice, str) else None
-        if speaker is None:
-            raise InvalidLLMRequestError(
-                f"params.voice: unknown voice {voice!r} (voices: {', '.join(recipe.voices)})",
-                "voice",
-            )
-
-        def fetch(name: str) -> torch.Tensor:
-            handle = request.inputs[name].handle
-            return self.connectors.get(handle.connector).get(handle, "cpu")
-
-        rows, prompt = await asyncio.gather(
-            asyncio.to_thread(fetch, recipe.rows), asyncio.to_thread(fetch, recipe.prompt)
-        )
-        issue = builder.talker.issue(tuple(rows.shape), prompt.numpy())
-        if issue is not None:
-            raise _UnusableInputs(issue)
-        if rows.dtype == torch.bfloat16:
-            # numpy has no bf16: carried as float32 (exact), the talker casts back.
-            rows = rows.float()
-        return builder.build_talker(
-            request.request_id,
-            rows.contiguous().numpy(),
-            [int(token) for token in prompt.tolist()],
-            speaker,
-            params,
-        )

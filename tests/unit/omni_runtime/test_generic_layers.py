@@ -68,23 +68,7 @@ def test_the_roles_and_names_checked_are_the_registrys() -> None:
     assert {"bagel", "qwen3-omni", "wan2.2"} <= NAMES
 
 
-# The LLM frontend still branches on the talker's part (issue 42, part 2, in progress).
-PENDING = {PACKAGE / "stage_server" / "llm_frontend.py"}
-
-
-@pytest.mark.parametrize(
-    "path",
-    [
-        pytest.param(
-            path,
-            marks=[pytest.mark.xfail(strict=True, reason="names the talker")]
-            if path in PENDING
-            else [],
-        )
-        for path in GENERIC
-    ],
-    ids=lambda p: str(p.relative_to(PACKAGE)),
-)
+@pytest.mark.parametrize("path", GENERIC, ids=lambda p: str(p.relative_to(PACKAGE)))
 def test_a_generic_module_names_no_role_or_family(path: Path) -> None:
     found = [
         f"{path.name}:{line}: {word}"

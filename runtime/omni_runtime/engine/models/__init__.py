@@ -61,18 +61,48 @@ CONFIG_FIXES = {
 # request's rows (what its talker reads) beside its tokens.
 HIDDEN_ROWS = "omni_hidden_rows"
 
-# Architecture name -> "module:class" of how a talker stage builds its requests for it
-# (from the thinker's rows and prompt ids and a voice): called with the talker's HF config.
-TALKER_PROMPTS = {
+
+@dataclass(frozen=True)
+class StepHandOff:
+    """What the stage of a step-state architecture hands the next of what its model says
+    beside each step's tokens, gathered over the request."""
+
+    # The hand-off's name: what the model said, every step's rows in order.
+    said: str
+    # Its request's prompt token ids too, under this name (None: not).
+    prompt: str | None = None
+    # What it says are frames of integer codes, handed off as int64 from the last chunk's
+    # end, after the frames before them that the consumer decodes first (``meta``'s
+    # ``context``): whole when the request finishes, or where the pipeline streams between
+    # stages (asyncChunk) in chunks as they are said.
+    frames: bool = False
+    # Every request says it; otherwise only those that ask (HIDDEN_ROWS in extra_args).
+    always: bool = False
+
+
+# Architecture name -> what its stage hands off of what it says (STEP_STATE_ARCHITECTURES).
+STEP_HAND_OFFS = {
+    "OmniQwen3OmniThinker": StepHandOff("thinker_rows", prompt="thinker_prompt"),
+    "OmniQwen3OmniTalker": StepHandOff("codes", frames=True, always=True),
+}
+
+# Architecture name -> "module:class" of how a request of the architecture is made from the
+# arrays an upstream stage handed off (its ``inputs``: a talker's, the thinker's rows and
+# prompt ids) and its own params (a voice): called with the stage's HF config. The stage
+# server checks the params and names the inputs (``take_params``, ``inputs``); the engine
+# core fetches the arrays and finishes the request (``issue``, ``prepare``), so that the
+# arrays go from the producer to the process that computes on them, never through the
+# stage server.
+INPUT_PROMPTS = {
     "OmniQwen3OmniTalker": "omni_runtime.engine.models.qwen3_omni:TalkerPrompt",
 }
 
 
-def talker_prompt(architecture: str, config: Any) -> Any:
-    """The talker prompt builder of ``architecture``; ValueError if it has none."""
-    target = TALKER_PROMPTS.get(architecture)
+def input_prompt(architecture: str, config: Any) -> Any:
+    """How requests of ``architecture`` are made from their inputs; None if it reads none."""
+    target = INPUT_PROMPTS.get(architecture)
     if target is None:
-        raise ValueError(f"architecture {architecture!r} is no talker")
+        return None
     module_name, _, class_name = target.partition(":")
     return getattr(importlib.import_module(module_name), class_name)(config)
 

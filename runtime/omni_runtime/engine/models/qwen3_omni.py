@@ -33,8 +33,9 @@ from vllm.model_executor.models.qwen3_omni_moe_thinker import (
     Qwen3OmniMoeThinkerForConditionalGeneration,
 )
 
-from omni_runtime.engine.models import HIDDEN_ROWS
+from omni_runtime.engine.models import HIDDEN_ROWS, STEP_HAND_OFFS
 from omni_runtime.engine.models.step_state import StepRequest
+from omni_runtime.engine.stage.stage_core_types import InvalidStageRequestError
 
 # A talker request's extra args key: its TalkerInputs, msgpack-encoded.
 TALKER_INPUTS = "omni_talker_inputs"
@@ -87,9 +88,21 @@ def talker_inputs_issue(
     return None
 
 
+# What a talker request reads, under the names the thinker hands them off by: the
+# thinker's rows, and its prompt's token ids (where the talker finds the user's turns).
+THINKER_ROWS = STEP_HAND_OFFS["OmniQwen3OmniThinker"].said
+THINKER_PROMPT = str(STEP_HAND_OFFS["OmniQwen3OmniThinker"].prompt)
+# additional_information's key of the voice's codec token, from the stage server (which
+# reads the request's ``voice``) to the engine core (which builds the prompt).
+SPEAKER = "speaker"
+
+
 class TalkerPrompt:
-    """How a talker stage builds its requests (engine.models.TALKER_PROMPTS): its checks of
-    what the thinker handed it, its voices, and its sampling within the codec."""
+    """How a talker's requests are made (engine.models.INPUT_PROMPTS): the stage server
+    takes its voice out of the params, the engine core checks what the thinker handed it
+    and makes the prompt, sampling within the codec."""
+
+    inputs = (THINKER_ROWS, THINKER_PROMPT)
 
     def __init__(self, config: Any) -> None:
         # The talker's HF config (talker_config below).
@@ -100,17 +113,39 @@ class TalkerPrompt:
         speaker = self.config.speaker_id.get(voice.lower())
         return int(speaker) if speaker is not None else None
 
-    def issue(self, rows_shape: Sequence[int], prompt_token_ids: np.ndarray) -> str | None:
-        return talker_inputs_issue(rows_shape, prompt_token_ids, self.config)
+    def take_params(self, params: dict[str, Any], default_voice: str) -> dict[str, Any]:
+        """What of ``params`` the talker reads (taken out): ``voice``, as its codec token.
+        InvalidStageRequestError naming the voices it knows for one it does not."""
+        voice = params.pop("voice", default_voice)
+        speaker = self.speaker(voice) if isinstance(voice, str) else None
+        if speaker is None:
+            known = ", ".join(self.config.speaker_id)
+            raise InvalidStageRequestError(
+                f"params.voice: unknown voice {voice!r} (voices: {known})", "voice"
+            )
+        return {SPEAKER: speaker}
+
+    def issue(self, inputs: Mapping[str, torch.Tensor]) -> str | None:
+        """What makes the thinker's hand-off unusable here; None: nothing."""
+        rows, prompt = inputs[THINKER_ROWS], inputs[THINKER_PROMPT]
+        if prompt.is_floating_point() or prompt.is_complex():
+            return f"the thinker's prompt ids are {prompt.dtype}, not integers"
+        return talker_inputs_issue(tuple(rows.shape), prompt.numpy(), self.config)
 
     def prepare(
-        self, rows: np.ndarray, prompt_token_ids: list[int], speaker: int, sampling: Any
+        self, inputs: Mapping[str, torch.Tensor], information: Mapping[str, Any], sampling: Any
     ) -> list[int]:
         """The placeholder ids of the request's prompt; ``sampling`` (its SamplingParams)
         made to sample as transformers' generate samples the talker, the inputs in its
         extra args. Every id from vocab - 1024 on (the codec's specials and voices) is
         suppressed but the end of speech: what remains is exactly code2wav's codebook."""
         config = self.config
+        rows = inputs[THINKER_ROWS]
+        if rows.dtype == torch.bfloat16:
+            # numpy has no bf16: carried as float32 (exact), the talker casts back.
+            rows = rows.float()
+        array = rows.contiguous().numpy()
+        prompt_token_ids = [int(token) for token in inputs[THINKER_PROMPT].tolist()]
         vocab = config.text_config.vocab_size
         sampling.allowed_token_ids = [*range(vocab - 1024), config.codec_eos_token_id]
         sampling.stop_token_ids = [config.codec_eos_token_id]
@@ -119,15 +154,15 @@ class TalkerPrompt:
         # the answer would end mid-sentence. The codec's end alone ends speech.
         sampling.ignore_eos = True
         sampling.detokenize = False
-        inputs = TalkerInputs(
-            rows.tobytes(),
-            (rows.shape[0], rows.shape[1]),
-            rows.dtype.str,
+        talker_inputs = TalkerInputs(
+            array.tobytes(),
+            (array.shape[0], array.shape[1]),
+            array.dtype.str,
             prompt_token_ids,
-            speaker,
+            int(information[SPEAKER]),
             sample=sampling.temperature > 0,
         )
-        sampling.extra_args = {TALKER_INPUTS: msgspec.msgpack.encode(inputs)}
+        sampling.extra_args = {TALKER_INPUTS: msgspec.msgpack.encode(talker_inputs)}
         return [config.codec_pad_id] * talker_prompt_length(prompt_token_ids, config)
 
 

@@ -1,7 +1,8 @@
-"""The stage wire's base types: the markers every stage core's types derive from, and the
-error a stage returns. Import them from ``stage_core_types``; they live here so that the
-LLM types (``_stage_llm_core_types``, which subclass vLLM's) can derive from them without
-importing ``stage_core_types``, which resolves those LLM types lazily: no import cycle.
+"""The stage wire's base types: the markers every stage core's types derive from, the
+error a stage returns, and a hand-off (an LLM request carries them too). Import them from
+``stage_core_types``; they live here so that the LLM types (``_stage_llm_core_types``,
+which subclass vLLM's) can use them without importing ``stage_core_types``, which
+resolves those LLM types lazily: no import cycle.
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 import enum
 
 import msgspec
+
+from omni_runtime.connectors.base import ConnectorHandle
 
 
 class StageErrorCode(enum.Enum):
@@ -58,3 +61,15 @@ class StageCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=Fa
 
 class StageCoreOutputs(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     """Marker: one message of outputs from a stage core of any kind."""
+
+
+class HandOff(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True, gc=False):
+    """One array a stage hands the next through a connector: where it lies (``handle``:
+    the consumer's core fetches it, onto its own device), and the few numbers a reader needs
+    beside the array (BAGEL's context KV: the RoPE position the next token takes, ``rope``,
+    and where the text-dropped context inside it ends, ``prefix_length`` and
+    ``prefix_rope``). Stages name their hand-offs and inputs by what the array is
+    ("prompt_embeds", "context_kv"); the router passes them on without reading them."""
+
+    handle: ConnectorHandle
+    meta: dict[str, int] = {}

@@ -17,6 +17,7 @@ from typing import Any
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, FinishReason
 
 from omni_runtime.engine.stage._stage_core_base import (
+    HandOff,
     StageCoreOutput,
     StageCoreOutputs,
     StageCoreRequest,
@@ -32,6 +33,11 @@ class StageLLMCoreRequest(EngineCoreRequest, StageCoreRequest):  # type: ignore[
     # (StageLLMRequest.additional_information). Plain data only (str, numbers, lists,
     # maps): it is decoded untyped, so a tensor here would arrive as its raw parts.
     additional_information: dict[str, Any] | None = None
+    # What upstream stages handed off for this request, by the name its model reads each
+    # under (StageServerRequest.inputs): the core fetches them and makes the request's
+    # prompt of them (StageLLMInputs), so the arrays never cross the stage server. A
+    # request with inputs comes without its prompt.
+    inputs: dict[str, HandOff] = {}
 
 
 class StageLLMCoreOutput(EngineCoreOutput, StageCoreOutput):  # type: ignore[misc]

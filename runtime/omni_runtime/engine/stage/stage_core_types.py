@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any, Self
 import msgspec
 import numpy as np
 
-from omni_runtime.connectors.base import ConnectorHandle
 from omni_runtime.engine.stage._stage_core_base import (
+    HandOff,
     StageCoreOutput,
     StageCoreOutputs,
     StageCoreRequest,
@@ -98,18 +98,6 @@ class InvalidStageRequestError(ValueError):
         if located and located[2]:
             return cls(f"{where}.{located[2]}: {located[1]}", located[2])
         return cls(f"{where}: {located[1] if located else message}")
-
-
-class HandOff(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True, gc=False):
-    """One array a stage hands the next through a connector: where it lies (``handle``:
-    the consumer's core fetches it, onto its own device), and the few numbers a reader needs
-    beside the array (BAGEL's context KV: the RoPE position the next token takes, ``rope``,
-    and where the text-dropped context inside it ends, ``prefix_length`` and
-    ``prefix_rope``). Stages name their hand-offs and inputs by what the array is
-    ("prompt_embeds", "context_kv"); the router passes them on without reading them."""
-
-    handle: ConnectorHandle
-    meta: dict[str, int] = {}
 
 
 class TraceContext(msgspec.Struct, array_like=True, omit_defaults=True, frozen=True, gc=False):

@@ -54,7 +54,7 @@ from vllm.v1.executor import Executor
 from vllm.v1.serial_utils import MsgpackDecoder
 
 from omni_runtime.adapters import AdapterSourceError, resolve_source
-from omni_runtime.config import StageConfig
+from omni_runtime.config import ConnectorConfig, StageConfig
 from omni_runtime.engine.stage.stage_core_client import StageCoreClientBase, StageCoreDeadError
 from omni_runtime.engine.stage.stage_core_types import (
     StageAdapter,
@@ -614,12 +614,15 @@ def start_stage_llm_client(
     adapter_capacity: int = 0,
     log_stats: bool = False,
     startup_timeout: float = DEFAULT_STARTUP_TIMEOUT,
+    connectors: Mapping[str, ConnectorConfig] | None = None,
 ) -> StageLLMCoreClient | DPLBStageLLMCoreClient:
     """Start the cores of the LLM stage ``stage`` serving ``model`` and return its client;
     ``encoder``: the stage encodes prompts for its model family's DiT, by this recipe;
     ``speech``: it is the thinker or the talker of a family that speaks;
     ``adapter_capacity``: the LoRA adapters a replica holds loaded
-    (``PipelineConfig.adapter_capacity``; 0: none, vLLM's LoRA off).
+    (``PipelineConfig.adapter_capacity``; 0: none, vLLM's LoRA off); ``connectors``: the
+    pipeline's, through which the cores fetch what upstream stages handed off (a talker's
+    inputs).
 
     Blocks until the cores are ready (about 10 s for a small model on CPU); raises
     StageCoreStartupError, with nothing left running, if they are not.
@@ -628,7 +631,15 @@ def start_stage_llm_client(
     vllm_config = make_stage_llm_vllm_config(stage, model, encoder, speech, adapter_capacity)
     executor_class = Executor.get_class(vllm_config)
     launch = launch_stage_llm_cores(
-        vllm_config, executor_class, log_stats, startup_timeout=startup_timeout
+        vllm_config,
+        executor_class,
+        log_stats,
+        startup_timeout=startup_timeout,
+        # Plain data: the cores start by spawn, and read it with the pipeline's schema.
+        connectors={
+            name: connector.model_dump(mode="json")
+            for name, connector in (connectors or {}).items()
+        },
     )
     client = StageLLMCoreClientBase.make_async_mp_client(
         vllm_config,

@@ -23,6 +23,14 @@ a stage adds:
   attention included (``_initialize_kv_caches``): an engine that cannot run a request (a
   head size vLLM's CPU attention lacks) fails to start and says why, instead of saying
   ready and dying on its first request.
+- A request made of what an upstream stage handed off (a talker's: ``inputs``, connector
+  handles) has its arrays fetched here, through the pipeline's connectors, and is finished
+  here as vLLM's front end would have (StageLLMInputs): the stage server forwards handles
+  and never touches the arrays. Each such request is fetched on a thread of its own, so a
+  slow producer holds up neither other requests nor aborts; an abort that comes meanwhile
+  is answered once the fetch is over (the producer's copy is taken either way). A lost
+  hand-off is refused as STAGE_FAILED naming the input (``param``), which the router
+  answers by running the request again from the first stage.
 - Aborting a request yields an output (finish_reason ABORT), as the stage contract asks.
 - ``run_stage_core`` is its own process entry (vLLM's ``run_engine_core`` constructs
   vLLM's classes): SIGTERM, SIGINT or the death of the parent stop the busy loop cleanly,
@@ -41,7 +49,7 @@ import gc
 import logging
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -71,6 +79,7 @@ from omni_runtime.engine.stage.stage_core_types import (
     StageLLMCoreOutputs,
     StageLLMCoreRequest,
 )
+from omni_runtime.engine.stage.stage_llm_inputs import InputsRefusedError, StageLLMInputs
 from omni_runtime.engine.stage.stop_watchers import start_stop_watchers
 
 logger = logging.getLogger(__name__)
@@ -121,11 +130,27 @@ class _Refused:
 class StageLLMCoreProc(EngineCoreProc):  # type: ignore[misc]
     """vLLM's engine-core process wrapper, speaking the LLM stage's wire types."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, connectors: Mapping[str, Any] | None = None, **kwargs: Any
+    ) -> None:
+        """vLLM's arguments (``vllm_config`` by keyword), and the pipeline's ``connectors``
+        (name -> ConnectorConfig or its JSON form), through which requests' inputs come."""
         # LoRA id -> the path add_lora loaded and checked it from. An adapter vLLM evicted
         # since is loaded again in a step from the same files, which were found good.
         self._checked_loras: dict[int, str] = {}
+        # Before vLLM's init starts the input thread, which may take a request at once.
+        self._inputs = StageLLMInputs(kwargs["vllm_config"], connectors or {})
+        # Requests whose inputs are being fetched -> whether an abort came for them. The lock
+        # orders an abort against the request's joining the input queue.
+        self._fetching: dict[str, bool] = {}
+        self._fetching_lock = threading.Lock()
         super().__init__(*args, **kwargs)
+
+    def shutdown(self) -> None:
+        try:
+            super().shutdown()
+        finally:
+            self._inputs.close()
 
     def _initialize_kv_caches(self, vllm_config: VllmConfig) -> Any:
         """vLLM's, then the warm-up pass. vLLM's own profiling run proves the memory, not
@@ -291,8 +316,14 @@ class StageLLMCoreProc(EngineCoreProc):  # type: ignore[misc]
             logger.warning("dropping an undecodable %s message: %s", request_type.name, e)
             return
         if request_type is EngineCoreRequestType.ABORT:
-            # Eagerly (a running batch sees it) and in order (after the request's ADD).
-            self.aborts_queue.put_nowait(payload)
+            with self._fetching_lock:
+                for request_id in payload if isinstance(payload, list) else ():
+                    if request_id in self._fetching:
+                        self._fetching[request_id] = True
+                # Eagerly (a running batch sees it) and in order (after the request's ADD).
+                self.aborts_queue.put_nowait(payload)
+                self.input_queue.put_nowait((request_type, payload))
+            return
         self.input_queue.put_nowait((request_type, payload))
 
     def _accept_add(self, frames: Sequence[zmq.Frame], decoder: MsgpackDecoder) -> None:
@@ -301,6 +332,13 @@ class StageLLMCoreProc(EngineCoreProc):  # type: ignore[misc]
         except Exception as e:
             self._refuse_undecodable(frames, e)
             return
+        if request.inputs:
+            self._accept_with_inputs(request)
+            return
+        self._admit(request)
+
+    def _admit(self, request: StageLLMCoreRequest) -> None:
+        """Queue ``request`` for the busy loop, or its refusal."""
         refusal = self._refusal(request)
         if refusal is not None:
             self._refuse(request.request_id, request.client_index, refusal, request.current_wave)
@@ -316,6 +354,49 @@ class StageLLMCoreProc(EngineCoreProc):  # type: ignore[misc]
             self._refuse(request.request_id, request.client_index, failed, request.current_wave)
             return
         self.input_queue.put_nowait((EngineCoreRequestType.ADD, scheduled))
+
+    def _accept_with_inputs(self, request: StageLLMCoreRequest) -> None:
+        request_id = request.request_id
+        with self._fetching_lock:
+            if request_id in self._fetching:
+                # Not in the scheduler yet, so the busy loop's check would miss it.
+                error = request_id_in_flight_error(request_id)
+                self._send_error_output(
+                    request_id, request.client_index, error, still_in_flight=True
+                )
+                return
+            self._fetching[request_id] = False
+        threading.Thread(
+            target=self._fetch_inputs, args=(request,), daemon=True, name="llm-core-inputs"
+        ).start()
+
+    def _fetch_inputs(self, request: StageLLMCoreRequest) -> None:
+        """Fetch ``request``'s inputs, finish it and queue it (or its refusal), unless it
+        was aborted meanwhile: then answer the abort."""
+        finished: StageLLMCoreRequest | None = None
+        error: StageError | None = None
+        try:
+            finished = self._inputs.finish(request, self._inputs.fetch(request))
+        except InputsRefusedError as e:
+            error = e.error
+        except Exception as e:
+            logger.exception("making request %s of its inputs failed", request.request_id)
+            error = StageError(
+                StageErrorCode.STAGE_FAILED,
+                f"the engine could not prepare the request: {type(e).__name__}: {e}",
+            )
+        with self._fetching_lock:
+            aborted = self._fetching.pop(request.request_id)
+            if not aborted:
+                if finished is not None:
+                    self._admit(finished)
+                else:
+                    assert error is not None
+                    self._refuse(
+                        request.request_id, request.client_index, error, request.current_wave
+                    )
+        if aborted:
+            self._send_abort_outputs_to_client([request.request_id], request.client_index)
 
     def _refuse(self, request_id: str, client_index: int, error: StageError, wave: int) -> None:
         refused = _Refused(request_id, client_index, error)
@@ -432,8 +513,10 @@ class StageLLMCoreProc(EngineCoreProc):  # type: ignore[misc]
         tensor_queue: Any = None,
         dp_rank: int = 0,
         failure_pipe: Connection | None = None,
+        connectors: Mapping[str, Any] | None = None,
     ) -> None:
-        """The body of a stage core process (started by StageLLMCoreProcManager).
+        """The body of a stage core process (started by StageLLMCoreProcManager);
+        ``connectors``: the pipeline's, in their JSON form (StageLLMCoreProc).
 
         Returns when the core stopped cleanly (SIGTERM, SIGINT, parent gone); raises, after
         telling the client, when it failed, and sends why on ``failure_pipe`` (one line),
@@ -487,6 +570,7 @@ class StageLLMCoreProc(EngineCoreProc):  # type: ignore[misc]
                 client_handshake_address=client_handshake_address,
                 tensor_queue=tensor_queue,
                 engine_index=dp_rank,
+                connectors=connectors,
             )
         except Exception as e:
             if failure_pipe is not None:

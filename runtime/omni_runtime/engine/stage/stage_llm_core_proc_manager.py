@@ -18,6 +18,7 @@ import signal
 import threading
 import time
 import weakref
+from collections.abc import Mapping
 from dataclasses import dataclass
 from multiprocessing import resource_tracker
 from multiprocessing.process import BaseProcess
@@ -70,7 +71,11 @@ class StageLLMCoreProcManager(CoreEngineProcManager):  # type: ignore[misc]
         log_stats: bool,
         client_handshake_address: str | None = None,
         tensor_queue: Any = None,
+        *,
+        connectors: Mapping[str, Any] | None = None,
     ) -> None:
+        """vLLM's arguments, and the pipeline's ``connectors`` (name -> their JSON form),
+        through which the cores fetch their requests' inputs."""
         # The attributes vLLM's shutdown, monitor and finished_procs read.
         self._request_shutdown_timeout = vllm_config.shutdown_timeout
         self.manager_stopped = threading.Event()
@@ -85,6 +90,7 @@ class StageLLMCoreProcManager(CoreEngineProcManager):  # type: ignore[misc]
             "log_stats": log_stats,
             "client_handshake_address": client_handshake_address,
             "tensor_queue": tensor_queue,
+            "connectors": dict(connectors or {}),
         }
         context = get_mp_context()
         # A pipe per core, on which it says why it failed: the errors quote it.
@@ -214,8 +220,10 @@ def launch_stage_llm_cores(
     log_stats: bool = False,
     *,
     startup_timeout: float = DEFAULT_STARTUP_TIMEOUT,
+    connectors: Mapping[str, Any] | None = None,
 ) -> StageLLMCoreLaunch:
-    """Start one core per data parallel rank (and the coordinator) and wait until ready.
+    """Start one core per data parallel rank (and the coordinator) and wait until ready;
+    ``connectors``: the pipeline's (name -> their JSON form), for the cores' inputs.
 
     Raises StageCoreStartupError, with nothing left running, when a core fails, dies or is
     not ready within ``startup_timeout`` seconds.
@@ -258,6 +266,7 @@ def launch_stage_llm_cores(
                 handshake_address=handshake_address,
                 executor_class=executor_class,
                 log_stats=log_stats,
+                connectors=connectors,
             )
 
             def expire(manager: StageLLMCoreProcManager = proc_manager) -> None:

@@ -20,11 +20,14 @@ them, through vLLM's multimodal processor.
 The stages of a family that speaks (Qwen3-Omni) differ again: its thinker reads chat
 messages whose parts are text and audio (the samples come apart, decoded by the router),
 and a request that will be spoken asks it for its rows (``speak``); its talker's requests
-are built from what the thinker handed it (``build_talker``), not from text.
+are made from what the thinker handed it, not from text: the builder checks their params
+and names their inputs (``build_with_inputs``), and the engine core, which fetches the
+arrays, finishes them (``StageLLMInputs``, stage_llm_inputs.py).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -39,8 +42,15 @@ from vllm.renderers.params import ChatParams
 from vllm.v1.engine import EngineCoreRequest
 from vllm.v1.engine.input_processor import InputProcessor
 
-from omni_runtime.engine.models import HIDDEN_ROWS, THINK_TOKENS, talker_prompt
+from omni_runtime.engine.models import (
+    HIDDEN_ROWS,
+    STEP_HAND_OFFS,
+    THINK_TOKENS,
+    StepHandOff,
+    input_prompt,
+)
 from omni_runtime.engine.stage.stage_core_types import (
+    HandOff,
     InvalidStageRequestError,
     StageLLMCoreRequest,
 )
@@ -110,12 +120,12 @@ class StageLLMRequestBuilder:
         self.tokenizer: Any = (
             None if self.model_config.skip_tokenizer_init else self.renderer.get_tokenizer()
         )
-        # A talker's: how its architecture makes a request of the thinker's hand-off.
-        self.talker: Any = (
-            talker_prompt(speech.architecture, self.model_config.hf_config)
-            if speech is not None and speech.role == "talker"
-            else None
-        )
+        # How the stage's architecture makes a request of what an upstream stage handed off
+        # (a talker's of the thinker's rows); None: its requests are text.
+        architecture = self.model_config.architectures[0]
+        self.input_prompt: Any = input_prompt(architecture, self.model_config.hf_config)
+        # What the stage hands off of what its model says per step; None: it says nothing.
+        self.step_hand_off: StepHandOff | None = STEP_HAND_OFFS.get(architecture)
         # The task this stage's runner was configured for (stage_llm_engine_config): what
         # its requests ask of the core, which checks them against what it serves.
         self._tasks = ("token_embed",) if self.encodes else ("generate",)
@@ -152,6 +162,7 @@ class StageLLMRequestBuilder:
         thinks = False
         speaks = False
         if self.speech is not None and self.speech.role == "thinker":
+            # Its rows are asked for only where a later stage reads them (a spoken answer).
             speaks = hand_off
             engine_input, field_name = self._render_heard(prompt, messages, audios, images)
         elif audios:
@@ -195,37 +206,70 @@ class StageLLMRequestBuilder:
             fills_context = len(engine_input["prompt_token_ids"]) >= self.model_config.max_model_len
             if getattr(e, "parameter", None) is None and fills_context:
                 raise InvalidLLMRequestError(f"{field_name}: {e}", field_name) from None
-            raise _invalid_from_vllm(e, "params") from None
+            raise invalid_from_vllm(e, "params") from None
         return StageLLMCoreRequest(
             **{name: getattr(request, name) for name in EngineCoreRequest.__struct_fields__},
             additional_information=additional_information,
         )
 
-    def build_talker(
+    def says(self, request: StageLLMCoreRequest) -> bool:
+        """Whether ``request``'s model says something per step that the stage hands off
+        (step_hand_off): every request's where the architecture always says (a talker's
+        frames), else where the request asked for it as ``build`` made it (a thinker's
+        rows, for a request that will be spoken)."""
+        hand_off = self.step_hand_off
+        if hand_off is None:
+            return False
+        if hand_off.always:
+            return True
+        params = request.sampling_params
+        return params is not None and bool((params.extra_args or {}).get(HIDDEN_ROWS))
+
+    def build_with_inputs(
         self,
         request_id: str,
-        rows: np.ndarray,
-        prompt_token_ids: list[int],
-        speaker: int,
+        inputs: Mapping[str, HandOff],
         params: Mapping[str, Any] | None = None,
     ) -> StageLLMCoreRequest:
-        """A talker's request: its prompt made from the thinker's ``rows`` and prompt ids
-        (the architecture's placeholder ids stand for the rows), in the voice ``speaker``,
-        sampled as the stage's defaults and ``params`` say, within what its architecture
-        allows."""
-        assert self.talker is not None
-        sampling = self._params(dict(params or {}))
-        assert isinstance(sampling, SamplingParams)
-        placeholders = self.talker.prepare(rows, prompt_token_ids, speaker, sampling)
+        """The request of a stage whose model reads what an upstream stage handed off, as
+        it crosses to the engine core: the hand-offs (``inputs``), the params its model
+        reads taken out (a voice), the rest merged over the stage's defaults. Its prompt
+        is the core's to make, once it has fetched the arrays (StageLLMInputs)."""
+        prompt = self.input_prompt
+        for name in inputs:
+            if prompt is None or name not in prompt.inputs:
+                raise InvalidLLMRequestError(
+                    f"inputs.{name}: this stage's model does not read it (an LLM stage "
+                    "takes text: prompt or messages)",
+                    name,
+                )
+        if prompt is None:
+            raise InvalidLLMRequestError("inputs: required by build_with_inputs", "inputs")
+        for name in prompt.inputs:
+            if name not in inputs:
+                raise InvalidLLMRequestError(
+                    f"inputs.{name}: required (an upstream stage's hand-off)", name
+                )
+        params = dict(params or {})
+        # A speaking family names the voice a request gets without one.
+        voice = self.speech.recipe.voices[0] if self.speech is not None else ""
         try:
-            (engine_input,) = self.renderer.render_cmpl([{"prompt_token_ids": placeholders}])
-            request = self.input_processor.process_inputs(
-                request_id, engine_input, sampling, self._tasks
-            )
-        except (VLLMValidationError, ValueError) as e:
-            raise _invalid_from_vllm(e, "params") from None
+            information = prompt.take_params(params, voice)
+        except InvalidStageRequestError as e:
+            raise InvalidLLMRequestError(str(e), e.param) from None
+        sampling = self._params(params)
         return StageLLMCoreRequest(
-            **{name: getattr(request, name) for name in EngineCoreRequest.__struct_fields__}
+            request_id=request_id,
+            prompt_token_ids=None,
+            mm_features=None,
+            sampling_params=sampling,
+            pooling_params=None,
+            arrival_time=time.time(),
+            lora_request=None,
+            cache_salt=None,
+            data_parallel_rank=None,
+            additional_information=information,
+            inputs=dict(inputs),
         )
 
     def _render_heard(
@@ -558,13 +602,13 @@ def _convert_sampling_params(params: Mapping[str, Any], where: str) -> SamplingP
     try:
         sampling_params: SamplingParams = msgspec.convert(dict(params), SamplingParams)
     except VLLMValidationError as e:
-        raise _invalid_from_vllm(e, where) from None
+        raise invalid_from_vllm(e, where) from None
     except msgspec.ValidationError as e:
         raise InvalidLLMRequestError.from_validation(e, where) from None
     return sampling_params
 
 
-def _invalid_from_vllm(error: Exception, where: str) -> InvalidLLMRequestError:
+def invalid_from_vllm(error: Exception, where: str) -> InvalidLLMRequestError:
     # vLLM names the parameter apart from its message (which repeats it, with the value),
     # where it knows which one.
     message = str(error.args[0]) if error.args else str(error)

@@ -19,10 +19,12 @@ from vllm.v1.serial_utils import CUSTOM_TYPE_RAW_VIEW, MsgpackDecoder, MsgpackEn
 
 from omni_runtime.config import StageConfig
 from omni_runtime.config.stages import VLLM_DEFAULT_GPU_MEMORY_UTILIZATION
+from omni_runtime.connectors import ConnectorHandle
 from omni_runtime.diffusion.stage.inline_stage_diffusion_client import InlineStageDiffusionClient
 from omni_runtime.diffusion.stage.stage_diffusion_core_client import StageDiffusionCoreClient
 from omni_runtime.engine.stage.stage_core_client import StageCoreClientBase
 from omni_runtime.engine.stage.stage_core_types import (
+    HandOff,
     StageError,
     StageErrorCode,
     StageLLMCoreOutput,
@@ -97,7 +99,10 @@ def _parameters(function: object) -> list[str]:
 
 
 def test_proc_manager_takes_the_seeds_renamed_arguments() -> None:
-    assert _parameters(StageLLMCoreProcManager.__init__) == [
+    parameters = inspect.signature(StageLLMCoreProcManager.__init__).parameters
+    # The stage's own, beside the seed's: the connectors its cores fetch inputs through.
+    assert [p.name for p in parameters.values() if p.kind is p.KEYWORD_ONLY] == ["connectors"]
+    assert [p.name for p in parameters.values() if p.kind is not p.KEYWORD_ONLY] == [
         "self",
         "local_proc_count",
         "vllm_config",
@@ -142,8 +147,8 @@ def test_make_async_mp_client_signature() -> None:
 
 
 def test_stage_fields_are_appended_after_vllms() -> None:
-    assert StageLLMCoreRequest.__struct_fields__[:-1] == EngineCoreRequest.__struct_fields__
-    assert StageLLMCoreRequest.__struct_fields__[-1] == "additional_information"
+    assert StageLLMCoreRequest.__struct_fields__[:-2] == EngineCoreRequest.__struct_fields__
+    assert StageLLMCoreRequest.__struct_fields__[-2:] == ("additional_information", "inputs")
     assert StageLLMCoreOutput.__struct_fields__[:-1] == EngineCoreOutput.__struct_fields__
     assert StageLLMCoreOutput.__struct_fields__[-1] == "error"
     assert StageLLMCoreOutputs.__struct_fields__ == EngineCoreOutputs.__struct_fields__
@@ -171,6 +176,14 @@ def test_additional_information_survives_the_stage_decoder_not_vllms() -> None:
     # vLLM's own decoder drops the trailing field without a word: why the core decodes
     # with the stage type.
     assert not hasattr(MsgpackDecoder(EngineCoreRequest).decode(frames), "additional_information")
+
+
+def test_a_requests_hand_offs_cross_to_the_core_as_handles() -> None:
+    handle = ConnectorHandle("shm", "r1/thinker_rows", "float32", [5, 256], 5120, token="t")
+    frames = MsgpackEncoder().encode(_request(inputs={"thinker_rows": HandOff(handle)}))
+    decoded = MsgpackDecoder(StageLLMCoreRequest).decode(frames)
+    assert decoded.inputs == {"thinker_rows": HandOff(handle)}
+    assert _request().inputs == {}
 
 
 def test_vllm_outputs_decode_as_stage_outputs() -> None:
