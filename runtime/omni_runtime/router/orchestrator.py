@@ -373,7 +373,7 @@ class PipelineOrchestrator:
     async def _run_once(
         self, request: PipelineRequest, attempt: _Attempt
     ) -> AsyncIterator[StageServerOutput]:
-        revision = attempt.revision = self.choose_revision()
+        # The caller's mistake is said before any replica is asked for.
         try:
             route = self.graph.route(request.answer)
         except KeyError:
@@ -381,6 +381,7 @@ class PipelineOrchestrator:
             raise PipelineError(
                 400, f"this pipeline answers with {answers}, not {request.answer}"
             ) from None
+        revision = attempt.revision = self.choose_revision()
         run = _RouteRun(request, attempt.number, revision, route)
         try:
             async for output in self._run_route(run):

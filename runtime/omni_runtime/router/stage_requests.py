@@ -94,7 +94,7 @@ def build_stage_request(
     if stage.type == "diffusion":
         result.params = dict(request.diffusion_params)
         result.images = request.images
-        result.prompt = prompt_text(request) if not edge or edge.kind != "text" else upstream_text
+        result.prompt = upstream_text if edge is not None and reads_text else prompt_text(request)
     elif edge is None:
         _read_caller(pipeline, request, stage, result, reads_media)
     elif reads_text:

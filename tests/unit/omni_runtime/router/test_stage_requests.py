@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from omni_runtime.config.loader import load_pipeline
 from omni_runtime.connectors import ConnectorHandle
@@ -132,3 +133,16 @@ def test_the_prompt_text_is_the_prompt_or_the_last_user_message() -> None:
     # Parts (text and audio) are not a DiT's prompt.
     parts = [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]
     assert prompt_text(PipelineRequest("r", messages=parts)) == ""
+
+
+async def test_an_answer_the_graph_has_no_route_for_is_refused_before_any_stage() -> None:
+    from omni_runtime.router.orchestrator import PipelineError, PipelineOrchestrator
+
+    pipeline = load_pipeline(EXAMPLES / "tiny-qwen3-omni.yaml")
+    alone = pipeline.model_copy(update={"stages": pipeline.stages[:1]})
+    # No pool at all: a refusal that asked a replica first would fail another way.
+    orchestrator = PipelineOrchestrator(alone, {})
+    with pytest.raises(PipelineError) as refused:
+        await orchestrator.complete(caller(answer="audio"))
+    assert refused.value.status == 400
+    assert refused.value.message == "this pipeline answers with text, not audio"
